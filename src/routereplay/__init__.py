@@ -1,0 +1,27 @@
+"""routereplay: router replay (R2/R3) for Mixture-of-Experts reinforcement learning.
+
+capture -> decode -> validate -> store -> align -> replay -> measure. This package root re-exports
+the stable public names; everything else is reached through its module.
+"""
+
+# CODEC_PENDING from routereplay.codec import decode, encode
+from routereplay.engines import decode_megatron, decode_sglang, decode_vllm
+from routereplay.enums import CodecMode, Source
+from routereplay.errors import RouteReplayError
+from routereplay.trace import RouteTrace, Segment
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CodecMode",
+    "RouteReplayError",
+    "RouteTrace",
+    "Segment",
+    "Source",
+    "__version__",
+    "decode",
+    "decode_megatron",
+    "decode_sglang",
+    "decode_vllm",
+    "encode",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks behind `routereplay bench`: each suite returns a JSON-able record of medians."""

@@ -1,0 +1,204 @@
+"""Codec benchmark: bytes per (token, layer) row and throughput, against the engines' own forms.
+
+Every format is measured in the same run on the same routes: routereplay's set and ordered codec,
+JSON nested lists (vLLM 0.21, verl/SkyRL glue), SGLang's base64 raw int32, vLLM >= 0.22's base64
+`.npy` uint8 (uint16 when E > 256), and raw uint8 bytes. Peers are timed on their format work
+alone (what a consumer must do to get an array back); routereplay's decode returns a `RouteTrace`.
+The end-to-end validated decoders are timed too, since that is what a trainer pays.
+Legend: T = tokens, L = layers, K = top-k, E = experts.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from routereplay import codec
+from routereplay.bench.timing import Timing, measure
+from routereplay.engines.payload import npy_bytes
+from routereplay.engines.sglang import decode_sglang
+from routereplay.engines.vllm import decode_vllm
+from routereplay.synthetic import random_trace
+from routereplay.trace import RouteTrace
+
+SET_VS_ENTROPY_TARGET = 1.02
+DECODE_SECONDS_TARGET = 0.3
+SET_VS_SGLANG_TARGET = 6.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecBenchConfig:
+    num_tokens: int = 32768
+    num_layers: int = 48
+    top_k: int = 8
+    num_experts: int = 128
+    repeats: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "num_layers", "top_k", "num_experts", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class FormatCase:
+    name: str
+    encode: Callable[[], Any]
+    decode: Callable[[Any], Any]
+
+
+def _cases(trace: RouteTrace) -> list[FormatCase]:
+    experts_TLK = trace.experts
+    wire = np.uint8 if trace.num_experts <= 256 else np.uint16
+    cases = [
+        FormatCase("routereplay set", lambda: codec.encode(trace), codec.decode),
+        FormatCase("routereplay ordered", lambda: codec.encode(trace, mode="ordered"), codec.decode),
+        FormatCase(
+            "JSON nested lists",
+            lambda: json.dumps(experts_TLK.tolist()).encode(),
+            lambda blob: np.asarray(json.loads(blob), dtype=np.int16),
+        ),
+        FormatCase(
+            "SGLang base64 int32",
+            lambda: base64.b64encode(experts_TLK.astype(np.int32).tobytes()),
+            lambda blob: np.frombuffer(base64.b64decode(blob), np.int32).reshape(-1, *experts_TLK.shape[1:]),
+        ),
+        FormatCase(
+            f"vLLM base64 .npy {np.dtype(wire)}",
+            lambda: base64.b64encode(npy_bytes(experts_TLK.astype(wire))),
+            lambda blob: np.load(io.BytesIO(base64.b64decode(blob)), allow_pickle=False),
+        ),
+        FormatCase(
+            f"raw {np.dtype(wire)}",
+            lambda: experts_TLK.astype(wire).tobytes(),
+            lambda blob: np.frombuffer(blob, wire).reshape(experts_TLK.shape),
+        ),
+    ]
+    return cases
+
+
+def run(config: CodecBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure every format on one random trace; returns the JSON record `bench codec` prints."""
+    report = progress or (lambda _name: None)
+    rng = np.random.default_rng(config.seed)
+    trace = random_trace(
+        rng, num_tokens=config.num_tokens, num_layers=config.num_layers, top_k=config.top_k, num_experts=config.num_experts
+    )
+    rows = config.num_tokens * config.num_layers
+    entropy_bytes = codec.entropy_bits_per_row(config.num_experts, config.top_k) / 8
+    formats: list[dict[str, Any]] = []
+    for case in _cases(trace):
+        report(case.name)
+        blob = case.encode()
+        encode_t = measure(case.encode, config.repeats)
+        decode_t = measure(lambda blob=blob: case.decode(blob), config.repeats)
+        formats.append(_record(case.name, len(blob), rows, entropy_bytes, encode_t, decode_t))
+    validated = _validated_decoders(trace, config, report)
+    by_name = {f["name"]: f for f in formats}
+    set_record, sglang_record = by_name["routereplay set"], by_name["SGLang base64 int32"]
+    targets = {
+        "set_vs_entropy": _target(set_record["vs_entropy"], SET_VS_ENTROPY_TARGET, higher_is_better=False),
+        "set_smaller_than_sglang_int32": _target(
+            sglang_record["bytes"] / set_record["bytes"], SET_VS_SGLANG_TARGET, higher_is_better=True
+        ),
+        "set_decode_seconds": _target(set_record["decode_s"]["median"], DECODE_SECONDS_TARGET, higher_is_better=False),
+    }
+    return {
+        "suite": "codec",
+        "config": {
+            "num_tokens": config.num_tokens,
+            "num_layers": config.num_layers,
+            "top_k": config.top_k,
+            "num_experts": config.num_experts,
+            "repeats": config.repeats,
+            "seed": config.seed,
+            "rows": rows,
+        },
+        "entropy_bytes_per_row": entropy_bytes,
+        "formats": formats,
+        "validated_decoders": validated,
+        "targets": targets,
+    }
+
+
+def _validated_decoders(trace: RouteTrace, config: CodecBenchConfig, report: Callable[[str], None]) -> list[dict[str, Any]]:
+    """What a trainer pays end to end: wire form -> validated RouteTrace."""
+    experts_TLK = trace.experts
+    sglang_text = base64.b64encode(experts_TLK.astype(np.int32).tobytes()).decode()
+    wire = np.uint8 if trace.num_experts <= 256 else np.uint16
+    vllm_text = base64.b64encode(npy_bytes(experts_TLK.astype(wire))).decode()
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        (
+            "decode_sglang (base64 int32 -> validated trace)",
+            lambda: decode_sglang(sglang_text, num_layers=config.num_layers, top_k=config.top_k, num_experts=config.num_experts),
+        ),
+        ("decode_vllm (base64 .npy -> validated trace)", lambda: decode_vllm(vllm_text, num_experts=config.num_experts)),
+        ("codec.decode + validate()", lambda blob=codec.encode(trace): codec.decode(blob).validate()),
+    ]
+    records = []
+    for name, function in cases:
+        report(name)
+        timing = measure(function, config.repeats)
+        rows = config.num_tokens * config.num_layers
+        records.append({"name": name, "seconds": timing.to_dict(), "rows_per_s": timing.rate(rows)})
+    return records
+
+
+def _record(name: str, size: int, rows: int, entropy_bytes: float, encode_t: Timing, decode_t: Timing) -> dict[str, Any]:
+    return {
+        "name": name,
+        "bytes": size,
+        "bytes_per_row": size / rows,
+        "vs_entropy": size / rows / entropy_bytes,
+        "encode_s": encode_t.to_dict(),
+        "decode_s": decode_t.to_dict(),
+        "encode_rows_per_s": encode_t.rate(rows),
+        "decode_rows_per_s": decode_t.rate(rows),
+    }
+
+
+def _target(value: float, target: float, *, higher_is_better: bool) -> dict[str, Any]:
+    met = value >= target if higher_is_better else value <= target
+    return {"value": value, "target": target, "direction": ">=" if higher_is_better else "<=", "met": bool(met)}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The README / BENCHMARKS.md table for a `run` record."""
+    config = result["config"]
+    lines = [
+        f"T={config['num_tokens']} tokens x L={config['num_layers']} layers, top-{config['top_k']} of "
+        f"E={config['num_experts']} experts, {config['repeats']} repeats (median); entropy bound "
+        f"{result['entropy_bytes_per_row']:.3f} B per (token, layer) row.",
+        "",
+        "| format | bytes/row | x entropy | encode rows/s | decode rows/s | decode s (median) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for f in result["formats"]:
+        lines.append(
+            f"| {f['name']} | {f['bytes_per_row']:.3f} | {f['vs_entropy']:.3f} | {_si(f['encode_rows_per_s'])} | "
+            f"{_si(f['decode_rows_per_s'])} | {f['decode_s']['median']:.4f} |"
+        )
+    lines += ["", "| validated decode path | seconds (median) | rows/s |", "|---|---:|---:|"]
+    for v in result["validated_decoders"]:
+        lines.append(f"| {v['name']} | {v['seconds']['median']:.4f} | {_si(v['rows_per_s'])} |")
+    return "\n".join(lines)
+
+
+def _si(value: float) -> str:
+    if not math.isfinite(value):
+        return "inf"
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.0f}"
+
+
+__all__ = ["CodecBenchConfig", "markdown", "run"]

@@ -1,0 +1,40 @@
+"""Repeated timing with median and spread: the only way figures in BENCHMARKS.md are measured."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Seconds per call over `repeats` timed calls (after `warmup` untimed ones)."""
+
+    median: float
+    low: float
+    high: float
+    repeats: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def rate(self, items: int) -> float:
+        """Items per second at the median."""
+        return items / self.median if self.median > 0 else float("inf")
+
+
+def measure(function: Callable[[], Any], repeats: int, warmup: int = 1) -> Timing:
+    for _ in range(warmup):
+        function()
+    seconds: list[float] = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        function()
+        seconds.append(time.perf_counter() - begin)
+    return Timing(statistics.median(seconds), min(seconds), max(seconds), repeats)
+
+
+__all__ = ["Timing", "measure"]

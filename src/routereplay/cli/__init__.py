@@ -1,0 +1,1 @@
+"""The `routereplay` command line: one subcommand per module, dispatched by `main`."""

@@ -1,0 +1,68 @@
+"""`routereplay bench SUITE`: measured figures (medians of repeated runs), as a table or --json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from routereplay.cli.arguments import add_json_argument
+
+SUITES = ("codec",)
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="run a benchmark suite (codec) and print medians of repeated runs",
+        description=(
+            "Run a benchmark suite. `codec`: bytes per (token, layer) row and encode/decode throughput of "
+            "routereplay's codec against JSON lists, SGLang base64 int32, vLLM base64 .npy and raw uint8, "
+            "all measured in the same run on the same random routes. Progress goes to stderr."
+        ),
+    )
+    parser.add_argument("suite", choices=SUITES, help="which benchmark to run")
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens T (default 32768)")
+    parser.add_argument("--layers", type=int, default=48, help="MoE layers L (default 48)")
+    parser.add_argument("--top-k", type=int, default=8, help="top-k K (default 8)")
+    parser.add_argument("--experts", type=int, default=128, help="experts E (default 128)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median reported)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random routes")
+    parser.add_argument("--markdown", action="store_true", help="print the markdown table used in README/BENCHMARKS.md")
+    add_json_argument(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from routereplay.bench import codec as codec_bench
+    from routereplay.errors import ConfigError
+
+    try:
+        config = codec_bench.CodecBenchConfig(
+            num_tokens=args.tokens,
+            num_layers=args.layers,
+            top_k=args.top_k,
+            num_experts=args.experts,
+            repeats=args.repeats,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True
+    ) as progress:
+        task = progress.add_task("generating routes", total=None)
+        result = codec_bench.run(config, lambda name: progress.update(task, description=f"measuring {name}"))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(codec_bench.markdown(result))
+        print()
+        for name, target in result["targets"].items():
+            mark = "met" if target["met"] else "MISSED"
+            print(f"target {name}: {target['value']:.4g} {target['direction']} {target['target']}  [{mark}]")
+    return 0

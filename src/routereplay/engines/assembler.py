@@ -1,0 +1,175 @@
+"""From a decoded (rows, layers, top_k) array to a validated `RouteTrace`.
+
+Every engine decoder ends here, so the shape rules live in one place: the row-count contract
+(`num_tokens - 1 - start` rows, with a diagnosis of the usual ways it breaks), layer selection
+from all-layer payloads by global layer number, the top-k check, provenance, and the content
+validation catalogue of `RouteTrace.validate`.
+
+Legend: T = rows, L = layers in the payload, K = top-k, E = experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from routereplay.enums import Source
+from routereplay.errors import (
+    ConfigError,
+    DtypeError,
+    ExpertIdRangeError,
+    LayerCountError,
+    RowCountError,
+    TopKMismatchError,
+    TraceShapeError,
+    location,
+)
+from routereplay.trace import RouteTrace, Segment, canonical_dtype
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Expectation:
+    """What the caller knows about the sequence and the model; every field is optional."""
+
+    num_experts: int
+    layers: Sequence[int] | None = None  # global layer numbers of the result
+    moe_layers: Sequence[int] | None = None  # which payload layers to keep (all-layer payload)
+    num_layers: int | None = None  # layer-axis length of the payload itself
+    top_k: int | None = None
+    start: int = 0  # token position of the first row
+    num_tokens: int | None = None  # prompt + generated tokens of the sequence
+    num_tokens_origin: str = "num_tokens"  # how num_tokens was obtained (named in errors)
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ConfigError(f"start offset {self.start} must be >= 0")
+        if self.num_tokens is not None and self.num_tokens < 1:
+            raise ConfigError(f"num_tokens={self.num_tokens} must be >= 1")
+        if self.moe_layers is not None and self.layers is not None and list(self.moe_layers) != list(self.layers):
+            raise ConfigError(
+                f"layers={list(self.layers)} and moe_layers={list(self.moe_layers)} disagree; pass "
+                "moe_layers for an all-layer payload, or layers for a payload that is MoE-only"
+            )
+
+
+def assemble(
+    experts_TLK: np.ndarray,
+    expect: Expectation,
+    *,
+    source: Source,
+    sequence: str | int | None,
+    policy_version: int | None = None,
+    validate: bool = True,
+) -> RouteTrace:
+    """Check shape against `expect`, select MoE layers, attach provenance, validate content.
+
+    `validate=False` skips only the content catalogue (for tools that report it, like `inspect`).
+    """
+    if experts_TLK.dtype.kind not in "iu":
+        raise DtypeError(f"{location(sequence)}: routes have dtype {experts_TLK.dtype}; expected integers")
+    if experts_TLK.ndim != 3:
+        raise TraceShapeError(
+            f"{location(sequence)}: routes have shape {experts_TLK.shape}; expected (tokens, layers, top_k)"
+        )
+    rows, payload_layers, top_k = experts_TLK.shape
+    if expect.num_layers is not None and payload_layers != expect.num_layers:
+        raise LayerCountError(
+            f"{location(sequence)}: payload has {payload_layers} layers, expected num_layers="
+            f"{expect.num_layers} (the engine reports every hidden layer, dense ones included)"
+        )
+    if expect.top_k is not None and top_k != expect.top_k:
+        raise TopKMismatchError(
+            f"{location(sequence)}: payload has top-k {top_k}, the model routes to {expect.top_k} "
+            "experts per token; a fused shared expert counted as routed, or the wrong model"
+        )
+    _check_rows(experts_TLK, expect, sequence)
+    experts_TLK, layers = _select_layers(experts_TLK, expect, sequence)
+    if experts_TLK.dtype.kind == "u" and experts_TLK.size and int(experts_TLK.max()) >= expect.num_experts:
+        # unsigned payloads cannot carry -1: report the range error before the cast can wrap
+        bad = int(experts_TLK.max())
+        raise ExpertIdRangeError(
+            f"{location(sequence)}: expert id {bad} is outside [0, {expect.num_experts}); check "
+            "num_experts and that the engine reports logical (not EPLB physical) ids"
+        )
+    if experts_TLK.size and experts_TLK.dtype != canonical_dtype(expect.num_experts) and experts_TLK.dtype.itemsize >= 4:
+        _check_castable(experts_TLK, expect.num_experts, sequence, expect.start)
+    segments = (Segment(expect.start, expect.start + rows, source, policy_version),) if rows else ()
+    trace = RouteTrace(experts_TLK, expect.num_experts, layers, expect.start, segments)
+    return trace.validate(sequence) if validate else trace
+
+
+def _check_rows(experts_TLK: np.ndarray, expect: Expectation, sequence: str | int | None) -> None:
+    if expect.num_tokens is None:
+        return
+    rows = experts_TLK.shape[0]
+    expected = expect.num_tokens - 1 - expect.start
+    if rows == expected:
+        return
+    head = (
+        f"{location(sequence)}: {rows} route rows, expected {expected} = {expect.num_tokens_origin}"
+        f"({expect.num_tokens}) - 1 - start({expect.start})"
+    )
+    extra = rows - expected
+    if extra > 0 and 2 * extra <= rows and np.array_equal(experts_TLK[:extra], experts_TLK[extra : 2 * extra]):
+        cause = (
+            f"the first {extra} rows repeat exactly: a duplicated prefix (a resumed or multi-turn "
+            "rollout whose prompt routes were concatenated twice, verl #6029). Keep one copy"
+        )
+    elif extra == 1:
+        cause = "one row too many: the payload has a row for the last sampled token, or num_tokens misses a token"
+    elif extra > 0 and rows == expect.num_tokens - 1:
+        cause = f"the payload starts at token 0, not {expect.start}: pass start=0, or the engine ignored the start offset"
+    elif extra > 0:
+        cause = "too many rows: routes of another sequence, or a stale capture buffer; check the request/choice index"
+    else:
+        cause = (
+            "too few rows: a truncated capture (max_bytes limit, abort mid-generation, preemption) or "
+            "a start offset (routed_experts_start_len / prompt_start) that was not passed as start="
+        )
+    raise RowCountError(f"{head}: {cause}")
+
+
+def _select_layers(
+    experts_TLK: np.ndarray, expect: Expectation, sequence: str | int | None
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    payload_layers = experts_TLK.shape[1]
+    if expect.moe_layers is not None:
+        moe_layers = tuple(int(x) for x in expect.moe_layers)
+        if not moe_layers:
+            raise ConfigError("moe_layers is empty; pass the global layer numbers of the MoE layers")
+        out_of_range = [x for x in moe_layers if not 0 <= x < payload_layers]
+        if out_of_range:
+            raise LayerCountError(
+                f"{location(sequence)}: moe_layers names layers {out_of_range} but the payload has only "
+                f"{payload_layers} layers; if the payload is MoE-only already pass layers= instead"
+            )
+        return experts_TLK[:, list(moe_layers)], moe_layers
+    if expect.layers is not None:
+        layers = tuple(int(x) for x in expect.layers)
+        if len(layers) != payload_layers:
+            hint = (
+                "; the payload holds every hidden layer - pass moe_layers= to select the MoE ones"
+                if payload_layers > len(layers)
+                else "; the engine captured fewer layers (pipeline stage? wrong model?)"
+            )
+            raise LayerCountError(
+                f"{location(sequence)}: payload has {payload_layers} layers but layers= names {len(layers)}{hint}"
+            )
+        return experts_TLK, layers
+    return experts_TLK, tuple(range(payload_layers))
+
+
+def _check_castable(experts_TLK: np.ndarray, num_experts: int, sequence: str | int | None, start: int) -> None:
+    low, high = int(experts_TLK.min()), int(experts_TLK.max())
+    if low < -1 or high >= num_experts:
+        bad = low if low < -1 else high
+        t, l, _ = np.argwhere(experts_TLK == bad)[0]
+        raise ExpertIdRangeError(
+            f"{location(sequence, row=int(t), start=start)}, payload layer {int(l)}: expert id {bad} is "
+            f"outside [0, {num_experts}) and is not -1; check num_experts and the payload dtype"
+        )
+
+
+__all__ = ["Expectation", "assemble"]

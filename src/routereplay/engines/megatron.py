@@ -1,0 +1,105 @@
+"""Decode the routes Megatron-core's inference engine returns (`moe_topk_indices`).
+
+megatron-core >= 0.17 records routing per KV block in a static int32 buffer and returns
+`moe_topk_indices` of shape (total_tokens - 1, L, K) in its responses: int16 when E <= 32768
+(int32 otherwise), as an array in-process or nested lists over HTTP. The layer axis holds the
+model's MoE layers in order unless the caller says otherwise; `moe_layers` selects from an
+all-layer payload exactly as for vLLM/SGLang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from routereplay.engines.assembler import Expectation, assemble
+from routereplay.engines.payload import (
+    DEFAULT_MAX_BYTES,
+    b64_to_bytes,
+    get_field,
+    is_array_like,
+    lists_to_array,
+    load_npy,
+    require_present,
+    to_numpy,
+)
+from routereplay.enums import Source
+from routereplay.errors import ConfigError, MissingRoutesError, PayloadEncodingError, TraceShapeError, location
+from routereplay.trace import RouteTrace
+
+FIELD = "moe_topk_indices"
+_ABORTED_HINT = "the request was aborted, or routing capture is off in the Megatron inference engine"
+
+
+def decode_megatron(
+    value: Any,
+    *,
+    num_experts: int,
+    layers: Sequence[int] | None = None,
+    moe_layers: Sequence[int] | None = None,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    num_tokens: int | None = None,
+    start: int = 0,
+    index: int = 0,
+    sequence: str | int | None = None,
+    policy_version: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    validate: bool = True,
+) -> RouteTrace:
+    """Decode one request's `moe_topk_indices` into a validated `RouteTrace`.
+
+    `value` is an array/tensor, nested lists, base64 `.npy` text, or a response holding the field
+    (at top level, in `choices[index]`, or in the `index`-th entry of a list of results).
+    """
+    where = sequence if sequence is not None else f"request {index}"
+    routes = _locate(value, index, where)
+    what = f"{location(where)} {FIELD}"
+    if is_array_like(routes):
+        experts_TLK = to_numpy(routes)
+    elif isinstance(routes, (list, tuple)):
+        experts_TLK = lists_to_array(routes, what)
+        if experts_TLK.size == 0 and experts_TLK.ndim == 1:  # `[]`: a one-token sequence has no rows
+            width = num_layers if num_layers is not None else (len(layers) if layers is not None else None)
+            if width is None or top_k is None:
+                raise TraceShapeError(f"{what}: empty list; pass num_layers (or layers) and top_k to shape it")
+            experts_TLK = experts_TLK.reshape(0, width, top_k)
+    elif isinstance(routes, (str, bytes, bytearray)):
+        experts_TLK = load_npy(b64_to_bytes(routes, what, max_bytes), what)
+    else:
+        raise PayloadEncodingError(f"{what}: unsupported payload type {type(routes).__name__}")
+    expect = Expectation(
+        num_experts=num_experts,
+        layers=layers,
+        moe_layers=moe_layers,
+        num_layers=num_layers,
+        top_k=top_k,
+        start=start,
+        num_tokens=num_tokens,
+    )
+    return assemble(np.asarray(experts_TLK), expect, source=Source.MEGATRON, sequence=where, policy_version=policy_version, validate=validate)
+
+
+def _locate(value: Any, index: int, where: str | int) -> Any:
+    what = f"{location(where)} {FIELD}"
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        if not 0 <= index < len(value):
+            raise ConfigError(f"index={index} but the response holds {len(value)} results")
+        value = value[index]
+    if not isinstance(value, dict) and get_field(value, FIELD, None) is None:
+        return require_present(value, what, _ABORTED_HINT)
+    if get_field(value, FIELD, None) is not None:
+        return get_field(value, FIELD)
+    choices = get_field(value, "choices", None)
+    if isinstance(choices, list) and choices:
+        if not 0 <= index < len(choices):
+            raise ConfigError(f"index={index} but the response has {len(choices)} choices")
+        found = get_field(choices[index], FIELD, None)
+        if found is not None:
+            return found
+    raise MissingRoutesError(f"{what}: the response carries no {FIELD} ({_ABORTED_HINT})")
+
+
+__all__ = ["decode_megatron"]

@@ -1,0 +1,138 @@
+"""Decode vLLM's routed experts (every version's wire form) into a `RouteTrace`.
+
+vLLM records routes when started with `--enable-return-routed-experts`:
+- <= 0.20 offline: `CompletionOutput.routed_experts`, int32 ndarray (num_tokens - 1, L, K).
+- 0.21: `RequestOutput.prompt_routed_experts` (prompt rows) + `routed_experts` (generated rows);
+  over HTTP both as nested JSON lists, int16, with -1 for prefix-cached positions.
+- >= 0.22: one ndarray (uint8 when E <= 256, else uint16) of num_tokens - 1 - prompt_start rows;
+  over HTTP `choices[i].routed_experts` is base64 of the `.npy` bytes (np.save, then b64).
+The layer axis is every hidden layer (dense layers zero-filled): pass `moe_layers=` to keep the MoE
+layers by global number. `None` means the request was aborted or the flag is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from routereplay.engines.assembler import Expectation, assemble
+from routereplay.engines.payload import (
+    DEFAULT_MAX_BYTES,
+    b64_to_bytes,
+    get_field,
+    has_field,
+    is_array_like,
+    lists_to_array,
+    load_npy,
+    require_present,
+    to_numpy,
+)
+from routereplay.enums import Source
+from routereplay.errors import ConfigError, MissingRoutesError, PayloadEncodingError, TraceShapeError, location
+from routereplay.trace import RouteTrace
+
+_ABORTED_HINT = (
+    "the request was aborted (or preempted) before any forward pass, or the server runs without "
+    "--enable-return-routed-experts (routes are returned for non-streaming requests only)"
+)
+
+
+def decode_vllm(
+    value: Any,
+    *,
+    num_experts: int,
+    layers: Sequence[int] | None = None,
+    moe_layers: Sequence[int] | None = None,
+    prompt_value: Any = None,
+    num_tokens: int | None = None,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    prompt_start: int = 0,
+    choice: int = 0,
+    sequence: str | int | None = None,
+    policy_version: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    validate: bool = True,
+) -> RouteTrace:
+    """Decode one vLLM completion's routed experts into a validated `RouteTrace`.
+
+    `value` is any real wire form: an ndarray/tensor, a base64 `.npy` string (>= 0.22), nested
+    lists (0.21; `prompt_value` then holds the prompt rows), or a whole response (dict from the
+    OpenAI-compatible server, or `RequestOutput` / `CompletionOutput` objects) from which
+    `choices[choice]` (`outputs[choice]`) is read. `prompt_start` is the request's
+    `routed_experts_prompt_start`: row 0 is token `prompt_start`. With `num_tokens` (prompt +
+    generated tokens) the row count must be `num_tokens - 1 - prompt_start`.
+    """
+    where = f"choice {choice}" if sequence is None else sequence
+    value, prompt_value = _locate(value, prompt_value, choice, where)
+    routes = _to_array(value, f"{location(where)} routed_experts", max_bytes)
+    if prompt_value is not None:
+        prompt = _to_array(prompt_value, f"{location(where)} prompt_routed_experts", max_bytes)
+        if prompt.size and routes.size and prompt.shape[1:] != routes.shape[1:]:
+            raise TraceShapeError(
+                f"{location(where)}: prompt routes have (layers, top_k) {prompt.shape[1:]} but "
+                f"generated routes have {routes.shape[1:]}; both must come from the same model"
+            )
+        routes = np.concatenate([_as_3d(prompt, routes), _as_3d(routes, prompt)], axis=0)
+    expect = Expectation(
+        num_experts=num_experts,
+        layers=layers,
+        moe_layers=moe_layers,
+        num_layers=num_layers,
+        top_k=top_k,
+        start=prompt_start,
+        num_tokens=num_tokens,
+    )
+    return assemble(routes, expect, source=Source.VLLM, sequence=where, policy_version=policy_version, validate=validate)
+
+
+def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tuple[Any, Any]:
+    """Find routed_experts (and 0.21's prompt_routed_experts) inside a response or output object."""
+    if value is None or isinstance(value, (str, bytes, bytearray, list, tuple)) or is_array_like(value):
+        require_present(value, f"{location(where)} routed_experts", _ABORTED_HINT)
+        return value, prompt_value
+    response = value
+    choices = get_field(response, "choices", None)
+    if choices is None:
+        choices = get_field(response, "outputs", None)  # offline RequestOutput
+    if choices is not None:
+        if prompt_value is None:
+            prompt_value = get_field(response, "prompt_routed_experts", None)
+        if not 0 <= choice < len(choices):
+            raise ConfigError(f"choice={choice} but the response has {len(choices)} choices")
+        response = choices[choice]
+    if not has_field(response, "routed_experts"):
+        raise MissingRoutesError(
+            f"{location(where)}: the response has no 'routed_experts' field; start vLLM (>= 0.22 for "
+            "HTTP) with --enable-return-routed-experts, and do not stream"
+        )
+    routes = get_field(response, "routed_experts")
+    require_present(routes, f"{location(where)} routed_experts", _ABORTED_HINT)
+    return routes, prompt_value
+
+
+def _to_array(value: Any, what: str, max_bytes: int) -> np.ndarray:
+    if is_array_like(value):
+        return to_numpy(value)
+    if isinstance(value, (str, bytes, bytearray)):
+        return load_npy(b64_to_bytes(value, what, max_bytes), what)
+    if isinstance(value, (list, tuple)):
+        return lists_to_array(value, what)
+    if isinstance(value, dict):
+        raise PayloadEncodingError(
+            f"{what}: got a dict {sorted(value)[:5]}; expected base64 .npy text, nested lists or an array. "
+            "A tensor that was JSON-serialised by a gateway arrives as {{}}: return it with np.save"
+        )
+    raise PayloadEncodingError(f"{what}: unsupported payload type {type(value).__name__}")
+
+
+def _as_3d(array: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """An empty list decodes to shape (0,); give it the (0, L, K) shape of its partner."""
+    if array.size == 0 and array.ndim != 3 and other.ndim == 3:
+        return array.reshape(0, *other.shape[1:])
+    return array
+
+
+__all__ = ["decode_vllm"]

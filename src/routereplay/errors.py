@@ -1,0 +1,126 @@
+"""The one error hierarchy of routereplay.
+
+Every error the library raises on bad input is a `RouteReplayError`. Errors caused by a bad value
+are also `ValueError`s, so callers that already catch `ValueError` keep working. Each message says
+what is wrong, where (sequence, token, row, layer) and how to fix it; `location()` formats the
+"where" part the same way everywhere.
+"""
+
+from __future__ import annotations
+
+
+class RouteReplayError(Exception):
+    """Base class of every error routereplay raises on bad input or misuse."""
+
+
+class ConfigError(RouteReplayError, ValueError):
+    """An argument or setting is invalid (wrong type, out of range, contradicts another)."""
+
+
+# --- payloads: the bytes / lists / arrays an engine sent --------------------------------------
+
+
+class MissingRoutesError(RouteReplayError, ValueError):
+    """The payload carries no routes: `None` (aborted request, flag off) or the field is absent."""
+
+
+class PayloadError(RouteReplayError, ValueError):
+    """The payload cannot be turned into an integer (T, L, K) array."""
+
+
+class PayloadEncodingError(PayloadError):
+    """Corrupt or truncated base64, or bytes that are not the declared container (e.g. `.npy`)."""
+
+
+class PayloadSizeError(PayloadError):
+    """Byte length does not fit the declared shape, or the declared size is implausibly large."""
+
+
+class PickleRefusedError(PayloadError):
+    """The payload would need unpickling (object `.npy` or a raw pickle); it is never executed."""
+
+
+class DtypeError(PayloadError):
+    """Routes must be integers; a float, bool or object array is refused."""
+
+
+# --- shape of a trace -------------------------------------------------------------------------
+
+
+class TraceShapeError(RouteReplayError, ValueError):
+    """The (T, L, K) shape disagrees with what the caller or the model expects."""
+
+
+class RowCountError(TraceShapeError):
+    """Row count != num_tokens - 1 - start (duplicated prefix, truncated capture, wrong offset)."""
+
+
+class LayerCountError(TraceShapeError):
+    """Layer axis length != the expected number of (MoE or all) layers."""
+
+
+class TopKMismatchError(TraceShapeError):
+    """Last axis length != the model's top-k."""
+
+
+# --- content of a trace -----------------------------------------------------------------------
+
+
+class RouteValueError(RouteReplayError, ValueError):
+    """A route's expert ids are impossible for the model."""
+
+
+class ExpertIdRangeError(RouteValueError):
+    """An expert id is outside [0, num_experts) and is not the -1 sentinel."""
+
+
+class PartialRowError(RouteValueError):
+    """A (token, layer) row mixes -1 with real ids; a row is either fully routed or fully -1."""
+
+
+class DuplicateExpertError(RouteValueError):
+    """A (token, layer) row names the same expert twice (zero-padding replayed as expert 0)."""
+
+
+class ZeroLayerError(RouteValueError):
+    """Every routed row of an MoE layer is all zeros: the engine's capture failed for that layer."""
+
+
+# --- the compact codec ------------------------------------------------------------------------
+
+
+class CodecError(RouteReplayError, ValueError):
+    """A codec blob is corrupt, truncated, tampered with, or of an unknown version."""
+
+
+class CodecFormatError(CodecError):
+    """Bad magic, malformed or truncated header/payload, sizes that do not add up."""
+
+
+class CodecVersionError(CodecError):
+    """The blob was written by a codec version this release cannot read."""
+
+
+class ChecksumError(CodecError):
+    """The stored checksum does not match the bytes: the blob was corrupted or tampered with."""
+
+
+def location(
+    sequence: str | int | None = None,
+    *,
+    row: int | None = None,
+    layer: int | None = None,
+    start: int = 0,
+) -> str:
+    """Format the "where" of an error message: sequence, token (and row when offset), layer.
+
+    `row` is the trace row; the token position is `start + row`. `layer` is a global layer number.
+    """
+    parts: list[str] = []
+    if sequence is not None:
+        parts.append(f"sequence {sequence!r}" if isinstance(sequence, str) else f"sequence {sequence}")
+    if row is not None:
+        parts.append(f"token {start + row} (row {row})" if start else f"token {row}")
+    if layer is not None:
+        parts.append(f"layer {layer}")
+    return ", ".join(parts) if parts else "trace"

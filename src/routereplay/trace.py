@@ -1,0 +1,343 @@
+"""`RouteTrace`: the routes of one sequence, with provenance and validation.
+
+Legend: T = rows (tokens fed as input), L = MoE layers, K = top-k, E = experts.
+`experts_TLK[t, l]` is the set of K expert ids that the router of global layer `layers[l]` chose
+when token `start + t` was the input position; `-1` everywhere in that (t, l) row means "no route"
+(never routed, padding, a cached prefix the engine did not report). Engines return
+`num_tokens - 1` rows: the last sampled token is never fed back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from routereplay.enums import Source
+from routereplay.errors import (
+    ConfigError,
+    DtypeError,
+    DuplicateExpertError,
+    ExpertIdRangeError,
+    LayerCountError,
+    PartialRowError,
+    TopKMismatchError,
+    TraceShapeError,
+    ZeroLayerError,
+    location,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+INT16_MAX_EXPERTS = 32767  # ids up to 32766 and the -1 sentinel fit in int16
+ZERO_LAYER_MIN_ROWS_K1 = 32  # with top-1, an all-zero layer is flagged only over this many rows
+
+
+def canonical_dtype(num_experts: int) -> np.dtype[Any]:
+    """The dtype a trace stores its ids in: int16 when E <= 32767, else int32."""
+    return np.dtype(np.int16) if num_experts <= INT16_MAX_EXPERTS else np.dtype(np.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Provenance of the token range [begin, end): which engine and policy version routed it."""
+
+    begin: int
+    end: int
+    source: Source | str = Source.UNKNOWN
+    policy_version: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.begin < self.end:
+            raise ConfigError(f"Segment [{self.begin}, {self.end}) is empty or negative; need 0 <= begin < end")
+        if self.policy_version is not None and self.policy_version < 0:
+            raise ConfigError(f"Segment policy_version={self.policy_version} must be >= 0 or None")
+        if not isinstance(self.source, Source):
+            try:
+                object.__setattr__(self, "source", Source(self.source))
+            except ValueError:
+                pass  # a free-form source name (e.g. a custom engine) is kept as given
+
+    def describe(self) -> str:
+        version = "" if self.policy_version is None else f"@v{self.policy_version}"
+        return f"{self.source}{version}[{self.begin}:{self.end}]"
+
+
+@dataclass(slots=True, eq=False)
+class RouteTrace:
+    """Routes of one sequence: `experts` (T, L, K) signed ints with -1 = no route.
+
+    Construct with `RouteTrace(experts=..., num_experts=..., layers=...)`; `layers` defaults to
+    0..L-1, `start` (token position of row 0) to 0, and `segments` to one segment of unknown
+    provenance covering every row. Construction checks dtype and shape cheaply; call `validate()`
+    for the full content checks (ids in range, no duplicates, no partial rows, no all-zero layer).
+    """
+
+    experts: np.ndarray
+    num_experts: int
+    layers: tuple[int, ...] | Sequence[int] | None = None
+    start: int = 0
+    segments: tuple[Segment, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_experts, (int, np.integer)) or self.num_experts < 1:
+            raise ConfigError(f"num_experts={self.num_experts!r} must be a positive int")
+        self.num_experts = int(self.num_experts)
+        self.experts = _as_route_array(self.experts, self.num_experts)
+        num_rows, num_layers, _ = self.experts.shape
+        layers = tuple(range(num_layers)) if self.layers is None else tuple(int(x) for x in self.layers)
+        if len(layers) != num_layers:
+            raise LayerCountError(
+                f"layers has {len(layers)} entries but experts has {num_layers} layers (shape "
+                f"{self.experts.shape}); pass one global layer number per layer of the array"
+            )
+        if len(set(layers)) != len(layers) or any(x < 0 for x in layers):
+            raise ConfigError(f"layers={layers} must be distinct non-negative global layer numbers")
+        self.layers = layers
+        if not isinstance(self.start, (int, np.integer)) or self.start < 0:
+            raise ConfigError(f"start={self.start!r} must be a non-negative int (token position of row 0)")
+        self.start = int(self.start)
+        if not self.segments and num_rows:
+            self.segments = (Segment(self.start, self.start + num_rows),)
+        self.segments = tuple(self.segments)
+        _check_segments(self.segments, self.start, self.start + num_rows)
+
+    # --- shape ---------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Number of rows T (token positions covered, from `start`)."""
+        return int(self.experts.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+    @property
+    def stop(self) -> int:
+        """Token position one past the last row."""
+        return self.start + self.num_tokens
+
+    @property
+    def routed_mask(self) -> np.ndarray:
+        """(T, L) bool: True where the (token, layer) row holds real ids (not -1)."""
+        return np.asarray(self.experts[..., 0] >= 0)
+
+    @property
+    def num_routed(self) -> int:
+        """Rows (tokens) with a route in every layer, i.e. without any -1."""
+        return int(self.routed_mask.all(axis=1).sum())
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of (token, layer) rows that are routed; 1.0 for an empty trace."""
+        mask = self.routed_mask
+        return float(mask.mean()) if mask.size else 1.0
+
+    # --- checks --------------------------------------------------------------------------------
+    def validate(
+        self,
+        sequence: str | int | None = None,
+        *,
+        top_k: int | None = None,
+        num_layers: int | None = None,
+    ) -> RouteTrace:
+        """Run the whole validation catalogue; return self, or raise a named `RouteReplayError`.
+
+        Checks: top-k and layer count against expectations (when given), ids in [-1, E), no row
+        mixing -1 with ids, no duplicate id in a row, no MoE layer whose routed rows are all zeros
+        (an engine capture failure; with top-1 only over >= 32 rows, where it cannot be chance).
+        """
+        where = sequence
+        if top_k is not None and top_k != self.top_k:
+            raise TopKMismatchError(
+                f"{location(where)}: routes have top-k {self.top_k} but the model routes to "
+                f"{top_k} experts per token; check the payload's last axis / the top_k you passed"
+            )
+        if num_layers is not None and num_layers != self.num_layers:
+            raise LayerCountError(
+                f"{location(where)}: routes cover {self.num_layers} layers, expected {num_layers}; an "
+                "all-layer payload needs moe_layers= to select the MoE layers"
+            )
+        x = self.experts
+        if x.size == 0:
+            return self
+        bad = (x < -1) | (x >= self.num_experts)
+        if bad.any():
+            t, l, k = np.unravel_index(int(np.flatnonzero(bad)[0]), x.shape)
+            raise ExpertIdRangeError(
+                f"{location(where, row=int(t), layer=self.layers[l], start=self.start)}: expert id "
+                f"{int(x[t, l, k])} is outside [0, {self.num_experts}) ({int(bad.sum())} such ids); "
+                "check num_experts, and that the engine reports logical (not EPLB physical) ids"
+            )
+        neg = x == -1
+        any_neg, all_neg = neg.any(axis=2), neg.all(axis=2)
+        partial = any_neg & ~all_neg
+        if partial.any():
+            t, l = np.unravel_index(int(np.flatnonzero(partial)[0]), partial.shape)
+            raise PartialRowError(
+                f"{location(where, row=int(t), layer=self.layers[l], start=self.start)}: row "
+                f"{x[t, l].tolist()} mixes -1 with expert ids; a row is either fully routed or fully "
+                "-1 (no route). The payload was padded or truncated inside the top-k axis"
+            )
+        routed = ~all_neg
+        self._check_zero_layers(where, routed)
+        if self.top_k > 1:
+            ordered = np.sort(x, axis=2)
+            dup = (ordered[..., 1:] == ordered[..., :-1]).any(axis=2) & routed
+            if dup.any():
+                t, l = np.unravel_index(int(np.flatnonzero(dup)[0]), dup.shape)
+                raise DuplicateExpertError(
+                    f"{location(where, row=int(t), layer=self.layers[l], start=self.start)}: row "
+                    f"{x[t, l].tolist()} names an expert twice ({int(dup.sum())} such rows); zero "
+                    "padding was probably used for 'no route' - use -1 instead"
+                )
+        return self
+
+    def _check_zero_layers(self, where: str | int | None, routed_TL: np.ndarray) -> None:
+        zero_TL = (self.experts == 0).all(axis=2)
+        routed_rows_L = routed_TL.sum(axis=0)
+        threshold = 1 if self.top_k > 1 else ZERO_LAYER_MIN_ROWS_K1
+        all_zero_L = (routed_rows_L >= threshold) & (zero_TL | ~routed_TL).all(axis=0)
+        if all_zero_L.any():
+            layer_numbers = [self.layers[i] for i in np.flatnonzero(all_zero_L)]
+            raise ZeroLayerError(
+                f"{location(where)}: MoE layer(s) {layer_numbers} are all zeros over "
+                f"{int(routed_rows_L[all_zero_L].max())} routed rows: the engine's capture failed "
+                "there (known: vLLM FlashInfer TRT-LLM/NVFP4, SGLang pipeline stages). If these are "
+                "dense layers of an all-layer payload, pass moe_layers= to drop them"
+            )
+
+    # --- transforms ----------------------------------------------------------------------------
+    def slice(self, begin: int | None = None, end: int | None = None) -> RouteTrace:
+        """Rows of token positions [begin, end) (absolute positions, like `start`), as a copy."""
+        begin = self.start if begin is None else int(begin)
+        end = self.stop if end is None else int(end)
+        if not self.start <= begin <= end <= self.stop:
+            raise ConfigError(
+                f"slice [{begin}, {end}) is outside this trace's token range [{self.start}, {self.stop})"
+            )
+        segments = tuple(
+            replace(s, begin=max(s.begin, begin), end=min(s.end, end))
+            for s in self.segments
+            if max(s.begin, begin) < min(s.end, end)
+        )
+        rows = self.experts[begin - self.start : end - self.start].copy()
+        return RouteTrace(rows, self.num_experts, self.layers, begin, segments)
+
+    def select_layers(self, layers: Sequence[int]) -> RouteTrace:
+        """A copy holding only the given global layer numbers, in the given order."""
+        index = {layer: i for i, layer in enumerate(self.layers)}
+        missing = [x for x in layers if x not in index]
+        if missing:
+            raise ConfigError(f"layers {missing} are not in this trace (it has {list(self.layers)})")
+        rows = self.experts[:, [index[x] for x in layers]].copy()
+        return RouteTrace(rows, self.num_experts, tuple(layers), self.start, self.segments)
+
+    def sorted_rows(self) -> RouteTrace:
+        """A copy with each row's ids in ascending order (the canonical form of a route set)."""
+        return RouteTrace(np.sort(self.experts, axis=2), self.num_experts, self.layers, self.start, self.segments)
+
+    def with_provenance(self, source: Source | str, policy_version: int | None = None) -> RouteTrace:
+        """A shallow copy whose rows are all attributed to one engine and policy version."""
+        segments = (Segment(self.start, self.stop, source, policy_version),) if self.num_tokens else ()
+        return RouteTrace(self.experts, self.num_experts, self.layers, self.start, segments)
+
+    def to_torch(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The ids as a (T, L, K) tensor (shares memory on CPU unless `dtype` differs)."""
+        import torch
+
+        tensor = torch.from_numpy(self.experts)
+        if dtype is not None or device is not None:
+            tensor = tensor.to(device=device, dtype=dtype)
+        return tensor
+
+    def expert_load(self) -> np.ndarray:
+        """(L, E) int64 counts: how many routed rows picked each expert in each layer."""
+        num_layers, num_experts = self.num_layers, self.num_experts
+        ids = self.experts.astype(np.int64)
+        offsets = (np.arange(num_layers, dtype=np.int64) * num_experts)[None, :, None]
+        flat = (ids + offsets)[ids >= 0]
+        return np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+
+    # --- comparison ----------------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RouteTrace):
+            return NotImplemented
+        return (
+            self.num_experts == other.num_experts
+            and self.layers == other.layers
+            and self.start == other.start
+            and self.segments == other.segments
+            and self.experts.shape == other.experts.shape
+            and bool(np.array_equal(self.experts, other.experts))
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable array inside: not hashable
+
+    def equal_sets(self, other: RouteTrace) -> bool:
+        """Equal as route SETS: like `==` but the order of ids inside a row is ignored."""
+        return self.sorted_rows() == other.sorted_rows()
+
+    def __repr__(self) -> str:
+        layers = list(self.layers)  # type: ignore[arg-type]
+        shown = f"{layers}" if len(layers) <= 6 else f"[{layers[0]}..{layers[-1]}]"
+        sources = ", ".join(s.describe() for s in self.segments[:3])
+        if len(self.segments) > 3:
+            sources += f", +{len(self.segments) - 3} more"
+        return (
+            f"RouteTrace(tokens {self.start}..{self.stop} ({self.num_tokens} rows), "
+            f"{self.num_layers} layers {shown}, top_k={self.top_k}, num_experts={self.num_experts}, "
+            f"routed {self.num_routed}/{self.num_tokens} rows, {self.experts.dtype}, "
+            f"sources [{sources}])"
+        )
+
+
+def _as_route_array(value: Any, num_experts: int) -> np.ndarray:
+    """Coerce ids to a C-contiguous (T, L, K) array of the canonical dtype, refusing lossy casts."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu":
+        raise DtypeError(
+            f"routes must be an integer array, got dtype {array.dtype}; expert ids are never "
+            "floats - decode the engine payload with decode_vllm / decode_sglang"
+        )
+    if array.ndim != 3:
+        raise TraceShapeError(f"routes must have shape (tokens, layers, top_k), got shape {array.shape}")
+    if array.shape[2] < 1:
+        raise TraceShapeError(f"routes have top_k=0 (shape {array.shape}); a route names >= 1 expert")
+    target = canonical_dtype(num_experts)
+    if array.dtype != target and array.size:
+        info = np.iinfo(target)
+        low, high = int(array.min()), int(array.max())
+        if low < info.min or high > info.max:
+            raise ExpertIdRangeError(
+                f"expert ids span [{low}, {high}], which cannot be ids of {num_experts} experts "
+                "(nor -1); check num_experts and the payload dtype"
+            )
+    return np.ascontiguousarray(array, dtype=target)
+
+
+def _check_segments(segments: tuple[Segment, ...], start: int, stop: int) -> None:
+    position = start
+    for segment in segments:
+        if not isinstance(segment, Segment):
+            raise ConfigError(f"segments must hold Segment objects, got {type(segment).__name__}")
+        if segment.begin != position:
+            raise ConfigError(
+                f"provenance segments must tile rows [{start}, {stop}) in order; segment "
+                f"{segment.describe()} starts at {segment.begin}, expected {position}"
+            )
+        position = segment.end
+    if segments and position != stop:
+        raise ConfigError(f"provenance segments end at {position} but the trace's rows end at {stop}")
+
+
+__all__ = ["RouteTrace", "Segment", "canonical_dtype"]
