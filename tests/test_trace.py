@@ -108,7 +108,9 @@ def test_equality_and_sets(rng: np.random.Generator) -> None:
 
 
 def test_repr_is_readable(rng: np.random.Generator) -> None:
-    trace = random_trace(rng, num_tokens=7, num_layers=48, top_k=8, num_experts=128, start=3, source="vllm", policy_version=2)
+    trace = random_trace(
+        rng, num_tokens=7, num_layers=48, top_k=8, num_experts=128, start=3, source="vllm", policy_version=2
+    )
     text = repr(trace)
     assert "tokens 3..10 (7 rows)" in text and "48 layers [0..47]" in text
     assert "top_k=8, num_experts=128" in text and "vllm@v2[3:10]" in text

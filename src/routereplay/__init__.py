@@ -4,7 +4,7 @@ capture -> decode -> validate -> store -> align -> replay -> measure. This packa
 the stable public names; everything else is reached through its module.
 """
 
-# CODEC_PENDING from routereplay.codec import decode, encode
+from routereplay.codec import decode, encode
 from routereplay.engines import decode_megatron, decode_sglang, decode_vllm
 from routereplay.enums import CodecMode, Source
 from routereplay.errors import RouteReplayError

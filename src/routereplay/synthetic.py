@@ -14,7 +14,9 @@ from routereplay.errors import ConfigError
 from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
 
-def distinct_experts(rng: np.random.Generator, num_rows: int, top_k: int, num_experts: int, skew: float = 0.0) -> np.ndarray:
+def distinct_experts(
+    rng: np.random.Generator, num_rows: int, top_k: int, num_experts: int, skew: float = 0.0
+) -> np.ndarray:
     """(N, K) ids, each row K distinct experts. `skew` > 0 draws experts from a Zipf-like law
     (p_e ~ 1 / (e + 1) ** skew, over a random permutation per call) like real, imbalanced routers."""
     if not 1 <= top_k <= num_experts:

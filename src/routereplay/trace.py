@@ -10,7 +10,7 @@ when token `start + t` was the input position; `-1` everywhere in that (t, l) ro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,7 +66,6 @@ class Segment:
         return f"{self.source}{version}[{self.begin}:{self.end}]"
 
 
-@dataclass(slots=True, eq=False)
 class RouteTrace:
     """Routes of one sequence: `experts` (T, L, K) signed ints with -1 = no route.
 
@@ -76,33 +75,41 @@ class RouteTrace:
     for the full content checks (ids in range, no duplicates, no partial rows, no all-zero layer).
     """
 
+    __slots__ = ("experts", "layers", "num_experts", "segments", "start")
+
     experts: np.ndarray
     num_experts: int
-    layers: tuple[int, ...] | Sequence[int] | None = None
-    start: int = 0
-    segments: tuple[Segment, ...] = field(default=())
+    layers: tuple[int, ...]
+    start: int
+    segments: tuple[Segment, ...]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.num_experts, (int, np.integer)) or self.num_experts < 1:
-            raise ConfigError(f"num_experts={self.num_experts!r} must be a positive int")
-        self.num_experts = int(self.num_experts)
-        self.experts = _as_route_array(self.experts, self.num_experts)
+    def __init__(
+        self,
+        experts: Any,
+        num_experts: int,
+        layers: Sequence[int] | None = None,
+        start: int = 0,
+        segments: Sequence[Segment] = (),
+    ) -> None:
+        if not isinstance(num_experts, (int, np.integer)) or isinstance(num_experts, bool) or num_experts < 1:
+            raise ConfigError(f"num_experts={num_experts!r} must be a positive int")
+        self.num_experts = int(num_experts)
+        self.experts = _as_route_array(experts, self.num_experts)
         num_rows, num_layers, _ = self.experts.shape
-        layers = tuple(range(num_layers)) if self.layers is None else tuple(int(x) for x in self.layers)
-        if len(layers) != num_layers:
+        self.layers = tuple(range(num_layers)) if layers is None else tuple(int(x) for x in layers)
+        if len(self.layers) != num_layers:
             raise LayerCountError(
-                f"layers has {len(layers)} entries but experts has {num_layers} layers (shape "
+                f"layers has {len(self.layers)} entries but experts has {num_layers} layers (shape "
                 f"{self.experts.shape}); pass one global layer number per layer of the array"
             )
-        if len(set(layers)) != len(layers) or any(x < 0 for x in layers):
-            raise ConfigError(f"layers={layers} must be distinct non-negative global layer numbers")
-        self.layers = layers
-        if not isinstance(self.start, (int, np.integer)) or self.start < 0:
-            raise ConfigError(f"start={self.start!r} must be a non-negative int (token position of row 0)")
-        self.start = int(self.start)
-        if not self.segments and num_rows:
-            self.segments = (Segment(self.start, self.start + num_rows),)
-        self.segments = tuple(self.segments)
+        if len(set(self.layers)) != num_layers or any(x < 0 for x in self.layers):
+            raise ConfigError(f"layers={self.layers} must be distinct non-negative global layer numbers")
+        if not isinstance(start, (int, np.integer)) or start < 0:
+            raise ConfigError(f"start={start!r} must be a non-negative int (token position of row 0)")
+        self.start = int(start)
+        if not segments and num_rows:
+            segments = (Segment(self.start, self.start + num_rows),)
+        self.segments = tuple(segments)
         _check_segments(self.segments, self.start, self.start + num_rows)
 
     # --- shape ---------------------------------------------------------------------------------
@@ -220,9 +227,7 @@ class RouteTrace:
         begin = self.start if begin is None else int(begin)
         end = self.stop if end is None else int(end)
         if not self.start <= begin <= end <= self.stop:
-            raise ConfigError(
-                f"slice [{begin}, {end}) is outside this trace's token range [{self.start}, {self.stop})"
-            )
+            raise ConfigError(f"slice [{begin}, {end}) is outside this trace's token range [{self.start}, {self.stop})")
         segments = tuple(
             replace(s, begin=max(s.begin, begin), end=min(s.end, end))
             for s in self.segments
@@ -286,7 +291,7 @@ class RouteTrace:
         return self.sorted_rows() == other.sorted_rows()
 
     def __repr__(self) -> str:
-        layers = list(self.layers)  # type: ignore[arg-type]
+        layers = list(self.layers)
         shown = f"{layers}" if len(layers) <= 6 else f"[{layers[0]}..{layers[-1]}]"
         sources = ", ".join(s.describe() for s in self.segments[:3])
         if len(self.segments) > 3:

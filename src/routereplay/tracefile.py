@@ -139,7 +139,12 @@ def read_trace(
     }
     if found is FileFormat.VLLM:
         trace = decode_vllm(
-            document, num_layers=hints.num_layers, top_k=hints.top_k, prompt_start=hints.start, choice=hints.index, **common
+            document,
+            num_layers=hints.num_layers,
+            top_k=hints.top_k,
+            prompt_start=hints.start,
+            choice=hints.index,
+            **common,
         )
     elif found is FileFormat.SGLANG:
         trace = decode_sglang(

@@ -39,4 +39,6 @@ def test_all_layer_payload_and_errors(rng: np.random.Generator) -> None:
         decode_megatron({"text": "x"}, num_experts=32)
     with pytest.raises(TraceShapeError, match="empty list; pass num_layers"):
         decode_megatron({"moe_topk_indices": []}, num_experts=32)
-    assert decode_megatron({"moe_topk_indices": []}, num_experts=32, num_layers=3, top_k=2, num_tokens=1).num_tokens == 0
+    assert (
+        decode_megatron({"moe_topk_indices": []}, num_experts=32, num_layers=3, top_k=2, num_tokens=1).num_tokens == 0
+    )

@@ -61,9 +61,17 @@ def test_start_len_and_moe_layers(rng: np.random.Generator) -> None:
 
 def test_openai_per_choice_sgl_ext_and_response_sglext(rng: np.random.Generator) -> None:
     a, b = distinct_routes(rng, 5, 4, 2, 16), distinct_routes(rng, 5, 4, 2, 16)
-    per_choice = {"choices": [{"index": 0, "sgl_ext": {"routed_experts": sglang_b64(a)}}, {"index": 1, "sgl_ext": {"routed_experts": sglang_b64(b)}}]}
+    per_choice = {
+        "choices": [
+            {"index": 0, "sgl_ext": {"routed_experts": sglang_b64(a)}},
+            {"index": 1, "sgl_ext": {"routed_experts": sglang_b64(b)}},
+        ]
+    }
     assert np.array_equal(decode_sglang(per_choice, choice=1, **SHAPE).experts, b)
-    response_level = {"choices": [{"index": 0, "message": {"content": "x"}}], "sglext": {"routed_experts": sglang_b64(a)}}
+    response_level = {
+        "choices": [{"index": 0, "message": {"content": "x"}}],
+        "sglext": {"routed_experts": sglang_b64(a)},
+    }
     assert np.array_equal(decode_sglang(response_level, **SHAPE).experts, a)
     listed = {"choices": [{}, {}], "sglext": {"routed_experts": [sglang_b64(a), sglang_b64(b)]}}
     assert np.array_equal(decode_sglang(listed, choice=1, **SHAPE).experts, b)

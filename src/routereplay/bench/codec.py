@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -90,7 +91,11 @@ def run(config: CodecBenchConfig, progress: Callable[[str], None] | None = None)
     report = progress or (lambda _name: None)
     rng = np.random.default_rng(config.seed)
     trace = random_trace(
-        rng, num_tokens=config.num_tokens, num_layers=config.num_layers, top_k=config.top_k, num_experts=config.num_experts
+        rng,
+        num_tokens=config.num_tokens,
+        num_layers=config.num_layers,
+        top_k=config.top_k,
+        num_experts=config.num_experts,
     )
     rows = config.num_tokens * config.num_layers
     entropy_bytes = codec.entropy_bits_per_row(config.num_experts, config.top_k) / 8
@@ -99,7 +104,7 @@ def run(config: CodecBenchConfig, progress: Callable[[str], None] | None = None)
         report(case.name)
         blob = case.encode()
         encode_t = measure(case.encode, config.repeats)
-        decode_t = measure(lambda blob=blob: case.decode(blob), config.repeats)
+        decode_t = measure(partial(case.decode, blob), config.repeats)
         formats.append(_record(case.name, len(blob), rows, entropy_bytes, encode_t, decode_t))
     validated = _validated_decoders(trace, config, report)
     by_name = {f["name"]: f for f in formats}
@@ -129,19 +134,27 @@ def run(config: CodecBenchConfig, progress: Callable[[str], None] | None = None)
     }
 
 
-def _validated_decoders(trace: RouteTrace, config: CodecBenchConfig, report: Callable[[str], None]) -> list[dict[str, Any]]:
+def _validated_decoders(
+    trace: RouteTrace, config: CodecBenchConfig, report: Callable[[str], None]
+) -> list[dict[str, Any]]:
     """What a trainer pays end to end: wire form -> validated RouteTrace."""
     experts_TLK = trace.experts
     sglang_text = base64.b64encode(experts_TLK.astype(np.int32).tobytes()).decode()
     wire = np.uint8 if trace.num_experts <= 256 else np.uint16
     vllm_text = base64.b64encode(npy_bytes(experts_TLK.astype(wire))).decode()
+    blob = codec.encode(trace)
     cases: list[tuple[str, Callable[[], Any]]] = [
         (
             "decode_sglang (base64 int32 -> validated trace)",
-            lambda: decode_sglang(sglang_text, num_layers=config.num_layers, top_k=config.top_k, num_experts=config.num_experts),
+            lambda: decode_sglang(
+                sglang_text, num_layers=config.num_layers, top_k=config.top_k, num_experts=config.num_experts
+            ),
         ),
-        ("decode_vllm (base64 .npy -> validated trace)", lambda: decode_vllm(vllm_text, num_experts=config.num_experts)),
-        ("codec.decode + validate()", lambda blob=codec.encode(trace): codec.decode(blob).validate()),
+        (
+            "decode_vllm (base64 .npy -> validated trace)",
+            lambda: decode_vllm(vllm_text, num_experts=config.num_experts),
+        ),
+        ("codec.decode + validate()", lambda: codec.decode(blob).validate()),
     ]
     records = []
     for name, function in cases:
@@ -152,7 +165,9 @@ def _validated_decoders(trace: RouteTrace, config: CodecBenchConfig, report: Cal
     return records
 
 
-def _record(name: str, size: int, rows: int, entropy_bytes: float, encode_t: Timing, decode_t: Timing) -> dict[str, Any]:
+def _record(
+    name: str, size: int, rows: int, entropy_bytes: float, encode_t: Timing, decode_t: Timing
+) -> dict[str, Any]:
     return {
         "name": name,
         "bytes": size,

@@ -38,9 +38,13 @@ def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-layers", type=int, help="layers in the payload: every hidden layer (SGLang: required)")
     group.add_argument("--top-k", type=int, help="experts per token (num_experts_per_tok; SGLang: required)")
     group.add_argument(
-        "--moe-layers", type=layer_list, help="global numbers of the MoE layers to keep from an all-layer payload, e.g. 1-47"
+        "--moe-layers",
+        type=layer_list,
+        help="global numbers of the MoE layers to keep from an all-layer payload, e.g. 1-47",
     )
-    group.add_argument("--num-tokens", type=int, help="prompt + generated tokens: checks rows == num_tokens - 1 - start")
+    group.add_argument(
+        "--num-tokens", type=int, help="prompt + generated tokens: checks rows == num_tokens - 1 - start"
+    )
     group.add_argument("--start", type=int, default=0, help="token position of row 0 (prompt_start / start_len)")
     group.add_argument("--index", type=int, default=0, help="choice / request index inside a response (default 0)")
 

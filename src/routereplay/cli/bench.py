@@ -53,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
 
     with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
     ) as progress:
         task = progress.add_task("generating routes", total=None)
         result = codec_bench.run(config, lambda name: progress.update(task, description=f"measuring {name}"))

@@ -15,7 +15,9 @@ PACKAGES = ("routereplay", "numpy", "torch", "transformers", "megatron-core", "h
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "env", help="print versions and platform facts for bug reports", description="Print versions and platform facts."
+        "env",
+        help="print versions and platform facts for bug reports",
+        description="Print versions and platform facts.",
     )
     add_json_argument(parser)
     parser.set_defaults(func=run)

@@ -52,9 +52,12 @@ def _render(path: str, fmt: str, summary: Any, layers_shown: int) -> None:
     from rich.table import Table
 
     from routereplay.summary import compact_ranges
+    from routereplay.trace import Segment
 
     console = Console()
-    facts = Table(show_header=False, box=None, pad_edge=False, title=f"[bold]{path}[/bold] ({fmt})", title_justify="left")
+    facts = Table(
+        show_header=False, box=None, pad_edge=False, title=f"[bold]{path}[/bold] ({fmt})", title_justify="left"
+    )
     facts.add_column(style="cyan")
     facts.add_column()
     facts.add_row("rows (tokens)", f"{summary.num_tokens}  (token positions {summary.start}..{summary.stop})")
@@ -66,10 +69,7 @@ def _render(path: str, fmt: str, summary: Any, layers_shown: int) -> None:
         f"{summary.coverage:.2%} of (token, layer) rows routed; {summary.unrouted_rows} of {total} are -1 "
         f"(live fallback); {summary.fully_routed_tokens} tokens routed in every layer",
     )
-    provenance = ", ".join(
-        f"{s['source']}{'' if s['policy_version'] is None else '@v' + str(s['policy_version'])}[{s['begin']}:{s['end']}]"
-        for s in summary.segments
-    )
+    provenance = ", ".join(Segment(**segment).describe() for segment in summary.segments)
     facts.add_row("provenance", provenance or "-")
     verdict = "[green]valid[/green]" if summary.valid else f"[red]INVALID[/red] {summary.error_type}: {summary.error}"
     facts.add_row("validation", verdict)

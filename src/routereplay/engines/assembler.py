@@ -93,7 +93,11 @@ def assemble(
             f"{location(sequence)}: expert id {bad} is outside [0, {expect.num_experts}); check "
             "num_experts and that the engine reports logical (not EPLB physical) ids"
         )
-    if experts_TLK.size and experts_TLK.dtype != canonical_dtype(expect.num_experts) and experts_TLK.dtype.itemsize >= 4:
+    if (
+        experts_TLK.size
+        and experts_TLK.dtype != canonical_dtype(expect.num_experts)
+        and experts_TLK.dtype.itemsize >= 4
+    ):
         _check_castable(experts_TLK, expect.num_experts, sequence, expect.start)
     segments = (Segment(expect.start, expect.start + rows, source, policy_version),) if rows else ()
     trace = RouteTrace(experts_TLK, expect.num_experts, layers, expect.start, segments)
@@ -120,7 +124,9 @@ def _check_rows(experts_TLK: np.ndarray, expect: Expectation, sequence: str | in
     elif extra == 1:
         cause = "one row too many: the payload has a row for the last sampled token, or num_tokens misses a token"
     elif extra > 0 and rows == expect.num_tokens - 1:
-        cause = f"the payload starts at token 0, not {expect.start}: pass start=0, or the engine ignored the start offset"
+        cause = (
+            f"the payload starts at token 0, not {expect.start}: pass start=0, or the engine ignored the start offset"
+        )
     elif extra > 0:
         cause = "too many rows: routes of another sequence, or a stale capture buffer; check the request/choice index"
     else:

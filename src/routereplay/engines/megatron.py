@@ -79,7 +79,14 @@ def decode_megatron(
         start=start,
         num_tokens=num_tokens,
     )
-    return assemble(np.asarray(experts_TLK), expect, source=Source.MEGATRON, sequence=where, policy_version=policy_version, validate=validate)
+    return assemble(
+        np.asarray(experts_TLK),
+        expect,
+        source=Source.MEGATRON,
+        sequence=where,
+        policy_version=policy_version,
+        validate=validate,
+    )
 
 
 def _locate(value: Any, index: int, where: str | int) -> Any:

@@ -61,7 +61,7 @@ def require_present(value: Any, what: str, hint: str) -> Any:
     return value
 
 
-def b64_to_bytes(text: str | bytes, what: str, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+def b64_to_bytes(text: str | bytes | bytearray, what: str, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     """Strict base64 decoding with the decoded size bounded before decoding."""
     if isinstance(text, str):
         try:
@@ -160,7 +160,9 @@ def raw_to_array(data: bytes, dtype: np.dtype[Any], num_layers: int, top_k: int,
     row_bytes = num_layers * top_k * dtype.itemsize
     if len(data) % row_bytes:
         fits = [
-            str(np.dtype(d)) for d in ("int32", "uint16", "uint8") if len(data) % (num_layers * top_k * np.dtype(d).itemsize) == 0
+            str(np.dtype(d))
+            for d in ("int32", "uint16", "uint8")
+            if len(data) % (num_layers * top_k * np.dtype(d).itemsize) == 0
         ]
         hint = f"; the length would fit dtype {', '.join(fits)}" if fits else ""
         raise PayloadSizeError(

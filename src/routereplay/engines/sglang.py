@@ -74,7 +74,10 @@ def decode_sglang(
     meta, routes = _locate(value, index, choice, where)
     num_tokens_origin = "num_tokens"
     if num_tokens is None and meta is not None:
-        prompt_tokens, completion_tokens = get_field(meta, "prompt_tokens", None), get_field(meta, "completion_tokens", None)
+        prompt_tokens, completion_tokens = (
+            get_field(meta, "prompt_tokens", None),
+            get_field(meta, "completion_tokens", None),
+        )
         if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
             num_tokens = prompt_tokens + completion_tokens
             num_tokens_origin = "meta_info prompt_tokens+completion_tokens"
@@ -92,7 +95,9 @@ def decode_sglang(
         num_tokens=num_tokens,
         num_tokens_origin=num_tokens_origin,
     )
-    return assemble(experts_TLK, expect, source=Source.SGLANG, sequence=where, policy_version=policy_version, validate=validate)
+    return assemble(
+        experts_TLK, expect, source=Source.SGLANG, sequence=where, policy_version=policy_version, validate=validate
+    )
 
 
 def _locate(value: Any, index: int, choice: int, where: str | int | None) -> tuple[Any, Any]:

@@ -85,7 +85,9 @@ def decode_vllm(
         start=prompt_start,
         num_tokens=num_tokens,
     )
-    return assemble(routes, expect, source=Source.VLLM, sequence=where, policy_version=policy_version, validate=validate)
+    return assemble(
+        routes, expect, source=Source.VLLM, sequence=where, policy_version=policy_version, validate=validate
+    )
 
 
 def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tuple[Any, Any]:
