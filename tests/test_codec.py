@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from routereplay import RouteTrace, Segment, Source
+from routereplay.bitpack import pack_bits, unpack_bits
 from routereplay.codec import (
     MAGIC,
     MIN_BLOB_BYTES,
@@ -25,10 +26,7 @@ from routereplay.codec import (
     encode,
     entropy_bits_per_row,
     header_info,
-    pack_bits,
-    unpack_bits,
 )
-from routereplay.codec import _count_at_most as count_at_most
 from routereplay.enums import CodecMode
 from routereplay.errors import (
     ChecksumError,
@@ -38,6 +36,7 @@ from routereplay.errors import (
     DuplicateExpertError,
     RouteReplayError,
 )
+from routereplay.subsets import count_at_most
 from tests.wire import distinct_routes
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -47,8 +47,10 @@ from typing import Any
 
 import numpy as np
 
+from routereplay.bitpack import pack_bits, unpack_bits
 from routereplay.enums import CodecMode
 from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError, ConfigError, RouteReplayError
+from routereplay.subsets import U64_MAX, binomial_table, rank_subsets, unrank_subsets
 from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
 MAGIC = b"RRTC"
@@ -59,7 +61,6 @@ DEFAULT_MAX_ENTRIES = 1 << 32  # decode() refuses T * L * K above this (8 GiB of
 MAX_EXPERTS = 1 << 31  # ids must fit the int32 canonical dtype
 _MAX_SET_TABLE = 1 << 22  # set mode: (E + 1) * (K + 1) * ceil(b / 64) binomial-table words
 _ZSTD_MAX_RATIO = 1 << 15  # no zstd frame expands more (a 128 KiB block from a 4-byte RLE block)
-_U64_MAX = (1 << 64) - 1
 _FIXED = struct.Struct("<4sBBBBQIHIQ")  # magic, version, mode, flags, reserved, T, L, K, E, start
 _SEGMENT = struct.Struct("<QQqH")  # begin, end, policy_version, source-name length
 _U32 = struct.Struct("<I")
@@ -196,64 +197,6 @@ def entropy_bits_per_row(num_experts: int, top_k: int) -> float:
     return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
 
 
-def pack_bits(values: np.ndarray, bits: int) -> bytes:
-    """Pack values (masked to their low `bits` bits, 0..64) LSB-first into ceil(n * bits / 8) bytes.
-
-    Eight values of b bits fill exactly b bytes, so the work is a (groups, b) byte array filled
-    column by column: lane j starts at bit j * b of its group.
-    """
-    if not 0 <= bits <= 64:
-        raise ConfigError(f"bits={bits} must be in 0..64")
-    values_n = np.asarray(values).astype(np.uint64, copy=False).ravel()
-    count = values_n.size
-    if bits == 0 or count == 0:
-        return b""
-    groups = -(-count // 8)
-    lanes = np.zeros(groups * 8, np.uint64)
-    lanes[:count] = values_n
-    if bits < 64:
-        lanes &= (1 << bits) - 1
-    lanes_G8 = lanes.reshape(groups, 8)
-    out_GB = np.zeros((groups, bits), np.uint8)
-    for j in range(8):
-        byte, shift = divmod(j * bits, 8)
-        lane = lanes_G8[:, j]
-        out_GB[:, byte] |= (lane << shift).astype(np.uint8)
-        m = 1
-        while 8 * m - shift < bits:
-            out_GB[:, byte + m] |= (lane >> (8 * m - shift)).astype(np.uint8)
-            m += 1
-    return out_GB.tobytes()[: -(-count * bits // 8)]
-
-
-def unpack_bits(buf: bytes | bytearray | memoryview | np.ndarray, count: int, bits: int) -> np.ndarray:
-    """Inverse of `pack_bits`: the first `count` values of `bits` bits from `buf`, as uint64."""
-    if not 0 <= bits <= 64:
-        raise ConfigError(f"bits={bits} must be in 0..64")
-    needed = -(-count * bits // 8)
-    data = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf.view(np.uint8).ravel()
-    if data.size < needed:
-        raise CodecFormatError(f"bit stream holds {data.size} bytes; {count} values of {bits} bits need {needed}")
-    if bits == 0 or count == 0:
-        return np.zeros(count, np.uint64)
-    groups = -(-count // 8)
-    padded = np.zeros(groups * bits, np.uint8)
-    padded[:needed] = data[:needed]
-    bytes_GB = padded.reshape(groups, bits)
-    out_G8 = np.empty((groups, 8), np.uint64)
-    for j in range(8):
-        byte, shift = divmod(j * bits, 8)
-        lane = bytes_GB[:, byte].astype(np.uint64) >> shift
-        m = 1
-        while 8 * m - shift < bits:
-            lane |= bytes_GB[:, byte + m].astype(np.uint64) << (8 * m - shift)
-            m += 1
-        if bits < 64:
-            lane &= (1 << bits) - 1
-        out_G8[:, j] = lane
-    return out_G8.ravel()[:count]
-
-
 # --- rows <-> payload -------------------------------------------------------------------------
 
 
@@ -286,17 +229,6 @@ def _payload_bytes(num_rows: int, streams: list[tuple[int, int]]) -> int:
     return sum(-(-num_rows * per_row * bits // 8) for per_row, bits in streams)
 
 
-def _binomial_table(num_experts: int, top_k: int, count: int) -> np.ndarray:
-    """(K + 1, E) table[j, c] = min(C(c, j), count): uint64 when count < 2**64, else Python ints."""
-    rows = [np.ones(num_experts, dtype=object)]
-    for _ in range(top_k):
-        row = np.zeros(num_experts, dtype=object)
-        row[1:] = np.cumsum(rows[-1][:-1])  # C(c, j) = sum_{m < c} C(m, j - 1)
-        rows.append(np.minimum(row, count))  # clamped entries are never a term of a valid rank
-    table = np.stack(rows)
-    return table.astype(np.uint64) if count <= _U64_MAX else table
-
-
 def _encode_rows(experts_NK: np.ndarray, num_experts: int, top_k: int, mode: CodecMode) -> bytes:
     streams = _streams(num_experts, top_k, mode)
     if mode is CodecMode.ORDERED:
@@ -304,12 +236,8 @@ def _encode_rows(experts_NK: np.ndarray, num_experts: int, top_k: int, mode: Cod
     count = math.comb(num_experts, top_k)
     if len(experts_NK) == 0 or _rank_bits(count) == 0:
         return b""
-    table_JE = _binomial_table(num_experts, top_k, count)
-    sorted_NK = np.sort(experts_NK, axis=1)
-    ranks_N = np.zeros(len(sorted_NK), table_JE.dtype)
-    for i in range(top_k):
-        ranks_N += table_JE[i + 1][sorted_NK[:, i]]
-    words = [ranks_N] if len(streams) == 1 else [((ranks_N >> (64 * q)) & _U64_MAX) for q in range(len(streams))]
+    ranks_N = rank_subsets(experts_NK, binomial_table(num_experts, top_k, count))
+    words = [ranks_N] if len(streams) == 1 else [((ranks_N >> (64 * q)) & U64_MAX) for q in range(len(streams))]
     return b"".join(pack_bits(word.astype(np.uint64), bits) for word, (_, bits) in zip(words, streams, strict=True))
 
 
@@ -342,47 +270,7 @@ def _decode_rows(raw: bytes, pos: int, num_rows: int, num_experts: int, top_k: i
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise CodecFormatError(f"routed row {row} has set rank {ranks_N[row]} >= C({num_experts}, {top_k}): corrupt")
-    return _unrank(ranks_N, _binomial_table(num_experts, top_k, count), top_k, count, dtype)
-
-
-def _unrank(ranks_N: np.ndarray, table_JE: np.ndarray, top_k: int, count: int, dtype: Any) -> np.ndarray:
-    """Rows c_0 < ... < c_{K-1} with sum_i C(c_i, i + 1) = rank, greedily from the largest id."""
-    experts_NK = np.empty((len(ranks_N), top_k), dtype)
-    remainder_N = ranks_N.copy()
-    for i in range(top_k - 1, 0, -1):
-        column_E = table_JE[i + 1]
-        if column_E.dtype == object:  # C(E, K) >= 2**64: exact Python ints
-            c_N = np.searchsorted(column_E, remainder_N, side="right") - 1
-        else:  # ids below i have C(c, i + 1) = 0 and clamped entries exceed every rank: skip both
-            usable = column_E[i : int(np.count_nonzero(column_E < count))]
-            c_N = i + _count_at_most(usable, remainder_N) - 1
-        experts_NK[:, i] = c_N
-        remainder_N -= column_E[c_N]
-    experts_NK[:, 0] = remainder_N  # C(c, 1) = c
-    return experts_NK
-
-
-def _count_at_most(sorted_M: np.ndarray, queries_N: np.ndarray) -> np.ndarray:
-    """np.searchsorted(sorted_M, queries_N, side='right') for uint64, ~4x faster and exact.
-
-    Buckets by the top bits of float64(x + 1) (monotone in x): entries in a lower bucket are
-    <= the query, in a higher one >; the few sharing the query's bucket are compared directly.
-    """
-    mantissa = min(12, max(4, len(sorted_M).bit_length()))
-
-    def bucket(x: np.ndarray) -> np.ndarray:
-        return (x.astype(np.float64) + 1.0).view(np.int64) >> (52 - mantissa)
-
-    bucket_M = bucket(sorted_M)
-    base, top = int(bucket_M[0]), int(bucket_M[-1]) + 1
-    below_B = np.searchsorted(bucket_M, np.arange(base, top + 1), side="left")  # entries in lower buckets
-    width = int(np.unique(bucket_M, return_counts=True)[1].max())
-    padded_M = np.concatenate([sorted_M, np.full(width, _U64_MAX, np.uint64)])
-    start_N = below_B[np.clip(bucket(queries_N), base, top) - base]
-    counts_N = start_N.copy()
-    for offset in range(width):
-        counts_N += padded_M[start_N + offset] <= queries_N
-    return counts_N
+    return unrank_subsets(ranks_N, binomial_table(num_experts, top_k, count), top_k, count, dtype)
 
 
 # --- envelope and header ----------------------------------------------------------------------
