@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from routereplay import RouteTrace, Segment, Source
 from routereplay.errors import (
@@ -179,3 +181,54 @@ def test_expectation_checks(rng: np.random.Generator) -> None:
 def test_every_error_is_a_route_replay_error_and_value_error() -> None:
     for cls in (DtypeError, DuplicateExpertError, ExpertIdRangeError, PartialRowError, ZeroLayerError, LayerCountError):
         assert issubclass(cls, RouteReplayError) and issubclass(cls, ValueError)
+
+
+def _reference_verdict(routes: np.ndarray, num_experts: int) -> str | None:
+    """Row-by-row reference of the validation order: range, partial, zero layer, duplicates."""
+    T, L, K = routes.shape
+    if ((routes < -1) | (routes >= num_experts)).any():
+        return "ExpertIdRangeError"
+    rows = [(t, l, list(routes[t, l])) for t in range(T) for l in range(L)]
+    if any(-1 in r and any(v != -1 for v in r) for _, _, r in rows):
+        return "PartialRowError"
+    for l in range(L):
+        routed = [list(routes[t, l]) for t in range(T) if routes[t, l, 0] != -1]
+        if len(routed) >= (1 if K > 1 else 32) and all(all(v == 0 for v in r) for r in routed):
+            return "ZeroLayerError"
+    if any(r[0] != -1 and len(set(r)) < K for _, _, r in rows):
+        return "DuplicateExpertError"
+    return None
+
+
+@given(
+    st.integers(1, 20).flatmap(
+        lambda k: st.tuples(
+            st.just(k), st.integers(k, k + 6), st.integers(0, 6), st.integers(1, 3), st.integers(0, 2**31)
+        )
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_validate_matches_reference(params: tuple[int, int, int, int, int]) -> None:
+    top_k, num_experts, tokens, layers, seed = params
+    rng = np.random.default_rng(seed)
+    routes = distinct_routes(rng, tokens, layers, top_k, num_experts)
+    for _ in range(int(rng.integers(0, 3))):  # sprinkle the defects the catalogue names
+        t, l = int(rng.integers(0, max(tokens, 1))), int(rng.integers(0, layers))
+        if tokens == 0:
+            break
+        kind = int(rng.integers(0, 4))
+        if kind == 0:
+            routes[t, l] = -1
+        elif kind == 1:
+            routes[t, l, int(rng.integers(0, top_k))] = -1
+        elif kind == 2 and top_k > 1:
+            routes[t, l, 0] = routes[t, l, 1]
+        else:
+            routes[:, l] = 0
+    expected = _reference_verdict(routes, num_experts)
+    try:
+        RouteTrace(routes, num_experts).validate()
+        actual = None
+    except RouteReplayError as exc:
+        actual = type(exc).__name__
+    assert actual == expected

@@ -175,43 +175,59 @@ class RouteTrace:
         x = self.experts
         if x.size == 0:
             return self
-        bad = (x < -1) | (x >= self.num_experts)
-        if bad.any():
+        num_rows, num_layers, top_k = x.shape
+        low, high = int(x.min()), int(x.max())
+        if low < -1 or high >= self.num_experts:
+            bad = (x < -1) | (x >= self.num_experts)
             t, l, k = np.unravel_index(int(np.flatnonzero(bad)[0]), x.shape)
             raise ExpertIdRangeError(
                 f"{location(where, row=int(t), layer=self.layers[l], start=self.start)}: expert id "
                 f"{int(x[t, l, k])} is outside [0, {self.num_experts}) ({int(bad.sum())} such ids); "
                 "check num_experts, and that the engine reports logical (not EPLB physical) ids"
             )
-        neg = x == -1
-        any_neg, all_neg = neg.any(axis=2), neg.all(axis=2)
-        partial = any_neg & ~all_neg
-        if partial.any():
-            t, l = np.unravel_index(int(np.flatnonzero(partial)[0]), partial.shape)
-            raise PartialRowError(
-                f"{location(where, row=int(t), layer=self.layers[l], start=self.start)}: row "
-                f"{x[t, l].tolist()} mixes -1 with expert ids; a row is either fully routed or fully "
-                "-1 (no route). The payload was padded or truncated inside the top-k axis"
-            )
-        routed = ~all_neg
-        self._check_zero_layers(where, routed)
-        if self.top_k > 1:
-            ordered = np.sort(x, axis=2)
-            dup = (ordered[..., 1:] == ordered[..., :-1]).any(axis=2) & routed
-            if dup.any():
-                t, l = np.unravel_index(int(np.flatnonzero(dup)[0]), dup.shape)
+        columns_KR = np.ascontiguousarray(x.reshape(-1, top_k).T)  # one contiguous row per top-k slot
+        routed_R: np.ndarray | None = None  # None: every row routed (no -1 anywhere)
+        if low == -1:
+            negative_KR = columns_KR == -1
+            all_negative_R = np.logical_and.reduce(negative_KR, axis=0)
+            partial_R = np.logical_or.reduce(negative_KR, axis=0) & ~all_negative_R
+            if partial_R.any():
+                t, l = divmod(int(np.flatnonzero(partial_R)[0]), num_layers)
+                raise PartialRowError(
+                    f"{location(where, row=t, layer=self.layers[l], start=self.start)}: row "
+                    f"{x[t, l].tolist()} mixes -1 with expert ids; a row is either fully routed or fully "
+                    "-1 (no route). The payload was padded or truncated inside the top-k axis"
+                )
+            routed_R = ~all_negative_R
+        routed_TL = (
+            np.ones((num_rows, num_layers), bool) if routed_R is None else routed_R.reshape(num_rows, num_layers)
+        )
+        self._check_zero_layers(where, routed_TL)
+        if top_k > 1:
+            duplicate_R = _duplicate_rows(columns_KR)
+            if routed_R is not None:
+                duplicate_R &= routed_R
+            if duplicate_R.any():
+                t, l = divmod(int(np.flatnonzero(duplicate_R)[0]), num_layers)
                 raise DuplicateExpertError(
-                    f"{location(where, row=int(t), layer=self.layers[l], start=self.start)}: row "
-                    f"{x[t, l].tolist()} names an expert twice ({int(dup.sum())} such rows); zero "
+                    f"{location(where, row=t, layer=self.layers[l], start=self.start)}: row "
+                    f"{x[t, l].tolist()} names an expert twice ({int(duplicate_R.sum())} such rows); zero "
                     "padding was probably used for 'no route' - use -1 instead"
                 )
         return self
 
     def _check_zero_layers(self, where: str | int | None, routed_TL: np.ndarray) -> None:
-        zero_TL = (self.experts == 0).all(axis=2)
+        # ids are in [-1, E) and no row mixes -1 with ids, so a layer whose largest id is 0 holds
+        # only all-zero and all-(-1) rows
+        num_rows, num_layers, top_k = self.experts.shape
+        layer_max_L = (
+            self.experts.reshape(num_rows, num_layers * top_k).max(axis=0).reshape(num_layers, top_k).max(axis=1)
+        )
+        if not (layer_max_L == 0).any():
+            return
         routed_rows_L = routed_TL.sum(axis=0)
-        threshold = 1 if self.top_k > 1 else ZERO_LAYER_MIN_ROWS_K1
-        all_zero_L = (routed_rows_L >= threshold) & (zero_TL | ~routed_TL).all(axis=0)
+        threshold = 1 if top_k > 1 else ZERO_LAYER_MIN_ROWS_K1
+        all_zero_L = (layer_max_L == 0) & (routed_rows_L >= threshold)
         if all_zero_L.any():
             layer_numbers = [self.layers[i] for i in np.flatnonzero(all_zero_L)]
             raise ZeroLayerError(
@@ -328,6 +344,20 @@ def _as_route_array(value: Any, num_experts: int) -> np.ndarray:
                 "(nor -1); check num_experts and the payload dtype"
             )
     return np.ascontiguousarray(array, dtype=target)
+
+
+def _duplicate_rows(columns_KR: np.ndarray) -> np.ndarray:
+    """(R,) bool: rows naming an expert twice. Pairwise compares of contiguous columns beat a sort
+    along a short last axis up to K = 16 (28 compares for K = 8)."""
+    top_k = columns_KR.shape[0]
+    if top_k > 16:
+        ordered_RK = np.sort(columns_KR.T, axis=1)
+        return np.asarray((ordered_RK[:, 1:] == ordered_RK[:, :-1]).any(axis=1))
+    duplicate_R = np.zeros(columns_KR.shape[1], bool)
+    for i in range(top_k):
+        for j in range(i + 1, top_k):
+            duplicate_R |= columns_KR[i] == columns_KR[j]
+    return duplicate_R
 
 
 def _check_segments(segments: tuple[Segment, ...], start: int, stop: int) -> None:
