@@ -192,10 +192,10 @@ class RouteTrace:
             all_negative_R = np.logical_and.reduce(negative_KR, axis=0)
             partial_R = np.logical_or.reduce(negative_KR, axis=0) & ~all_negative_R
             if partial_R.any():
-                t, l = divmod(int(np.flatnonzero(partial_R)[0]), num_layers)
+                row, index = divmod(int(np.flatnonzero(partial_R)[0]), num_layers)
                 raise PartialRowError(
-                    f"{location(where, row=t, layer=self.layers[l], start=self.start)}: row "
-                    f"{x[t, l].tolist()} mixes -1 with expert ids; a row is either fully routed or fully "
+                    f"{location(where, row=row, layer=self.layers[index], start=self.start)}: row "
+                    f"{x[row, index].tolist()} mixes -1 with expert ids; a row is either fully routed or fully "
                     "-1 (no route). The payload was padded or truncated inside the top-k axis"
                 )
             routed_R = ~all_negative_R
@@ -208,10 +208,10 @@ class RouteTrace:
             if routed_R is not None:
                 duplicate_R &= routed_R
             if duplicate_R.any():
-                t, l = divmod(int(np.flatnonzero(duplicate_R)[0]), num_layers)
+                row, index = divmod(int(np.flatnonzero(duplicate_R)[0]), num_layers)
                 raise DuplicateExpertError(
-                    f"{location(where, row=t, layer=self.layers[l], start=self.start)}: row "
-                    f"{x[t, l].tolist()} names an expert twice ({int(duplicate_R.sum())} such rows); zero "
+                    f"{location(where, row=row, layer=self.layers[index], start=self.start)}: row "
+                    f"{x[row, index].tolist()} names an expert twice ({int(duplicate_R.sum())} such rows); zero "
                     "padding was probably used for 'no route' - use -1 instead"
                 )
         return self

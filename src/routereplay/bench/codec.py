@@ -3,7 +3,8 @@
 Every format is measured in the same run on the same routes: routereplay's set and ordered codec,
 JSON nested lists (vLLM 0.21, verl/SkyRL glue), SGLang's base64 raw int32, vLLM >= 0.22's base64
 `.npy` uint8 (uint16 when E > 256), and raw uint8 bytes. Peers are timed on their format work
-alone (what a consumer must do to get an array back); routereplay's decode returns a `RouteTrace`.
+alone: wire bytes -> an int16 (T, L, K) array, the signed dtype a trainer needs for the -1 sentinel
+(what routereplay's decode returns inside its `RouteTrace`).
 The end-to-end validated decoders are timed too, since that is what a trainer pays.
 Legend: T = tokens, L = layers, K = top-k, E = experts.
 """
@@ -26,6 +27,7 @@ from routereplay.bench.timing import Timing, measure
 from routereplay.engines.payload import npy_bytes
 from routereplay.engines.sglang import decode_sglang
 from routereplay.engines.vllm import decode_vllm
+from routereplay.environment import collect
 from routereplay.synthetic import random_trace
 from routereplay.trace import RouteTrace
 
@@ -70,17 +72,19 @@ def _cases(trace: RouteTrace) -> list[FormatCase]:
         FormatCase(
             "SGLang base64 int32",
             lambda: base64.b64encode(experts_TLK.astype(np.int32).tobytes()),
-            lambda blob: np.frombuffer(base64.b64decode(blob), np.int32).reshape(-1, *experts_TLK.shape[1:]),
+            lambda blob: (
+                np.frombuffer(base64.b64decode(blob), np.int32).reshape(-1, *experts_TLK.shape[1:]).astype(np.int16)
+            ),
         ),
         FormatCase(
             f"vLLM base64 .npy {np.dtype(wire)}",
             lambda: base64.b64encode(npy_bytes(experts_TLK.astype(wire))),
-            lambda blob: np.load(io.BytesIO(base64.b64decode(blob)), allow_pickle=False),
+            lambda blob: np.load(io.BytesIO(base64.b64decode(blob)), allow_pickle=False).astype(np.int16),
         ),
         FormatCase(
             f"raw {np.dtype(wire)}",
             lambda: experts_TLK.astype(wire).tobytes(),
-            lambda blob: np.frombuffer(blob, wire).reshape(experts_TLK.shape),
+            lambda blob: np.frombuffer(blob, wire).reshape(experts_TLK.shape).astype(np.int16),
         ),
     ]
     return cases
@@ -118,6 +122,7 @@ def run(config: CodecBenchConfig, progress: Callable[[str], None] | None = None)
     }
     return {
         "suite": "codec",
+        "machine": collect(),
         "config": {
             "num_tokens": config.num_tokens,
             "num_layers": config.num_layers,
@@ -187,8 +192,12 @@ def _target(value: float, target: float, *, higher_is_better: bool) -> dict[str,
 
 def markdown(result: dict[str, Any]) -> str:
     """The README / BENCHMARKS.md table for a `run` record."""
-    config = result["config"]
+    config, machine = result["config"], result["machine"]
     lines = [
+        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), Python {machine['python']}, "
+        f"numpy {machine['numpy']}, torch {machine['torch']}, by `routereplay bench codec` "
+        f"(`--json` for every figure and its spread).",
+        "",
         f"T={config['num_tokens']} tokens x L={config['num_layers']} layers, top-{config['top_k']} of "
         f"E={config['num_experts']} experts, {config['repeats']} repeats (median); entropy bound "
         f"{result['entropy_bytes_per_row']:.3f} B per (token, layer) row.",

@@ -1,0 +1,48 @@
+"""Facts about this machine and its packages, for `routereplay env` and benchmark records."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from typing import Any
+
+PACKAGES = ("routereplay", "numpy", "torch", "transformers", "megatron-core", "httpx", "zstandard", "rich")
+
+
+def processor_name() -> str:
+    """The CPU model from /proc/cpuinfo where there is one, else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as stream:
+            for line in stream:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def collect() -> dict[str, Any]:
+    """Python, platform, CPU, package versions (None = not installed), torch threads and CUDA."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": processor_name(),
+        "cpu_count": os.cpu_count(),
+    }
+    for name in PACKAGES:
+        try:
+            info[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            info[name] = None
+    import torch
+
+    info["torch_threads"] = torch.get_num_threads()
+    info["cuda_available"] = bool(torch.cuda.is_available())
+    if info["cuda_available"]:
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+__all__ = ["collect", "processor_name"]
