@@ -18,11 +18,20 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+EXAMPLES := src/routereplay/examples
+
 demo: $(STAMP)
-	$(BIN)/routereplay inspect src/routereplay/examples/qwen3_30b_a3b_sglang.json \
-		--num-layers 48 --top-k 8 --num-experts 128 --num-tokens 301
-	$(BIN)/routereplay inspect src/routereplay/examples/moonlight_vllm.json \
-		--num-experts 64 --moe-layers 1-26 --layers-shown 8
+	@echo "== SGLang /generate response, Qwen3-30B-A3B shape (48 MoE layers, top-8 of 128) =="
+	$(BIN)/routereplay inspect $(EXAMPLES)/qwen3_30b_a3b_sglang.json \
+		--num-layers 48 --top-k 8 --num-experts 128 --layers-shown 6
+	@echo "== vLLM >= 0.22 response, Moonlight shape (layer 0 dense, layers 1-26 MoE, top-6 of 64) =="
+	$(BIN)/routereplay inspect $(EXAMPLES)/moonlight_vllm.json --num-experts 64 --moe-layers 1-26 --layers-shown 6
+	@echo "== the same payload without --moe-layers: the dense layer's zero rows must not replay as expert 0 =="
+	@$(BIN)/routereplay inspect $(EXAMPLES)/moonlight_vllm.json --num-experts 64 --layers-shown 2 \
+		|| echo "(exit status $$?: refused, as it should be)"
+	@echo "== store it compactly: codec file vs the wire payload =="
+	$(BIN)/routereplay convert $(EXAMPLES)/qwen3_30b_a3b_sglang.json /tmp/routereplay-demo.rrt --force \
+		--num-layers 48 --top-k 8 --num-experts 128
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

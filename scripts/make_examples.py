@@ -26,7 +26,7 @@ OUT = Path(__file__).resolve().parent.parent / "src" / "routereplay" / "examples
 def layered_routes(
     rng: np.random.Generator, num_rows: int, num_layers: int, top_k: int, num_experts: int
 ) -> np.ndarray:
-    per_layer = [distinct_experts(rng, num_rows, top_k, num_experts, skew=1.1) for _ in range(num_layers)]
+    per_layer = [distinct_experts(rng, num_rows, top_k, num_experts, skew=0.6) for _ in range(num_layers)]
     return np.stack(per_layer, axis=1)  # (T, L, K)
 
 

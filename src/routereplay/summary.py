@@ -97,7 +97,7 @@ def _layer_load(layer: int, load_E: np.ndarray, routed_rows: int) -> LayerLoad:
         max_over_mean=float(load_E.max() / (total / load_E.size)),
         unused_experts=int((load_E == 0).sum()),
         busiest_expert=int(load_E.argmax()),
-        entropy=round(entropy, 6),
+        entropy=round(entropy, 6) + 0.0,  # + 0.0 turns -0.0 into 0.0
     )
 
 

@@ -234,7 +234,7 @@ class RouteTrace:
                 f"{location(where)}: MoE layer(s) {layer_numbers} are all zeros over "
                 f"{int(routed_rows_L[all_zero_L].max())} routed rows: the engine's capture failed "
                 "there (known: vLLM FlashInfer TRT-LLM/NVFP4, SGLang pipeline stages). If these are "
-                "dense layers of an all-layer payload, pass moe_layers= to drop them"
+                "dense layers of an all-layer payload, pass moe_layers= (CLI: --moe-layers) to drop them"
             )
 
     # --- transforms ----------------------------------------------------------------------------
