@@ -82,7 +82,7 @@ def test_batched_generate_list(rng: np.random.Generator) -> None:
     batch = [sglang_generate(a, 2, 4), sglang_generate(b, 3, 5)]
     trace = decode_sglang(batch, index=1, **SHAPE)
     assert np.array_equal(trace.experts, b)
-    with pytest.raises(ConfigError, match="index=2 but the batched response holds 2 requests"):
+    with pytest.raises(ConfigError, match="requests index 2 is out of range: the response holds 2"):
         decode_sglang(batch, index=2, **SHAPE)
 
 

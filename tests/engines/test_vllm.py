@@ -64,7 +64,7 @@ def test_choice_selection_and_prompt_start(rng: np.random.Generator) -> None:
     response = vllm_response([vllm_npy_b64(a, 8), vllm_npy_b64(b, 8)])
     trace = decode_vllm(response, num_experts=8, choice=1, prompt_start=3, num_tokens=9)
     assert np.array_equal(trace.experts, b) and trace.start == 3
-    with pytest.raises(ConfigError, match="choice=2 but the response has 2 choices"):
+    with pytest.raises(ConfigError, match="choices index 2 is out of range: the response holds 2"):
         decode_vllm(response, num_experts=8, choice=2)
 
 

@@ -22,11 +22,12 @@ from routereplay.engines.payload import (
     is_array_like,
     lists_to_array,
     load_npy,
+    pick,
     require_present,
     to_numpy,
 )
 from routereplay.enums import Source
-from routereplay.errors import ConfigError, MissingRoutesError, PayloadEncodingError, TraceShapeError, location
+from routereplay.errors import MissingRoutesError, PayloadEncodingError, TraceShapeError, location
 from routereplay.trace import RouteTrace
 
 FIELD = "moe_topk_indices"
@@ -92,18 +93,14 @@ def decode_megatron(
 def _locate(value: Any, index: int, where: str | int) -> Any:
     what = f"{location(where)} {FIELD}"
     if isinstance(value, list) and value and isinstance(value[0], dict):
-        if not 0 <= index < len(value):
-            raise ConfigError(f"index={index} but the response holds {len(value)} results")
-        value = value[index]
+        value = pick(value, index, "results", what)
     if not isinstance(value, dict) and get_field(value, FIELD, None) is None:
         return require_present(value, what, _ABORTED_HINT)
     if get_field(value, FIELD, None) is not None:
         return get_field(value, FIELD)
     choices = get_field(value, "choices", None)
-    if isinstance(choices, list) and choices:
-        if not 0 <= index < len(choices):
-            raise ConfigError(f"index={index} but the response has {len(choices)} choices")
-        found = get_field(choices[index], FIELD, None)
+    if choices is not None:
+        found = get_field(pick(choices, index, "choices", what), FIELD, None)
         if found is not None:
             return found
     raise MissingRoutesError(f"{what}: the response carries no {FIELD} ({_ABORTED_HINT})")

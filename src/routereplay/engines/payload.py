@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from routereplay.errors import (
+    ConfigError,
     DtypeError,
     MissingRoutesError,
     PayloadEncodingError,
@@ -41,6 +42,22 @@ def get_field(obj: Any, name: str, default: Any = _MISSING) -> Any:
 
 def has_field(obj: Any, name: str) -> bool:
     return get_field(obj, name) is not _MISSING
+
+
+def pick(items: Any, index: int, name: str, what: str) -> Any:
+    """`items[index]` of a response's list field, with a named error for a non-list or a bad index."""
+    if not isinstance(items, (list, tuple)):
+        raise PayloadEncodingError(f"{what}: field '{name}' should be a list, got {type(items).__name__}")
+    if not 0 <= index < len(items):
+        raise ConfigError(f"{name} index {index} is out of range: the response holds {len(items)}")
+    return items[index]
+
+
+def mapping(value: Any, name: str, what: str) -> dict[str, Any]:
+    """A response field that must be a JSON object."""
+    if not isinstance(value, dict):
+        raise PayloadEncodingError(f"{what}: field '{name}' should be an object, got {type(value).__name__}")
+    return value
 
 
 def is_array_like(value: Any) -> bool:
@@ -177,9 +194,10 @@ def lists_to_array(value: Any, what: str) -> np.ndarray:
     """Nested JSON lists -> integer array; ragged or non-integer lists are refused."""
     try:
         array = np.asarray(value)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:
         raise PayloadEncodingError(
-            f"{what}: nested lists are ragged ({exc}); every row must hold L lists of K ids"
+            f"{what}: nested lists are ragged or hold non-integers ({type(exc).__name__}); every row must hold "
+            "L lists of K ids"
         ) from None
     if array.dtype.kind == "O":
         raise PayloadEncodingError(f"{what}: nested lists are ragged or mix types; expected [T][L][K] ints")
@@ -210,7 +228,9 @@ __all__ = [
     "is_array_like",
     "lists_to_array",
     "load_npy",
+    "mapping",
     "npy_bytes",
+    "pick",
     "raw_to_array",
     "require_present",
     "to_numpy",

@@ -26,6 +26,8 @@ from routereplay.engines.payload import (
     get_field,
     is_array_like,
     lists_to_array,
+    mapping,
+    pick,
     raw_to_array,
     require_present,
     to_numpy,
@@ -104,29 +106,23 @@ def _locate(value: Any, index: int, choice: int, where: str | int | None) -> tup
     """Return (meta_info or None, routes) from whichever response shape was given."""
     what = f"{location(where)} routed_experts"
     if isinstance(value, list) and value and isinstance(value[0], dict):  # batched /generate
-        if not 0 <= index < len(value):
-            raise ConfigError(f"index={index} but the batched response holds {len(value)} requests")
-        value = value[index]
+        value = pick(value, index, "requests", what)
     if not isinstance(value, dict):
         return None, require_present(value, what, _ABORTED_HINT)
     if "meta_info" in value:
-        value = value["meta_info"]
+        value = mapping(value["meta_info"], "meta_info", what)
     if "routed_experts" in value:
         return value, require_present(value["routed_experts"], what, _ABORTED_HINT)
-    choices = value.get("choices")
-    if isinstance(choices, list):
-        if not 0 <= choice < len(choices):
-            raise ConfigError(f"choice={choice} but the response has {len(choices)} choices")
-        ext = choices[choice].get("sgl_ext") if isinstance(choices[choice], dict) else None
-        if isinstance(ext, dict) and "routed_experts" in ext:
+    if "choices" in value:
+        found = pick(value["choices"], choice, "choices", what)
+        ext = mapping(found, "choices[]", what).get("sgl_ext")
+        if ext is not None and "routed_experts" in mapping(ext, "sgl_ext", what):
             return ext, require_present(ext["routed_experts"], what, _ABORTED_HINT)
-    ext = value.get("sglext")
-    if isinstance(ext, dict) and "routed_experts" in ext:
+    if value.get("sglext") is not None and "routed_experts" in mapping(value["sglext"], "sglext", what):
+        ext = value["sglext"]
         routes = ext["routed_experts"]
         if isinstance(routes, list) and routes and isinstance(routes[0], str):  # one string per choice
-            if not 0 <= choice < len(routes):
-                raise ConfigError(f"choice={choice} but sglext.routed_experts holds {len(routes)} entries")
-            routes = routes[choice]
+            routes = pick(routes, choice, "sglext.routed_experts", what)
         return ext, require_present(routes, what, _ABORTED_HINT)
     raise MissingRoutesError(
         f"{what}: the response has no routed_experts (looked in meta_info, choices[{choice}].sgl_ext and "

@@ -26,11 +26,12 @@ from routereplay.engines.payload import (
     is_array_like,
     lists_to_array,
     load_npy,
+    pick,
     require_present,
     to_numpy,
 )
 from routereplay.enums import Source
-from routereplay.errors import ConfigError, MissingRoutesError, PayloadEncodingError, TraceShapeError, location
+from routereplay.errors import MissingRoutesError, PayloadEncodingError, TraceShapeError, location
 from routereplay.trace import RouteTrace
 
 _ABORTED_HINT = (
@@ -102,9 +103,7 @@ def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tup
     if choices is not None:
         if prompt_value is None:
             prompt_value = get_field(response, "prompt_routed_experts", None)
-        if not 0 <= choice < len(choices):
-            raise ConfigError(f"choice={choice} but the response has {len(choices)} choices")
-        response = choices[choice]
+        response = pick(choices, choice, "choices", f"{location(where)} response")
     if not has_field(response, "routed_experts"):
         raise MissingRoutesError(
             f"{location(where)}: the response has no 'routed_experts' field; start vLLM (>= 0.22 for "
