@@ -499,6 +499,4 @@ __all__ = [
     "encode",
     "entropy_bits_per_row",
     "header_info",
-    "pack_bits",
-    "unpack_bits",
 ]
