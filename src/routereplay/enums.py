@@ -34,4 +34,12 @@ class CodecMode(StrEnum):
     ORDERED = "ordered"
 
 
-__all__ = ["CodecMode", "Source", "StrEnum"]
+class ReplayMode(StrEnum):
+    """What a `Replayer` does to its routers right now."""
+
+    OFF = "off"  # routers run untouched
+    RECORD = "record"  # routers run naturally; their top-k choice is kept
+    REPLAY = "replay"  # the top-k choice is forced from given routes; weights stay the router's own
+
+
+__all__ = ["CodecMode", "ReplayMode", "Source", "StrEnum"]

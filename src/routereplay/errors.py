@@ -105,6 +105,41 @@ class ChecksumError(CodecError):
     """The stored checksum does not match the bytes: the blob was corrupted or tampered with."""
 
 
+# --- the replay runtime ------------------------------------------------------------------------
+
+
+class AttachError(RouteReplayError):
+    """`attach(model)` cannot give this model faithful replay."""
+
+
+class NoRoutersError(AttachError, ValueError):
+    """The model has no top-k router module at all (a dense model, or an unknown router class)."""
+
+
+class UnsupportedRouterError(AttachError):
+    """Some routers cannot be replayed honestly (non-top-k selection, two routers in one layer)."""
+
+
+class AlreadyAttachedError(AttachError):
+    """The model already has a Replayer attached; detach it first."""
+
+
+class KernelBypassError(AttachError):
+    """A fused or hub kernel runs the router outside Python, where replay cannot reach it."""
+
+
+class BatchShapeError(TraceShapeError):
+    """Routes given to replay do not match the batch the model is called with."""
+
+
+class ReplayStateError(RouteReplayError):
+    """A replay/record context was misused: nested, reused, or backward ran after it closed."""
+
+
+class RecomputeError(ReplayStateError):
+    """An activation-checkpoint recompute found no routes to reuse, so it would route differently."""
+
+
 def location(
     sequence: str | int | None = None,
     *,

@@ -1,0 +1,174 @@
+"""Finding the routers of an HF transformers MoE model, by module, and what to intercept in each.
+
+A router is found by its module, never by config fields: a module whose class name ends in Router,
+Gate, Gating or TopkRouter, with a resolvable top-k and number of selectable experts. Its global
+layer number comes from its path (`model.layers.7.mlp.gate` -> 7). The *scope* is the module whose
+forward holds the selection `torch.topk`: the router itself for almost every family, the parent
+block for DBRX (top-k in `DbrxFFN.route_tokens_to_experts`). Routers whose selection is not a top-k
+(PhiMoE's sparsemixer, Switch/NLLB argmax with capacity, DeepSeek-V4 hash routers) are refused
+with the reason, as are layers holding two routers (JetMoE attention experts).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+ROUTER_CLASS = re.compile(r"(Router|Gate|Gating|TopkRouter|TopKRouter)$")
+NOT_ROUTER_CLASS = re.compile(r"(GateUp|Gated|MLPGate|GateProj)")
+LAYER_PATH = re.compile(r"(?:^|\.)(?:layers|blocks|h|layer|decoder_layers)\.(\d+)(?:\.|$)")
+TOP_K_ATTRS = ("top_k", "moe_topk", "num_experts_per_tok", "moe_top_k", "num_selected_experts")
+CONFIG_TOP_K_ATTRS = ("top_k_experts", "num_experts_per_tok", "moe_topk", "moe_top_k")
+CHOICE_ATTRS = ("num_router_classes", "n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts")
+# families whose selection is not a top-k over learned scores: refused with the reason
+NON_TOPK_REASONS = {
+    "PhimoeRouter": "PhiMoE routes with sparsemixer (max + threshold, Gumbel sampling in training), not top-k",
+    "SwitchTransformersTop1Router": "Switch routes by argmax with expert capacity (tokens can be dropped)",
+    "NllbMoeTop2Router": "NLLB-MoE routes top-2 by argmax with capacity and random second-expert dropping",
+    "DeepseekV4HashRouter": "DeepSeek-V4 hash layers pick experts from token ids (tid2eid), nothing to replay",
+}
+# per-family attribute values applied while replaying (restored after each call)
+REPLAY_OVERRIDES = {
+    # group-limited greedy takes top-k VALUES from group-masked scores: forced experts outside the live
+    # groups would get weight 0. Greedy selection gathers the unmasked scores; group choice is replaced anyway.
+    "DeepseekV2TopkRouter": {"topk_method": "greedy"},
+}
+
+
+@dataclass(slots=True)
+class RouterSite:
+    """One bound router: where it is, what it selects, and where its top-k runs."""
+
+    name: str  # module path, e.g. "model.layers.3.mlp.gate"
+    router: nn.Module
+    scope: nn.Module  # module whose forward holds the selection top-k (router or its parent)
+    layer: int  # global decoder-layer number
+    top_k: int
+    num_choices: int  # size of the dimension top-k selects from (experts, + skip / zero experts)
+    family: str  # router class name
+    replay_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    name: str
+    family: str
+    reason: str
+
+
+def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
+    """Every router of `model` that can be bound, and every one that cannot (with why)."""
+    modules = dict(model.named_modules())
+    sites: list[RouterSite] = []
+    refused: list[Refusal] = []
+    for name, module in modules.items():
+        family = type(module).__name__
+        if not ROUTER_CLASS.search(family) or NOT_ROUTER_CLASS.search(family):
+            continue
+        if family in NON_TOPK_REASONS:
+            refused.append(Refusal(name, family, NON_TOPK_REASONS[family]))
+            continue
+        parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+        top_k, num_choices = _top_k(module, parent), _num_choices(module, parent)
+        layer = _layer_number(name)
+        if top_k is None or num_choices is None or layer is None:
+            if _looks_like_router(module):
+                refused.append(
+                    Refusal(name, family, f"cannot resolve top_k={top_k}, experts={num_choices}, layer={layer}")
+                )
+            continue
+        if _has_topk(type(module)):
+            scope = module
+        elif parent is not None and _has_topk(type(parent)):
+            scope = parent
+        else:
+            refused.append(Refusal(name, family, "no torch.topk in the router or its block: not a top-k router"))
+            continue
+        sites.append(
+            RouterSite(name, module, scope, layer, top_k, num_choices, family, dict(REPLAY_OVERRIDES.get(family, {})))
+        )
+    by_layer: dict[int, list[RouterSite]] = {}
+    for site in sites:
+        by_layer.setdefault(site.layer, []).append(site)
+    kept: list[RouterSite] = []
+    for layer, group in sorted(by_layer.items()):
+        if len(group) > 1:
+            names = ", ".join(s.name for s in group)
+            refused.extend(
+                Refusal(
+                    s.name,
+                    s.family,
+                    f"layer {layer} holds {len(group)} routers ({names}); a trace has one route per layer",
+                )
+                for s in group
+            )
+            continue
+        kept.append(group[0])
+    return kept, refused
+
+
+def _top_k(router: nn.Module, parent: nn.Module | None) -> int | None:
+    for owner in (router, parent):
+        if owner is None:
+            continue
+        for attr in TOP_K_ATTRS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        config = getattr(owner, "config", None)
+        for attr in CONFIG_TOP_K_ATTRS:
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _num_choices(router: nn.Module, parent: nn.Module | None) -> int | None:
+    # order matters: Zaya (num_router_classes = E + skip), LongCat (n_routed_experts = E + zero experts)
+    for attr in CHOICE_ATTRS:
+        value = getattr(router, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, nn.Parameter) and weight.dim() == 2:
+        return int(weight.shape[0])
+    linears = [m for m in router.modules() if isinstance(m, nn.Linear) and m is not router]
+    if linears:  # DbrxRouter.layer, Gemma4 proj, HunYuan wg: the last linear makes the logits
+        return int(linears[-1].out_features)
+    if parent is not None:
+        for attr in CHOICE_ATTRS:
+            value = getattr(parent, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _layer_number(name: str) -> int | None:
+    found = LAYER_PATH.findall(name)
+    return int(found[-1]) if found else None
+
+
+def _looks_like_router(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Linear) for m in module.modules()) or isinstance(
+        getattr(module, "weight", None), nn.Parameter
+    )
+
+
+def _has_topk(cls: type) -> bool:
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if ".topk(" in source:
+            return True
+    return False
+
+
+__all__ = ["Refusal", "RouterSite", "discover"]

@@ -1,0 +1,88 @@
+"""Intercepting the one selection `torch.topk` of a router while its forward runs.
+
+While a bound router's scope runs under record or replay, a `TorchFunctionMode` watches torch
+calls. The selection top-k is the call with `k == top_k` over a dimension of `num_choices` entries
+(group-level top-k calls have other sizes and pass through). Record keeps its indices. Replay
+returns `(input.gather(dim, forced), forced)` instead: every step after it (gathering unbiased
+scores, renormalising, scaling, dispatch) is the model's own code. So the weights are exactly what
+the router computes for the forced experts, and gradients reach the gate. Rows of -1 take the live
+choice for that token only.
+
+Legend: T = tokens in this router call, K = top-k, C = choices (experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from routereplay.runtime.discovery import RouterSite
+
+TOPK_FUNCTIONS = frozenset({torch.topk, torch.Tensor.topk})
+
+# (site, rows T) -> forced ids (T, K) long with -1 rows, or None to run the live top-k
+ForcedLookup = Callable[[RouterSite, int], "torch.Tensor | None"]
+# (site, chosen ids (T, K)) -> None: receives the ids the router used
+ChoiceSink = Callable[[RouterSite, torch.Tensor, int], None]
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (where checkpoint recomputes happen)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class TopKInterceptor(TorchFunctionMode):
+    """Active for one call of one router scope; counts the selection top-k calls it saw."""
+
+    def __init__(self, site: RouterSite, forced: ForcedLookup, sink: ChoiceSink) -> None:
+        super().__init__()
+        self.site, self.forced, self.sink = site, forced, sink
+        self.hits = 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func not in TOPK_FUNCTIONS:
+            return func(*args, **kwargs)
+        scores = args[0]
+        k = args[1] if len(args) > 1 else kwargs.get("k")
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        dim = dim % scores.dim()
+        site = self.site
+        if k != site.top_k or scores.shape[dim] != site.num_choices:
+            return func(*args, **kwargs)
+        rows = scores.numel() // site.num_choices
+        forced_TK = self.forced(site, rows)
+        if forced_TK is None:
+            result = func(*args, **kwargs)
+            self.hits += 1
+            self.sink(site, _rows_last(result[1], dim, k), 0)
+            return result
+        forced_TK = forced_TK.to(scores.device)
+        fallback_T = forced_TK[:, 0] < 0
+        fallbacks = int(fallback_T.sum())
+        if fallbacks:  # -1 rows: the live router decides for those tokens only
+            live_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
+            forced_TK = torch.where(fallback_T[:, None], live_TK, forced_TK)
+        lead = scores.shape[:dim] + scores.shape[dim + 1 :]
+        indices = forced_TK.reshape(*lead, k)
+        if dim != scores.dim() - 1:
+            indices = indices.movedim(-1, dim)
+        values = scores.gather(dim, indices)
+        self.hits += 1
+        self.sink(site, forced_TK, fallbacks)
+        return torch.return_types.topk((values, indices))
+
+
+def _rows_last(indices: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    """Top-k indices as (T, K), whatever dimension they were taken over."""
+    if dim != indices.dim() - 1:
+        indices = indices.movedim(dim, -1)
+    return indices.reshape(-1, k)
+
+
+__all__ = ["TopKInterceptor", "in_backward"]

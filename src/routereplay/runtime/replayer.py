@@ -1,0 +1,434 @@
+"""`attach(model) -> Replayer`: record and replay the routing of an HF transformers MoE model.
+
+The Replayer binds each router by module identity and global layer number, then wraps the forward
+of each router's scope with an instance attribute. Nothing global is patched, and `detach()` deletes
+the attributes and hooks and leaves the model exactly as it was. Record and replay are context
+managers:
+
+    replayer = routereplay.attach(model)
+    with replayer.record() as rec:          # R2 old-log-prob pass, or the built-in engine
+        model(input_ids, attention_mask=mask)
+    routes_BSLK, traces = rec.routes, rec.traces(mask)
+    with replayer.replay(routes_BSLK):      # update step: forward AND backward inside
+        loss = loss_fn(model(input_ids, attention_mask=mask)); loss.backward()
+
+Recompute safety: a router call made during backward (an activation-checkpoint recompute) reuses
+the routes of its own forward, both in replay (same forced routes) and in record (the recorded
+choice, not a fresh top-k that near-ties could flip). A backward that runs after a replay context
+closed raises `ReplayStateError` instead of silently recomputing natural routes. All state lives
+on the Replayer and its session objects.
+
+Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S tokens in a call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from routereplay.enums import ReplayMode, Source, StrEnum
+from routereplay.errors import (
+    AlreadyAttachedError,
+    BatchShapeError,
+    ConfigError,
+    KernelBypassError,
+    NoRoutersError,
+    RecomputeError,
+    ReplayStateError,
+    UnsupportedRouterError,
+)
+from routereplay.runtime.discovery import RouterSite, discover
+from routereplay.runtime.interception import TopKInterceptor, in_backward
+from routereplay.runtime.routes import check_routes, routes_to_traces, traces_to_routes
+from routereplay.trace import RouteTrace
+
+MARKER = "_routereplay_replayer"
+JITTER_ATTRS = ("jitter_noise", "moe_jitter_eps", "router_jitter_noise")
+
+
+class AuxLossRouting(StrEnum):
+    """Which routing the model's auxiliary load-balancing loss sees."""
+
+    NATURAL = "natural"  # HF recomputes top-k from router logits outside the router: natural experts
+
+
+class JitterPolicy(StrEnum):
+    """Training-time router jitter (Mixtral, DBRX) while recording or replaying."""
+
+    MODEL = "model"  # keep the model's own behaviour: jitter perturbs the recomputed gate weights
+    OFF = "off"  # jitter switched off inside record/replay contexts (restored after each call)
+
+
+@dataclass(slots=True)
+class ReplayStats:
+    """Counters of what the routers did; `Replayer.stats`, reset with `.reset()`."""
+
+    forwards: int = 0
+    router_calls: int = 0
+    recompute_calls: int = 0  # router calls made during backward (checkpoint recompute)
+    recorded_rows: int = 0  # (token, layer) rows recorded
+    replayed_rows: int = 0  # (token, layer) rows forced from routes
+    fallback_rows: int = 0  # (token, layer) rows of -1 served by the live router
+    fallback_rows_by_layer: dict[int, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        for name in ("forwards", "router_calls", "recompute_calls", "recorded_rows", "replayed_rows", "fallback_rows"):
+            setattr(self, name, 0)
+        self.fallback_rows_by_layer.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """What `attach` bound: one router per MoE layer."""
+
+    layer: int
+    name: str
+    family: str
+    top_k: int
+    num_experts: int
+
+
+class _Session:
+    """State of one record or replay context: its steps (forward calls) and their routes."""
+
+    def __init__(self, replayer: Replayer, mode: ReplayMode, routes_BSLK: torch.Tensor | None = None) -> None:
+        self.replayer, self.mode, self.open = replayer, mode, True
+        self.routes_LTK: torch.Tensor | None = None
+        self.batch_shape: tuple[int, int] | None = None
+        if routes_BSLK is not None:
+            batch, positions, layers, k = routes_BSLK.shape
+            self.batch_shape = (batch, positions)
+            self.routes_LTK = routes_BSLK.permute(2, 0, 1, 3).reshape(layers, batch * positions, k).contiguous()
+        self.steps: list[tuple[tuple[int, int], dict[int, torch.Tensor]]] = []
+        self._cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    # -- steps -------------------------------------------------------------------------------------
+    def begin_step(self, shape: tuple[int, int]) -> None:
+        if self.mode is ReplayMode.REPLAY and self.batch_shape is not None and shape != self.batch_shape:
+            raise BatchShapeError(
+                f"replay routes are for a batch of (B, S) = {self.batch_shape} but the model is called with "
+                f"{shape}; routes must be aligned with the model input"
+            )
+        self.steps.append((shape, {}))
+
+    def forced(self, site: RouterSite, rows: int) -> torch.Tensor | None:
+        index = self.replayer.layer_index[site.layer]
+        if self.mode is ReplayMode.RECORD:
+            if not in_backward():
+                return None
+            for _, recorded in reversed(self.steps):  # recompute: reuse this layer's recorded choice
+                found = recorded.get(site.layer)
+                if found is not None and found.shape[0] == rows:
+                    return found.to(torch.long)
+            raise RecomputeError(
+                f"layer {site.layer} ({site.name}) is recomputed during backward with {rows} tokens, but no "
+                "forward of this record context routed that many tokens there"
+            )
+        assert self.routes_LTK is not None
+        if rows != self.routes_LTK.shape[1]:
+            raise BatchShapeError(
+                f"layer {site.layer} ({site.name}) routes {rows} tokens but the replay routes hold "
+                f"{self.routes_LTK.shape[1]} (B * S = {self.batch_shape}); routes must be aligned with the input"
+            )
+        return self.routes_LTK[index]
+
+    def sink(self, site: RouterSite, chosen_TK: torch.Tensor, fallbacks: int) -> None:
+        stats = self.replayer.stats
+        if in_backward():
+            return
+        if self.mode is ReplayMode.RECORD:
+            if not self.steps:
+                self.begin_step((1, chosen_TK.shape[0]))
+            self.steps[-1][1][site.layer] = chosen_TK.detach().to(torch.int32)
+            stats.recorded_rows += chosen_TK.shape[0]
+        else:
+            stats.replayed_rows += chosen_TK.shape[0] - fallbacks
+            stats.fallback_rows += fallbacks
+            if fallbacks:
+                stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
+
+
+class Recording:
+    """What a `record()` context captured. `.routes` is (B, S, L, K); `.traces(mask)` per sequence.
+
+    Forward calls in one context are steps: incremental decoding with a KV cache (prefill, then one
+    position per step) concatenates along S. Independent micro-batches belong in separate contexts,
+    or read `.steps`.
+    """
+
+    def __init__(self, session: _Session, layers: tuple[int, ...], num_experts: int) -> None:
+        self._session, self.layers, self.num_experts = session, layers, num_experts
+
+    @property
+    def steps(self) -> list[torch.Tensor]:
+        """One (B, S_i, L, K) int tensor per forward call."""
+        out = []
+        for (batch, positions), recorded in self._session.steps:
+            missing = [layer for layer in self.layers if layer not in recorded]
+            if missing:
+                raise KernelBypassError(
+                    f"layers {missing} recorded nothing in a forward: their routers never ran (a fused kernel "
+                    "replaced the MoE block?) or ran outside this model's forward"
+                )
+            stacked = torch.stack([recorded[layer] for layer in self.layers], dim=1)  # (T, L, K)
+            out.append(stacked.reshape(batch, positions, len(self.layers), -1))
+        return out
+
+    @property
+    def routes(self) -> torch.Tensor:
+        steps = self.steps
+        if not steps:
+            raise ReplayStateError("nothing was recorded: call the model inside `with replayer.record():`")
+        if len({s.shape[0] for s in steps}) != 1:
+            raise ReplayStateError(
+                f"steps have different batch sizes {[s.shape[0] for s in steps]}; read .steps for independent calls"
+            )
+        return torch.cat(steps, dim=1)
+
+    def traces(
+        self, attention_mask: torch.Tensor, *, source: Source | str = Source.TRAINER, policy_version: int | None = None
+    ) -> list[RouteTrace]:
+        """Per-sequence traces: attended positions only (left or right padding dropped)."""
+        return routes_to_traces(self.routes, attention_mask, self.layers, self.num_experts, source, policy_version)
+
+
+class Replayer:
+    """Record / replay controller bound to one model's routers (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        strict: bool = True,
+        aux_loss_routing: AuxLossRouting | str = AuxLossRouting.NATURAL,
+        jitter: JitterPolicy | str = JitterPolicy.MODEL,
+    ) -> None:
+        if getattr(model, MARKER, None) is not None:
+            raise AlreadyAttachedError("this model already has a Replayer attached; call .detach() on it first")
+        try:
+            self.aux_loss_routing = AuxLossRouting(aux_loss_routing)
+        except ValueError:
+            raise ConfigError(
+                f"aux_loss_routing={aux_loss_routing!r}: only 'natural' is supported - HF computes the load-balancing "
+                "loss from router logits outside the router, with its own top-k, so it always sees natural routing"
+            ) from None
+        self.jitter = JitterPolicy(jitter)
+        _refuse_kernels(model)
+        sites, refused = discover(model)
+        if not sites and not refused:
+            raise NoRoutersError(
+                f"{type(model).__name__} has no top-k router module (classes ending in Router/Gate/TopkRouter); "
+                "is it an MoE model?"
+            )
+        if refused and (strict or not sites):
+            details = "; ".join(f"{r.name} ({r.family}): {r.reason}" for r in refused[:4])
+            raise UnsupportedRouterError(
+                f"{len(refused)} router(s) cannot be replayed faithfully: {details}"
+                + ("; pass strict=False to bind the others and leave these natural" if sites else "")
+            )
+        self.model, self.sites, self.refused = model, sites, refused
+        self.layers: tuple[int, ...] = tuple(s.layer for s in sites)
+        self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
+        self.bindings = tuple(Binding(s.layer, s.name, s.family, s.top_k, s.num_choices) for s in sites)
+        self.top_k = sites[0].top_k
+        self.num_experts = max(s.num_choices for s in sites)
+        self.stats = ReplayStats()
+        self.mode = ReplayMode.OFF
+        self._session: _Session | None = None
+        self._pending_replay = False  # a replayed forward whose backward may still run
+        self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
+        for site in sites:
+            site.scope.forward = self._wrap(site, site.scope.forward)  # instance attribute; class untouched
+        setattr(model, MARKER, self)
+
+    # -- contexts ----------------------------------------------------------------------------------
+    @contextmanager
+    def record(self) -> Iterator[Recording]:
+        """Routers run naturally; their choices are kept, aligned with the input."""
+        session = self._enter(ReplayMode.RECORD, None)
+        try:
+            yield Recording(session, self.layers, self.num_experts)
+        finally:
+            self._exit(session)
+
+    @contextmanager
+    def replay(
+        self, routes: torch.Tensor | Sequence[RouteTrace], attention_mask: torch.Tensor | None = None
+    ) -> Iterator[ReplayStats]:
+        """Force routes: a (B, S, L, K) int tensor aligned with the input, or RouteTraces + attention_mask.
+
+        -1 rows fall back to the live router for that token only (counted in `stats.fallback_rows`).
+        Run forward AND backward inside the context.
+        """
+        if not isinstance(routes, torch.Tensor):
+            if attention_mask is None:
+                raise ConfigError("replaying RouteTraces needs the batch's attention_mask to place them")
+            self._check_uniform_top_k()
+            routes = traces_to_routes(list(routes), attention_mask, self.layers, self.top_k)
+        self._check_uniform_top_k()
+        checked = check_routes(routes, self.layers, self.top_k, self.num_experts)
+        session = self._enter(ReplayMode.REPLAY, checked)
+        try:
+            yield self.stats
+        finally:
+            self._exit(session)
+
+    def detach(self) -> None:
+        """Unbind every router and remove every hook: the model is exactly as before `attach`."""
+        if self._session is not None:
+            raise ReplayStateError("detach() inside a record/replay context; leave the context first")
+        for site in self.sites:
+            site.scope.__dict__.pop("forward", None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if getattr(self.model, MARKER, None) is self:
+            delattr(self.model, MARKER)
+
+    def describe(self) -> str:
+        lines = [
+            f"{len(self.sites)} routers bound (top-{self.top_k} of {self.num_experts}), layers {list(self.layers)}"
+        ]
+        lines += [f"  layer {b.layer}: {b.name} ({b.family})" for b in self.bindings]
+        lines += [f"  refused {r.name} ({r.family}): {r.reason}" for r in self.refused]
+        return "\n".join(lines)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _enter(self, mode: ReplayMode, routes: torch.Tensor | None) -> _Session:
+        if self._session is not None:
+            raise ReplayStateError(f"already inside a {self.mode} context; contexts do not nest")
+        self._session = _Session(self, mode, routes)
+        self.mode = mode
+        return self._session
+
+    def _exit(self, session: _Session) -> None:
+        session.open = False
+        self._session = None
+        self.mode = ReplayMode.OFF
+
+    def _check_uniform_top_k(self) -> None:
+        if len({s.top_k for s in self.sites}) != 1:
+            raise ConfigError(f"routers use different top-k per layer {[s.top_k for s in self.sites]}; not supported")
+
+    def _on_model_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if in_backward():
+            return
+        session = self._session
+        if session is None:
+            self._pending_replay = False
+            return
+        self.stats.forwards += 1
+        shape = _batch_shape(args, kwargs)
+        if shape is not None:
+            session.begin_step(shape)
+
+    def _wrap(self, site: RouterSite, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            session = self._session
+            if session is None:
+                if self._pending_replay and in_backward():
+                    raise ReplayStateError(
+                        f"layer {site.layer} is recomputed during a backward that runs after its replay context "
+                        "closed; it would route naturally. Run backward inside `with replayer.replay(...)`"
+                    )
+                return original(*args, **kwargs)
+            return self._call(session, site, original, args, kwargs)
+
+        return forward
+
+    def _call(
+        self,
+        session: _Session,
+        site: RouterSite,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        backward = in_backward()
+        self.stats.router_calls += 1
+        if backward:
+            self.stats.recompute_calls += 1
+        interceptor = TopKInterceptor(site, session.forced, session.sink)
+        overrides = dict(site.replay_overrides) if session.mode is ReplayMode.REPLAY else {}
+        if self.jitter is JitterPolicy.OFF:
+            overrides.update({a: 0.0 for a in JITTER_ATTRS if isinstance(getattr(site.router, a, None), float)})
+        with _attributes(site.router, overrides), interceptor:
+            output = original(*args, **kwargs)
+        if interceptor.hits == 0:
+            raise KernelBypassError(
+                f"layer {site.layer} ({site.name}) ran without a visible top-{site.top_k} over {site.num_choices} "
+                "choices: a fused or hub kernel (or a changed router) bypassed replay; disable kernels"
+            )
+        if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled() and not backward:
+            self._pending_replay = True
+            _guard_backward(output, session, site)
+        return output
+
+
+def attach(
+    model: nn.Module,
+    *,
+    strict: bool = True,
+    aux_loss_routing: AuxLossRouting | str = AuxLossRouting.NATURAL,
+    jitter: JitterPolicy | str = JitterPolicy.MODEL,
+) -> Replayer:
+    """Bind every router of an HF transformers MoE model for record / replay (see `Replayer`)."""
+    return Replayer(model, strict=strict, aux_loss_routing=aux_loss_routing, jitter=jitter)
+
+
+@contextmanager
+def _attributes(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
+    saved = {name: getattr(module, name) for name in values if hasattr(module, name)}
+    for name, value in values.items():
+        if name in saved:
+            setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _guard_backward(output: Any, session: _Session, site: RouterSite) -> None:
+    """A gradient reaching this router's output after its replay context closed is an error."""
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+
+            def check(grad: torch.Tensor) -> None:
+                if not session.open:
+                    raise ReplayStateError(
+                        f"backward reached layer {site.layer} ({site.name}) after its replay context closed; "
+                        "activation recompute would route naturally. Call backward inside `with replayer.replay(...)`"
+                    )
+
+            tensor.register_hook(check)
+            return
+
+
+def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    for key in ("input_ids", "inputs_embeds"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+        return int(args[0].shape[0]), int(args[0].shape[1])
+    return None
+
+
+def _refuse_kernels(model: nn.Module) -> None:
+    if not getattr(model, "use_kernels", False):
+        return
+    kernelized = sorted({type(m).__name__ for m in model.modules() if getattr(type(m), "kernel_layer_name", None)})
+    raise KernelBypassError(
+        f"model.use_kernels is on ({', '.join(kernelized[:4]) or 'hub kernels'}): hub kernels run routers outside "
+        "Python where replay cannot reach; load the model with use_kernels=False"
+    )
+
+
+__all__ = ["AuxLossRouting", "Binding", "JitterPolicy", "Recording", "ReplayStats", "Replayer", "attach"]

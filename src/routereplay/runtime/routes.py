@@ -1,0 +1,122 @@
+"""Batch routes <-> per-sequence traces, and the checks a replay batch must pass.
+
+A batch's routes are an int tensor `routes_BSLK` aligned with the model input (B rows of S
+positions, L bound layers in order, K experts), -1 where there is no route. Sequences map onto it
+through the attention mask: the i-th attended position of row b is token i of sequence b, so left
+padding, right padding and packed rows all work the same.
+
+Legend: B = batch rows, S = positions per row, L = layers, K = top-k, T = tokens of one sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from routereplay.enums import Source
+from routereplay.errors import BatchShapeError, ConfigError, DtypeError, LayerCountError, TopKMismatchError
+from routereplay.trace import RouteTrace, Segment, canonical_dtype
+
+
+def traces_to_routes(
+    traces: Sequence[RouteTrace], attention_mask: torch.Tensor, layers: Sequence[int], top_k: int
+) -> torch.Tensor:
+    """(B, S, L, K) int routes for a padded batch: token i of sequence b gets row i - start of its trace."""
+    mask_BS = _mask(attention_mask)
+    batch, positions = mask_BS.shape
+    if len(traces) != batch:
+        raise BatchShapeError(
+            f"got {len(traces)} traces for a batch of {batch} rows (attention_mask {tuple(mask_BS.shape)})"
+        )
+    num_experts = max((t.num_experts for t in traces), default=1)
+    routes_BSLK = np.full((batch, positions, len(layers), top_k), -1, dtype=canonical_dtype(num_experts))
+    for b, trace in enumerate(traces):
+        trace = _on_layers(trace, layers, b)
+        if trace.top_k != top_k:
+            raise TopKMismatchError(f"sequence {b}: trace has top-k {trace.top_k}, the model's routers use {top_k}")
+        attended_T = np.flatnonzero(mask_BS[b])
+        tokens = attended_T.size
+        if trace.stop > tokens:
+            raise BatchShapeError(
+                f"sequence {b}: trace covers tokens {trace.start}..{trace.stop} but the attention mask attends to only "
+                f"{tokens} positions; routes and token ids are misaligned"
+            )
+        routes_BSLK[b, attended_T[trace.start : trace.stop]] = trace.experts
+    return torch.from_numpy(routes_BSLK)
+
+
+def routes_to_traces(
+    routes_BSLK: torch.Tensor,
+    attention_mask: torch.Tensor,
+    layers: Sequence[int],
+    num_experts: int,
+    source: Source | str = Source.TRAINER,
+    policy_version: int | None = None,
+) -> list[RouteTrace]:
+    """Per-sequence traces from batch routes: attended positions only, padding dropped."""
+    mask_BS = _mask(attention_mask)
+    if tuple(mask_BS.shape) != tuple(routes_BSLK.shape[:2]):
+        if mask_BS.shape[0] == routes_BSLK.shape[0] and mask_BS.shape[1] >= routes_BSLK.shape[1]:
+            mask_BS = mask_BS[:, : routes_BSLK.shape[1]]  # generation: the last sampled token has no route
+        else:
+            raise BatchShapeError(
+                f"attention_mask has shape {tuple(mask_BS.shape)} but routes cover {tuple(routes_BSLK.shape[:2])}"
+            )
+    routes = routes_BSLK.detach().cpu().numpy()
+    traces = []
+    for b in range(routes.shape[0]):
+        experts_TLK = routes[b, mask_BS[b]]
+        segments = (Segment(0, len(experts_TLK), source, policy_version),) if len(experts_TLK) else ()
+        traces.append(RouteTrace(experts_TLK, num_experts, tuple(layers), 0, segments))
+    return traces
+
+
+def check_routes(routes_BSLK: torch.Tensor, layers: Sequence[int], top_k: int, num_experts: int) -> torch.Tensor:
+    """Validate a replay batch (shape, ids, partial and duplicate rows) and return it as int64."""
+    if not isinstance(routes_BSLK, torch.Tensor):
+        raise ConfigError(
+            f"routes must be a (B, S, L, K) int tensor or a list of RouteTrace, got {type(routes_BSLK).__name__}"
+        )
+    if routes_BSLK.is_floating_point() or routes_BSLK.is_complex() or routes_BSLK.dtype == torch.bool:
+        raise DtypeError(f"routes tensor has dtype {routes_BSLK.dtype}; expert ids are integers")
+    if routes_BSLK.dim() != 4:
+        raise BatchShapeError(f"routes must have shape (B, S, L, K), got {tuple(routes_BSLK.shape)}")
+    batch, positions, num_layers, k = routes_BSLK.shape
+    if num_layers != len(layers):
+        raise LayerCountError(
+            f"routes have {num_layers} layers, the model has {len(layers)} bound routers (layers {list(layers)}); "
+            "select the MoE layers (moe_layers=) when decoding"
+        )
+    if k != top_k:
+        raise TopKMismatchError(f"routes have top-k {k}, the model's routers use top-k {top_k}")
+    flat = routes_BSLK.detach().cpu().reshape(batch * positions, num_layers, k).numpy()
+    RouteTrace(flat, num_experts, tuple(layers)).validate("replay batch (token = b * S + s)")
+    return routes_BSLK.detach().to(torch.long)
+
+
+def _on_layers(trace: RouteTrace, layers: Sequence[int], index: int) -> RouteTrace:
+    if tuple(trace.layers) == tuple(layers):
+        return trace
+    missing = sorted(set(layers) - set(trace.layers))
+    if missing:
+        raise LayerCountError(
+            f"sequence {index}: trace has layers {list(trace.layers)} but the model routes in layers {list(layers)} "
+            f"(missing {missing}); decode the payload with moe_layers= set to the model's MoE layers"
+        )
+    return trace.select_layers(layers)
+
+
+def _mask(attention_mask: torch.Tensor) -> np.ndarray:
+    mask = (
+        attention_mask.detach().cpu().numpy()
+        if isinstance(attention_mask, torch.Tensor)
+        else np.asarray(attention_mask)
+    )
+    if mask.ndim != 2:
+        raise BatchShapeError(f"attention_mask must be (B, S), got shape {mask.shape}")
+    return mask.astype(bool)
+
+
+__all__ = ["check_routes", "routes_to_traces", "traces_to_routes"]
