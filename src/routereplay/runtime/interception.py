@@ -57,24 +57,27 @@ class TopKInterceptor(TorchFunctionMode):
             return func(*args, **kwargs)
         rows = scores.numel() // site.num_choices
         forced_TK = self.forced(site, rows)
-        if forced_TK is None:
-            result = func(*args, **kwargs)
-            self.hits += 1
-            self.sink(site, _rows_last(result[1], dim, k), 0)
-            return result
-        forced_TK = forced_TK.to(scores.device)
-        fallback_T = forced_TK[:, 0] < 0
-        fallbacks = int(fallback_T.sum())
-        if fallbacks:  # -1 rows: the live router decides for those tokens only
-            live_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
-            forced_TK = torch.where(fallback_T[:, None], live_TK, forced_TK)
+        fallbacks = 0
+        if forced_TK is None:  # record: the live choice
+            with torch.no_grad():
+                chosen_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
+        else:
+            chosen_TK = forced_TK.to(scores.device)
+            fallback_T = chosen_TK[:, 0] < 0
+            fallbacks = int(fallback_T.sum())
+            if fallbacks:  # -1 rows: the live router decides for those tokens only
+                with torch.no_grad():
+                    live_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
+                chosen_TK = torch.where(fallback_T[:, None], live_TK, chosen_TK)
+        # one code path for every mode: selection without autograd, values by gather. A checkpoint
+        # recompute (which replays) then saves exactly the tensors its forward (maybe a record) saved.
         lead = scores.shape[:dim] + scores.shape[dim + 1 :]
-        indices = forced_TK.reshape(*lead, k)
+        indices = chosen_TK.reshape(*lead, k)
         if dim != scores.dim() - 1:
             indices = indices.movedim(-1, dim)
         values = scores.gather(dim, indices)
         self.hits += 1
-        self.sink(site, forced_TK, fallbacks)
+        self.sink(site, chosen_TK, fallbacks)
         return torch.return_types.topk((values, indices))
 
 

@@ -323,6 +323,8 @@ class Replayer:
             self._pending_replay = False
             return
         self.stats.forwards += 1
+        if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled():
+            self._pending_replay = True  # reentrant checkpointing runs the layers themselves under no_grad
         shape = _batch_shape(args, kwargs)
         if shape is not None:
             session.begin_step(shape)
