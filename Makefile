@@ -7,6 +7,8 @@ BIN    := $(VENV)/bin
 # torch is pinned and installed first: 2.13.0 resolves to a local CPU wheel here, whereas an
 # unpinned torch would pull several GB of CUDA packages.
 TORCH  := torch==2.13.0
+# the HF runtime is tested against this transformers release (the `hf` extra allows any 5.x)
+TRANSFORMERS := transformers==5.23.0
 STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet $(TRANSFORMERS) -e ".[dev,hf]"
 	touch $(STAMP)
 
 EXAMPLES := src/routereplay/examples

@@ -6,19 +6,25 @@ the stable public names; everything else is reached through its module.
 
 from routereplay.codec import decode, encode
 from routereplay.engines import decode_megatron, decode_sglang, decode_vllm
-from routereplay.enums import CodecMode, Source
+from routereplay.enums import CodecMode, ReplayMode, Source
 from routereplay.errors import RouteReplayError
+from routereplay.runtime import Recording, Replayer, ReplayStats, attach
 from routereplay.trace import RouteTrace, Segment
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CodecMode",
+    "Recording",
+    "ReplayMode",
+    "ReplayStats",
+    "Replayer",
     "RouteReplayError",
     "RouteTrace",
     "Segment",
     "Source",
     "__version__",
+    "attach",
     "decode",
     "decode_megatron",
     "decode_sglang",
