@@ -8,17 +8,18 @@ from typing import Any
 
 from routereplay.cli.arguments import add_json_argument
 
-SUITES = ("codec",)
+SUITES = ("codec", "replay")
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="run a benchmark suite (codec) and print medians of repeated runs",
+        help="run a benchmark suite (codec, replay) and print medians of repeated runs",
         description=(
             "Run a benchmark suite. `codec`: bytes per (token, layer) row and encode/decode throughput of "
             "routereplay's codec against JSON lists, SGLang base64 int32, vLLM base64 .npy and raw uint8, "
-            "all measured in the same run on the same random routes. Progress goes to stderr."
+            "all measured in the same run on the same random routes. `replay`: forward + backward step time of a "
+            "Qwen3-MoE-shaped model with routers off, recording and replaying (interleaved). Progress goes to stderr."
         ),
     )
     parser.add_argument("suite", choices=SUITES, help="which benchmark to run")
@@ -26,7 +27,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--layers", type=int, default=48, help="MoE layers L (default 48)")
     parser.add_argument("--top-k", type=int, default=8, help="top-k K (default 8)")
     parser.add_argument("--experts", type=int, default=128, help="experts E (default 128)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median reported)")
+    parser.add_argument("--batch", type=int, default=8, help="replay: batch rows (default 8)")
+    parser.add_argument("--seq", type=int, default=256, help="replay: tokens per row (default 256)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per measurement (default: codec 5, replay 7)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random routes")
     parser.add_argument("--markdown", action="store_true", help="print the markdown table used in README/BENCHMARKS.md")
     add_json_argument(parser)
@@ -38,20 +41,28 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from routereplay.bench import codec as codec_bench
+    from routereplay.bench import replay as replay_bench
     from routereplay.errors import ConfigError
 
+    suite: Any
     try:
-        config = codec_bench.CodecBenchConfig(
-            num_tokens=args.tokens,
-            num_layers=args.layers,
-            top_k=args.top_k,
-            num_experts=args.experts,
-            repeats=args.repeats,
-            seed=args.seed,
-        )
+        if args.suite == "codec":
+            suite = codec_bench
+            config: Any = codec_bench.CodecBenchConfig(
+                num_tokens=args.tokens,
+                num_layers=args.layers,
+                top_k=args.top_k,
+                num_experts=args.experts,
+                repeats=args.repeats or 5,
+                seed=args.seed,
+            )
+        else:
+            suite = replay_bench
+            config = replay_bench.ReplayBenchConfig(
+                batch=args.batch, seq=args.seq, repeats=args.repeats or 7, seed=args.seed
+            )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -59,12 +70,12 @@ def run(args: argparse.Namespace) -> int:
         console=Console(stderr=True),
         transient=True,
     ) as progress:
-        task = progress.add_task("generating routes", total=None)
-        result = codec_bench.run(config, lambda name: progress.update(task, description=f"measuring {name}"))
+        task = progress.add_task(f"bench {args.suite}", total=None)
+        result = suite.run(config, lambda name: progress.update(task, description=f"{args.suite}: {name}"))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(codec_bench.markdown(result))
+        print(suite.markdown(result))
         print()
         for name, target in result["targets"].items():
             mark = "met" if target["met"] else "MISSED"
