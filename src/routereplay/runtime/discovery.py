@@ -26,10 +26,14 @@ CONFIG_TOP_K_ATTRS = ("top_k_experts", "num_experts_per_tok", "moe_topk", "moe_t
 CHOICE_ATTRS = ("num_router_classes", "n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts")
 # families whose selection is not a top-k over learned scores: refused with the reason
 NON_TOPK_REASONS = {
-    "PhimoeRouter": "PhiMoE routes with sparsemixer (max + threshold, Gumbel sampling in training), not top-k",
+    "PhimoeTopKRouter": "PhiMoE routes with sparsemixer (max + threshold, Gumbel sampling in training), not top-k",
     "SwitchTransformersTop1Router": "Switch routes by argmax with expert capacity (tokens can be dropped)",
     "NllbMoeTop2Router": "NLLB-MoE routes top-2 by argmax with capacity and random second-expert dropping",
-    "DeepseekV4HashRouter": "DeepSeek-V4 hash layers pick experts from token ids (tid2eid), nothing to replay",
+}
+# routers whose choice is a pure function of the token ids: engines and trainers cannot disagree,
+# so they stay natural and are left out of traces (like dense layers), without refusing the model
+NATURAL_BY_CONSTRUCTION = {
+    "DeepseekV4HashRouter": "DeepSeek-V4 hash layer: experts = tid2eid[token id], identical in every engine",
 }
 # per-family attribute values applied while replaying (restored after each call)
 REPLAY_OVERRIDES = {
@@ -55,9 +59,12 @@ class RouterSite:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
+    """A router left unbound. `natural_ok`: its choice cannot differ between engines (token-id hash)."""
+
     name: str
     family: str
     reason: str
+    natural_ok: bool = False
 
 
 def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
@@ -71,6 +78,9 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
             continue
         if family in NON_TOPK_REASONS:
             refused.append(Refusal(name, family, NON_TOPK_REASONS[family]))
+            continue
+        if family in NATURAL_BY_CONSTRUCTION:
+            refused.append(Refusal(name, family, NATURAL_BY_CONSTRUCTION[family], natural_ok=True))
             continue
         parent = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
         top_k, num_choices = _top_k(module, parent), _num_choices(module, parent)

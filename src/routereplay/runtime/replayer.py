@@ -225,10 +225,13 @@ class Replayer:
                 f"{type(model).__name__} has no top-k router module (classes ending in Router/Gate/TopkRouter); "
                 "is it an MoE model?"
             )
-        if refused and (strict or not sites):
-            details = "; ".join(f"{r.name} ({r.family}): {r.reason}" for r in refused[:4])
+        blocking = [r for r in refused if not r.natural_ok]
+        if not sites and refused:
+            blocking = refused
+        if blocking and (strict or not sites):
+            details = "; ".join(f"{r.name} ({r.family}): {r.reason}" for r in blocking[:4])
             raise UnsupportedRouterError(
-                f"{len(refused)} router(s) cannot be replayed faithfully: {details}"
+                f"{len(blocking)} router(s) cannot be replayed faithfully: {details}"
                 + ("; pass strict=False to bind the others and leave these natural" if sites else "")
             )
         self.model, self.sites, self.refused = model, sites, refused
