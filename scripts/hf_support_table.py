@@ -30,7 +30,8 @@ def check(model_type: str) -> tuple[str, str, str, str]:
     try:
         replayer = attach(model)
     except RouteReplayError as error:
-        families = sorted({type(m).__name__ for m in model.modules() if re.search(r"(Router|Gate|Gating)$", type(m).__name__)})
+        names = {type(m).__name__ for m in model.modules()}
+        families = sorted(n for n in names if re.search(r"(Router|Gate|Gating)$", n))
         reason = str(error).split(": ", 1)[-1].split(";")[0]
         return ", ".join(families) or "-", "-", "refused", reason
     vocab = model.config.get_text_config().vocab_size
