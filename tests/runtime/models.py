@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from routereplay.runtime.discovery import LAYER_PATH
+
 
 def tiny_qwen3(layers: int = 3, experts: int = 8, top_k: int = 2, seed: int = 0) -> nn.Module:
     import transformers
@@ -41,9 +43,10 @@ def experts_inputs(model: nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
     seen: dict[int, list[torch.Tensor]] = {}
     handles = []
     for name, module in model.named_modules():
-        if not type(module).__name__.endswith("Experts") or ".layers." not in f".{name}":
+        found = LAYER_PATH.findall(name)
+        if not type(module).__name__.endswith("Experts") or not found:
             continue
-        layer = int(name.split("layers.")[1].split(".")[0])
+        layer = int(found[-1])
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, layer: int = layer) -> None:
             for value in list(args) + list(kwargs.values()):

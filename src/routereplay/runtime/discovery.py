@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 ROUTER_CLASS = re.compile(r"(Router|Gate|Gating|TopkRouter|TopKRouter)$")
-NOT_ROUTER_CLASS = re.compile(r"(GateUp|Gated|MLPGate|GateProj)")
+NOT_ROUTER_CLASS = re.compile(r"(GateUp|Gated|MLPGate|GateProj|ForgetGate|OutputGate|InputGate)")
 LAYER_PATH = re.compile(r"(?:^|\.)(?:layers|blocks|h|layer|decoder_layers)\.(\d+)(?:\.|$)")
 TOP_K_ATTRS = ("top_k", "moe_topk", "num_experts_per_tok", "moe_top_k", "num_selected_experts")
 CONFIG_TOP_K_ATTRS = ("top_k_experts", "num_experts_per_tok", "moe_topk", "moe_top_k")
@@ -29,6 +29,11 @@ NON_TOPK_REASONS = {
     "PhimoeTopKRouter": "PhiMoE routes with sparsemixer (max + threshold, Gumbel sampling in training), not top-k",
     "SwitchTransformersTop1Router": "Switch routes by argmax with expert capacity (tokens can be dropped)",
     "NllbMoeTop2Router": "NLLB-MoE routes top-2 by argmax with capacity and random second-expert dropping",
+}
+# MoE blocks whose routing no router class exposes, and which cannot be forced honestly
+UNSUPPORTED_BLOCKS = {
+    "DogeCDMoE": "Doge product-key routing: the top-k picks positions in a live shortlist of keys, not expert "
+    "ids, so forcing experts would need the key choice too",
 }
 # routers whose choice is a pure function of the token ids: engines and trainers cannot disagree,
 # so they stay natural and are left out of traces (like dense layers), without refusing the model
@@ -74,6 +79,9 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
     refused: list[Refusal] = []
     for name, module in modules.items():
         family = type(module).__name__
+        if family in UNSUPPORTED_BLOCKS:
+            refused.append(Refusal(name, family, UNSUPPORTED_BLOCKS[family]))
+            continue
         if not ROUTER_CLASS.search(family) or NOT_ROUTER_CLASS.search(family):
             continue
         if family in NON_TOPK_REASONS:

@@ -25,8 +25,6 @@ TOPK_FUNCTIONS = frozenset({torch.topk, torch.Tensor.topk})
 
 # (site, rows T) -> forced ids (T, K) long with -1 rows, or None to run the live top-k
 ForcedLookup = Callable[[RouterSite, int], "torch.Tensor | None"]
-# (site, chosen ids (T, K)) -> None: receives the ids the router used
-ChoiceSink = Callable[[RouterSite, torch.Tensor, int], None]
 
 
 def in_backward() -> bool:
@@ -35,12 +33,13 @@ def in_backward() -> bool:
 
 
 class TopKInterceptor(TorchFunctionMode):
-    """Active for one call of one router scope; counts the selection top-k calls it saw."""
+    """Active for one call of one router scope; keeps the choice of the selection top-k it saw."""
 
-    def __init__(self, site: RouterSite, forced: ForcedLookup, sink: ChoiceSink) -> None:
+    def __init__(self, site: RouterSite, forced: ForcedLookup) -> None:
         super().__init__()
-        self.site, self.forced, self.sink = site, forced, sink
+        self.site, self.forced = site, forced
         self.hits = 0
+        self.last: tuple[torch.Tensor, int] | None = None  # (chosen ids (T, K), fallback rows) of the last match
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -77,7 +76,7 @@ class TopKInterceptor(TorchFunctionMode):
             indices = indices.movedim(-1, dim)
         values = scores.gather(dim, indices)
         self.hits += 1
-        self.sink(site, chosen_TK, fallbacks)
+        self.last = (chosen_TK, fallbacks)  # when several calls match (a one-group group score), the last selects
         return torch.return_types.topk((values, indices))
 
 

@@ -358,7 +358,7 @@ class Replayer:
         self.stats.router_calls += 1
         if backward:
             self.stats.recompute_calls += 1
-        interceptor = TopKInterceptor(site, session.forced, session.sink)
+        interceptor = TopKInterceptor(site, session.forced)
         overrides = dict(site.replay_overrides) if session.mode is ReplayMode.REPLAY else {}
         if self.jitter is JitterPolicy.OFF:
             overrides.update({a: 0.0 for a in JITTER_ATTRS if isinstance(getattr(site.router, a, None), float)})
@@ -369,6 +369,8 @@ class Replayer:
                 f"layer {site.layer} ({site.name}) ran without a visible top-{site.top_k} over {site.num_choices} "
                 "choices: a fused or hub kernel (or a changed router) bypassed replay; disable kernels"
             )
+        assert interceptor.last is not None
+        session.sink(site, *interceptor.last)
         if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled() and not backward:
             self._pending_replay = True
             _guard_backward(output, session, site)
