@@ -59,6 +59,7 @@ class RouterSite:
     top_k: int
     num_choices: int  # size of the dimension top-k selects from (experts, + skip / zero experts)
     family: str  # router class name
+    block: nn.Module | None = None  # the MoE block holding the router (where Mixtral applies jitter)
     replay_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -107,7 +108,9 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
             refused.append(Refusal(name, family, "no torch.topk in the router or its block: not a top-k router"))
             continue
         sites.append(
-            RouterSite(name, module, scope, layer, top_k, num_choices, family, dict(REPLAY_OVERRIDES.get(family, {})))
+            RouterSite(
+                name, module, scope, layer, top_k, num_choices, family, parent, dict(REPLAY_OVERRIDES.get(family, {}))
+            )
         )
     by_layer: dict[int, list[RouterSite]] = {}
     for site in sites:

@@ -61,7 +61,7 @@ class JitterPolicy(StrEnum):
     """Training-time router jitter (Mixtral, DBRX) while recording or replaying."""
 
     MODEL = "model"  # keep the model's own behaviour: jitter perturbs the recomputed gate weights
-    OFF = "off"  # jitter switched off inside record/replay contexts (restored after each call)
+    OFF = "off"  # jitter switched off inside record/replay contexts (restored when the context exits)
 
 
 @dataclass(slots=True)
@@ -244,6 +244,7 @@ class Replayer:
         self.mode = ReplayMode.OFF
         self._session: _Session | None = None
         self._pending_replay = False  # a replayed forward whose backward may still run
+        self._saved_jitter: list[tuple[nn.Module, str, float]] = []
         self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         for site in sites:
             site.scope.forward = self._wrap(site, site.scope.forward)  # instance attribute; class untouched
@@ -307,9 +308,21 @@ class Replayer:
             raise ReplayStateError(f"already inside a {self.mode} context; contexts do not nest")
         self._session = _Session(self, mode, routes)
         self.mode = mode
+        if self.jitter is JitterPolicy.OFF:  # jitter acts in the block, before the router: off for the context
+            for module in {
+                id(m): m for s in self.sites for m in (s.router, s.scope, s.block) if m is not None
+            }.values():
+                for name in JITTER_ATTRS:
+                    value = getattr(module, name, None)
+                    if isinstance(value, float) and value:
+                        self._saved_jitter.append((module, name, value))
+                        setattr(module, name, 0.0)
         return self._session
 
     def _exit(self, session: _Session) -> None:
+        for module, name, value in self._saved_jitter:
+            setattr(module, name, value)
+        self._saved_jitter.clear()
         session.open = False
         self._session = None
         self.mode = ReplayMode.OFF
@@ -360,8 +373,6 @@ class Replayer:
             self.stats.recompute_calls += 1
         interceptor = TopKInterceptor(site, session.forced)
         overrides = dict(site.replay_overrides) if session.mode is ReplayMode.REPLAY else {}
-        if self.jitter is JitterPolicy.OFF:
-            overrides.update({a: 0.0 for a in JITTER_ATTRS if isinstance(getattr(site.router, a, None), float)})
         with _attributes(site.router, overrides), interceptor:
             output = original(*args, **kwargs)
         if interceptor.hits == 0:
