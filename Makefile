@@ -36,7 +36,7 @@ demo: $(STAMP)
 		--num-layers 48 --top-k 8 --num-experts 128
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
