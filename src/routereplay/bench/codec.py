@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from routereplay import codec
-from routereplay.bench.timing import Timing, measure
+from routereplay.bench.timing import Timing, measure, target
 from routereplay.engines.payload import npy_bytes
 from routereplay.engines.sglang import decode_sglang
 from routereplay.engines.vllm import decode_vllm
@@ -114,11 +114,11 @@ def run(config: CodecBenchConfig, progress: Callable[[str], None] | None = None)
     by_name = {f["name"]: f for f in formats}
     set_record, sglang_record = by_name["routereplay set"], by_name["SGLang base64 int32"]
     targets = {
-        "set_vs_entropy": _target(set_record["vs_entropy"], SET_VS_ENTROPY_TARGET, higher_is_better=False),
-        "set_smaller_than_sglang_int32": _target(
+        "set_vs_entropy": target(set_record["vs_entropy"], SET_VS_ENTROPY_TARGET),
+        "set_smaller_than_sglang_int32": target(
             sglang_record["bytes"] / set_record["bytes"], SET_VS_SGLANG_TARGET, higher_is_better=True
         ),
-        "set_decode_seconds": _target(set_record["decode_s"]["median"], DECODE_SECONDS_TARGET, higher_is_better=False),
+        "set_decode_seconds": target(set_record["decode_s"]["median"], DECODE_SECONDS_TARGET),
     }
     return {
         "suite": "codec",
@@ -183,11 +183,6 @@ def _record(
         "encode_rows_per_s": encode_t.rate(rows),
         "decode_rows_per_s": decode_t.rate(rows),
     }
-
-
-def _target(value: float, target: float, *, higher_is_better: bool) -> dict[str, Any]:
-    met = value >= target if higher_is_better else value <= target
-    return {"value": value, "target": target, "direction": ">=" if higher_is_better else "<=", "met": bool(met)}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.timing import target
 from routereplay.environment import collect
 
 RECORD_TARGET = 1.03
@@ -108,14 +109,10 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
         "seconds": {name: {"median": medians[name], "low": min(v), "high": max(v)} for name, v in seconds.items()},
         "ratios": ratios,
         "targets": {
-            "record_over_off": _target(ratios["record_over_off"], RECORD_TARGET),
-            "replay_over_off": _target(ratios["replay_over_off"], REPLAY_TARGET),
+            "record_over_off": target(ratios["record_over_off"], RECORD_TARGET),
+            "replay_over_off": target(ratios["replay_over_off"], REPLAY_TARGET),
         },
     }
-
-
-def _target(value: float, target: float) -> dict[str, Any]:
-    return {"value": value, "target": target, "direction": "<=", "met": bool(value <= target)}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -37,4 +37,10 @@ def measure(function: Callable[[], Any], repeats: int, warmup: int = 1) -> Timin
     return Timing(statistics.median(seconds), min(seconds), max(seconds), repeats)
 
 
-__all__ = ["Timing", "measure"]
+def target(value: float, goal: float, *, higher_is_better: bool = False) -> dict[str, Any]:
+    """A benchmark target as recorded in --json: the value, the goal, the direction, met or not."""
+    met = value >= goal if higher_is_better else value <= goal
+    return {"value": value, "target": goal, "direction": ">=" if higher_is_better else "<=", "met": bool(met)}
+
+
+__all__ = ["Timing", "measure", "target"]
