@@ -3,7 +3,8 @@
 For each type: (a) replaying recorded routes reproduces logits bit for bit; (b) random forced routes
 are exactly the ids the experts module computes with; (c) router gradients are non-zero and equal
 the gradients of natural routing with the same choice (an independent reference: plain torch.topk);
-(d) -1 rows route live, so recorded routes with holes still reproduce logits; (f) activation
+(d) -1 rows route live, so recorded routes with holes still reproduce logits; (e) one batch and two
+micro-batches give the same routes and logits (packed == padded: test_policies.py); (f) activation
 checkpointing gives the same gradients as a plain step under replay. Types the runtime refuses must
 be refused with their reason (see EXPECTED_REFUSALS).
 """
@@ -144,3 +145,26 @@ def test_checkpointed_equals_plain_under_replay(model_type: str) -> None:
     assert plain.keys() == checkpointed.keys()
     for name in plain:
         assert torch.allclose(plain[name], checkpointed[name], rtol=1e-5, atol=1e-7), f"(f) {name}"
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_one_batch_equals_micro_batches(model_type: str) -> None:
+    model, replayer = _attach(model_type)
+    if replayer is None:
+        return
+    inputs = _inputs(model, batch=4, positions=8)
+    halves = [{k: v[part] for k, v in inputs.items()} for part in (slice(0, 2), slice(2, 4))]
+    with replayer.record() as whole:
+        _logits(model, inputs)
+    pieces = []
+    for half in halves:
+        with replayer.record() as rec:
+            _logits(model, half)
+        pieces.append(rec.routes)
+    assert torch.equal(torch.cat(pieces), whole.routes), "(e) routes of 1 batch == routes of 2 micro-batches"
+    forced = _random_routes(replayer, 4, 8, seed=5)
+    with replayer.replay(forced):
+        reference = _logits(model, inputs)
+    for part, half in zip((slice(0, 2), slice(2, 4)), halves, strict=True):
+        with replayer.replay(forced[part]):
+            assert torch.allclose(_logits(model, half), reference[part], atol=1e-5, rtol=1e-4), "(e) logits"
