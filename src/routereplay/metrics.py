@@ -1,0 +1,112 @@
+"""Mismatch diagnostics: routing agreement between two engines, and log-prob mismatch.
+
+Definitions follow research/papers-and-metrics.md (R3, arXiv 2510.11370). With `d = logp_train -
+logp_infer` over sampled response tokens:
+- k3 KL = mean(exp(d) - 1 - d): estimates KL(pi_infer || pi_train) from samples of pi_infer.
+- F(tau) = mean 1[|d| > ln tau]: the extreme-token fraction (tau = 2 is the standard).
+- chi2 = mean(exp(d)^2) - 1, and mean |d|. The signed mean of d hides magnitude, so it is reported
+  next to mean |d|, not in its place.
+- prob_abs_diff = mean |p_train - p_infer| and pearson_prob = the Pearson correlation of the
+  probabilities.
+Routing compares expert SETS per (token, layer) row:
+- routing_disagreement: the fraction of rows whose sets differ;
+- token_disagreement: the fraction of tokens with any differing layer;
+- mean_layers_differing: differing layers per token;
+- per_layer_disagreement;
+- jaccard: the mean |A ∩ B| / |A ∪ B|.
+Rows where either side is -1 (no route) are left out and counted in `unrouted_rows`.
+
+Pure functions on tensors; they return plain dicts of floats (lists for per-layer values).
+Legend: N = tokens (any leading shape, flattened), L = layers, K = top-k.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from routereplay.errors import ConfigError, TraceShapeError
+
+
+def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """Compare two routings `a`, `b` of shape (..., L, K); `mask` (...) selects tokens (default all)."""
+    if a.shape != b.shape or a.dim() < 2:
+        raise TraceShapeError(f"routings must have the same (..., L, K) shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    num_layers, top_k = a.shape[-2], a.shape[-1]
+    a_NLK, b_NLK = a.reshape(-1, num_layers, top_k).long(), b.reshape(-1, num_layers, top_k).long()
+    token_N = _mask(mask, a.shape[:-2], a_NLK.shape[0])
+    rows_NL = token_N[:, None] & (a_NLK[..., 0] >= 0) & (b_NLK[..., 0] >= 0)
+    sorted_a, sorted_b = a_NLK.sort(dim=-1).values, b_NLK.sort(dim=-1).values
+    differ_NL = (sorted_a != sorted_b).any(dim=-1) & rows_NL
+    shared_NL = (a_NLK[..., :, None] == b_NLK[..., None, :]).any(dim=-1).sum(dim=-1)  # |A ∩ B| (ids distinct)
+    jaccard_NL = shared_NL.double() / (2 * top_k - shared_NL).double()
+    rows = int(rows_NL.sum())
+    tokens_N = rows_NL.any(dim=-1)
+    layer_rows_L = rows_NL.sum(dim=0).double()
+    per_layer = (differ_NL.sum(dim=0).double() / layer_rows_L.clamp(min=1)).tolist()
+    tokens = int(tokens_N.sum())
+    return {
+        "routing_disagreement": _ratio(int(differ_NL.sum()), rows),
+        "token_disagreement": _ratio(int((differ_NL.any(dim=-1) & tokens_N).sum()), tokens),
+        "mean_layers_differing": _ratio(int(differ_NL.sum()), tokens),
+        "per_layer_disagreement": [float(x) for x in per_layer],
+        "jaccard": float(jaccard_NL[rows_NL].mean()) if rows else 1.0,
+        "compared_rows": rows,
+        "unrouted_rows": int((token_N[:, None] & ~rows_NL).sum()),
+    }
+
+
+def logprob_mismatch(
+    logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor | None = None, *, tau: float = 2.0
+) -> dict[str, float]:
+    """Mismatch between the trainer's and the engine's log-probs of the same sampled tokens."""
+    if logp_train.shape != logp_infer.shape:
+        raise TraceShapeError(
+            f"log-prob tensors differ in shape: train {tuple(logp_train.shape)}, infer {tuple(logp_infer.shape)}"
+        )
+    if tau <= 1:
+        raise ConfigError(f"tau={tau} must be > 1 (F(tau) counts tokens whose probability ratio exceeds tau)")
+    token_N = _mask(mask, logp_train.shape, logp_train.numel())
+    train_N = logp_train.reshape(-1).double()[token_N]
+    infer_N = logp_infer.reshape(-1).double()[token_N]
+    tokens = int(train_N.numel())
+    if tokens == 0:
+        raise ConfigError("logprob_mismatch got no tokens (the mask selects none)")
+    delta_N = train_N - infer_N
+    ratio_N = delta_N.exp()
+    p_train, p_infer = train_N.exp(), infer_N.exp()
+    return {
+        "tokens": float(tokens),
+        "k3_kl": float((ratio_N - 1 - delta_N).mean()),
+        f"extreme_frac_{tau:g}": float((delta_N.abs() > math.log(tau)).double().mean()),
+        "mean_abs_dlogp": float(delta_N.abs().mean()),
+        "signed_mean_dlogp": float(delta_N.mean()),
+        "chi2": float((ratio_N**2).mean() - 1),
+        "prob_abs_diff": float((p_train - p_infer).abs().mean()),
+        "pearson_prob": _pearson(p_train, p_infer),
+    }
+
+
+def _mask(mask: torch.Tensor | None, shape: torch.Size, count: int) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(count, dtype=torch.bool)
+    if tuple(mask.shape) != tuple(shape):
+        raise TraceShapeError(f"mask has shape {tuple(mask.shape)}, expected {tuple(shape)}")
+    return mask.reshape(-1).to(torch.bool).cpu()
+
+
+def _ratio(numerator: int, denominator: int) -> float:
+    return numerator / denominator if denominator else 0.0
+
+
+def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    if x.numel() < 2:
+        return 1.0
+    x, y = x - x.mean(), y - y.mean()
+    denominator = float((x.pow(2).sum() * y.pow(2).sum()).sqrt())
+    return float((x * y).sum()) / denominator if denominator > 0 else 1.0
+
+
+__all__ = ["logprob_mismatch", "routing_agreement"]

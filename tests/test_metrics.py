@@ -1,0 +1,72 @@
+"""metrics.py on hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from routereplay.errors import ConfigError, TraceShapeError
+from routereplay.metrics import logprob_mismatch, routing_agreement
+
+
+def test_routing_agreement_hand_computed() -> None:
+    # 3 tokens x 2 layers x top-2; order inside a row does not matter
+    a = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]]])
+    b = torch.tensor([[[1, 0], [2, 3]], [[4, 6], [6, 7]], [[5, 7], [1, 3]]])
+    result = routing_agreement(a, b)
+    # differing rows: (1, layer 0) shares 1 of 3 ids; (2, layer 0) shares 0 of 4
+    assert result["routing_disagreement"] == pytest.approx(2 / 6)
+    assert result["token_disagreement"] == pytest.approx(2 / 3)
+    assert result["mean_layers_differing"] == pytest.approx(2 / 3)
+    assert result["per_layer_disagreement"] == pytest.approx([2 / 3, 0.0])
+    assert result["jaccard"] == pytest.approx((1 + 1 + 1 / 3 + 1 + 0 + 1) / 6)
+    assert result["compared_rows"] == 6 and result["unrouted_rows"] == 0
+
+
+def test_routing_agreement_mask_and_unrouted_rows() -> None:
+    a = torch.tensor([[[0, 1]], [[2, 3]], [[4, 5]]])
+    b = torch.tensor([[[0, 2]], [[-1, -1]], [[4, 5]]])
+    result = routing_agreement(a, b, mask=torch.tensor([True, True, False]))
+    assert result["compared_rows"] == 1 and result["unrouted_rows"] == 1
+    assert result["routing_disagreement"] == 1.0 and result["jaccard"] == pytest.approx(1 / 3)
+    with pytest.raises(TraceShapeError, match="same"):
+        routing_agreement(a, b[:, :, :1])
+    with pytest.raises(TraceShapeError, match="mask has shape"):
+        routing_agreement(a, b, mask=torch.ones(2, dtype=torch.bool))
+
+
+def test_logprob_mismatch_hand_computed() -> None:
+    train = torch.log(torch.tensor([0.5, 0.2, 0.9, 0.1]))
+    infer = torch.log(torch.tensor([0.5, 0.5, 0.3, 0.1]))
+    mask = torch.tensor([True, True, True, False])
+    result = logprob_mismatch(train, infer, mask)
+    deltas = [0.0, math.log(0.2 / 0.5), math.log(0.9 / 0.3)]
+    assert result["tokens"] == 3
+    assert result["k3_kl"] == pytest.approx(sum(math.exp(d) - 1 - d for d in deltas) / 3)
+    assert result["extreme_frac_2"] == pytest.approx(2 / 3)  # ratios 0.4 < 1/2 and 3 > 2; 1.0 is not
+    assert result["mean_abs_dlogp"] == pytest.approx(sum(abs(d) for d in deltas) / 3)
+    assert result["signed_mean_dlogp"] == pytest.approx(sum(deltas) / 3)
+    assert result["chi2"] == pytest.approx(sum(math.exp(2 * d) for d in deltas) / 3 - 1)
+    assert result["prob_abs_diff"] == pytest.approx((0 + 0.3 + 0.6) / 3)
+    x, y = [0.5, 0.2, 0.9], [0.5, 0.5, 0.3]
+    mx, my = sum(x) / 3, sum(y) / 3
+    cov = sum((p - mx) * (q - my) for p, q in zip(x, y, strict=True))
+    pearson = cov / math.sqrt(sum((p - mx) ** 2 for p in x) * sum((q - my) ** 2 for q in y))
+    assert result["pearson_prob"] == pytest.approx(pearson)
+
+
+def test_identical_logprobs_have_zero_mismatch() -> None:
+    logp = torch.log(torch.rand(50, generator=torch.Generator().manual_seed(0)))
+    result = logprob_mismatch(logp, logp.clone())
+    assert result["k3_kl"] == 0 and result["extreme_frac_2"] == 0 and result["chi2"] == pytest.approx(0, abs=1e-12)
+
+
+def test_logprob_mismatch_errors() -> None:
+    with pytest.raises(TraceShapeError, match="differ in shape"):
+        logprob_mismatch(torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ConfigError, match="selects none"):
+        logprob_mismatch(torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ConfigError, match="must be > 1"):
+        logprob_mismatch(torch.zeros(3), torch.zeros(3), tau=1.0)
