@@ -75,9 +75,9 @@ def test_replay_reproduces_logits_and_reaches_experts(model_type: str) -> None:
         assert torch.equal(_logits(model, inputs), natural), "(a) replaying recorded routes must be bit-exact"
     holes = rec.routes.clone()
     holes[:, 2:5] = -1
-    with replayer.replay(holes) as stats:
+    with replayer.replay(holes) as used:
         assert torch.equal(_logits(model, inputs), natural), "(d) -1 rows must route exactly like the live router"
-    assert stats.fallback_rows == 2 * 3 * len(replayer.layers)
+    assert used.stats.fallback_rows == 2 * 3 * len(replayer.layers)
     forced = _random_routes(replayer, 2, 12, seed=11)
     with replayer.replay(forced), experts_inputs(model) as seen:
         _logits(model, inputs)

@@ -80,10 +80,10 @@ def test_fallback_rows_route_live_and_are_counted(model: torch.nn.Module) -> Non
         natural = model(input_ids=ids, attention_mask=mask).logits
     routes = rec.routes.clone()
     routes[0, 3:6] = -1  # three tokens unrouted in every layer: the live router decides
-    with replayer.replay(routes) as stats:
+    with replayer.replay(routes) as used:
         again = model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(natural, again)
-    assert stats.fallback_rows == 9 and stats.fallback_rows_by_layer == {0: 3, 1: 3, 2: 3}
+    assert used.stats.fallback_rows == 9 and used.stats.fallback_rows_by_layer == {0: 3, 1: 3, 2: 3}
 
 
 def test_traces_with_left_and_right_padding(model: torch.nn.Module) -> None:
@@ -99,11 +99,11 @@ def test_traces_with_left_and_right_padding(model: torch.nn.Module) -> None:
     traces = rec.traces(mask)
     assert [t.num_tokens for t in traces] == [6, 7]
     assert torch.equal(torch.from_numpy(traces[0].experts.astype(np.int64)), rec.routes[0, 4:].long())
-    with replayer.replay(traces, attention_mask=mask) as stats:
+    with replayer.replay(traces, attention_mask=mask) as used:
         again = model(input_ids=ids, attention_mask=mask).logits
     attended = mask.bool()
     assert torch.equal(natural[attended], again[attended])
-    assert stats.fallback_rows == 7 * 3  # the padding positions, routed live
+    assert used.stats.fallback_rows == 7 * 3  # the padding positions, routed live
 
 
 def test_gradients_reach_the_gate_and_match_natural(model: torch.nn.Module) -> None:
@@ -137,10 +137,10 @@ def test_checkpointed_equals_plain_under_replay(reentrant: bool) -> None:
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         replayer = attach(model)
-        with replayer.replay(forced) as stats:
+        with replayer.replay(forced) as used:
             model(input_ids=ids, attention_mask=mask).logits.float().pow(2).mean().backward()
         if checkpointing:
-            assert stats.recompute_calls == 3, "every layer's router recomputes once"
+            assert used.stats.recompute_calls == 3, "every layer's router recomputes once"
         grads.append([p.grad.clone() for p in model.parameters()])
     for plain, checkpointed in zip(*grads, strict=True):
         assert torch.allclose(plain, checkpointed, atol=0, rtol=0)

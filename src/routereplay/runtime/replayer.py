@@ -141,10 +141,10 @@ class _Session:
         stats = self.replayer.stats
         if in_backward():
             return
+        if not self.steps:
+            self.begin_step((1, chosen_TK.shape[0]))
+        self.steps[-1][1][site.layer] = chosen_TK.detach().to(torch.int32)  # replay: the routes used
         if self.mode is ReplayMode.RECORD:
-            if not self.steps:
-                self.begin_step((1, chosen_TK.shape[0]))
-            self.steps[-1][1][site.layer] = chosen_TK.detach().to(torch.int32)
             stats.recorded_rows += chosen_TK.shape[0]
         else:
             stats.replayed_rows += chosen_TK.shape[0] - fallbacks
@@ -154,7 +154,10 @@ class _Session:
 
 
 class Recording:
-    """What a `record()` context captured. `.routes` is (B, S, L, K); `.traces(mask)` per sequence.
+    """What a context captured. `.routes` is (B, S, L, K); `.traces(mask)` per sequence; `.stats`.
+
+    Under `record()` these are the routers' own choices; under `replay()` the routes actually used
+    (the forced ids, and the live choice on -1 rows).
 
     Forward calls in one context are steps: incremental decoding with a KV cache (prefill, then one
     position per step) concatenates along S. Independent micro-batches belong in separate contexts,
@@ -163,6 +166,11 @@ class Recording:
 
     def __init__(self, session: _Session, layers: tuple[int, ...], num_experts: int) -> None:
         self._session, self.layers, self.num_experts = session, layers, num_experts
+
+    @property
+    def stats(self) -> ReplayStats:
+        """The Replayer's counters (cumulative; `.reset()` them between passes)."""
+        return self._session.replayer.stats
 
     @property
     def steps(self) -> list[torch.Tensor]:
@@ -263,11 +271,11 @@ class Replayer:
     @contextmanager
     def replay(
         self, routes: torch.Tensor | Sequence[RouteTrace], attention_mask: torch.Tensor | None = None
-    ) -> Iterator[ReplayStats]:
+    ) -> Iterator[Recording]:
         """Force routes: a (B, S, L, K) int tensor aligned with the input, or RouteTraces + attention_mask.
 
         -1 rows fall back to the live router for that token only (counted in `stats.fallback_rows`).
-        Run forward AND backward inside the context.
+        Run forward AND backward inside the context. The context value's `.routes` are the routes used.
         """
         if not isinstance(routes, torch.Tensor):
             if attention_mask is None:
@@ -278,7 +286,7 @@ class Replayer:
         checked = check_routes(routes, self.layers, self.top_k, self.num_experts)
         session = self._enter(ReplayMode.REPLAY, checked)
         try:
-            yield self.stats
+            yield Recording(session, self.layers, self.num_experts)
         finally:
             self._exit(session)
 

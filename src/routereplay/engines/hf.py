@@ -1,0 +1,198 @@
+"""The built-in rollout engine: batched sampling with a KV cache for any HF causal-LM MoE model.
+
+It plays the part of vLLM or SGLang in R3, and it is honest about mismatch. The engine runs its own
+copy of the weights in its own precision (default bf16, as production engines do), while the
+trainer computes in fp32. So routing and log-probs differ between the two for real numerical
+reasons, not because noise was injected. It returns what vLLM returns:
+- the sampled token ids;
+- the engine's log-prob of every sampled token, under the sampling distribution (temperature,
+  top-p);
+- a `RouteTrace` per sequence of prompt + response - 1 rows, since the last sampled token is never
+  fed back.
+
+Prompts are left-padded and position ids count attended tokens only. Build the trainer batch the
+same way (`position_ids_for`) so that trainer and engine compute the same function. Legend:
+B = sequences, P = padded prompt length, V = vocabulary, S = positions fed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from routereplay.enums import Source
+from routereplay.errors import ConfigError
+from routereplay.runtime import attach
+from routereplay.trace import RouteTrace
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How the engine samples. Log-probs are taken under this distribution (temperature, top-p)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_id: int | None = None
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0 (use a small value for near-greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One sampled sequence: prompt, response (up to and including EOS), engine log-probs, routes."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # engine log-prob of each response token
+    trace: RouteTrace | None  # prompt + response - 1 rows; None when capture is off
+    finished: bool = field(default=False)  # ended with EOS (else cut at max_new_tokens)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+class HFEngine:
+    """Samples from its own copy of `model`, cast to `dtype`, capturing routes like vLLM does."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        capture: bool = True,
+        policy_version: int | None = None,
+    ) -> None:
+        self.model = copy.deepcopy(model).to(dtype).eval()
+        self.dtype = dtype
+        self.policy_version = policy_version
+        self.replayer = attach(self.model) if capture else None
+
+    def sync_weights(self, model: nn.Module, policy_version: int | None = None) -> None:
+        """Load the trainer's current weights, cast to the engine dtype (the RL weight sync)."""
+        self.model.load_state_dict({k: v.to(self.dtype) for k, v in model.state_dict().items()})
+        self.policy_version = policy_version
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[Rollout]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
+        ids_BP, mask_BP = left_pad(prompts, params.pad_token_id)
+        generator = torch.Generator().manual_seed(params.seed)
+        if self.replayer is None:
+            tokens_BR, logprobs_BR = self._sample(ids_BP, mask_BP, params, generator, progress)
+            routes = None
+        else:
+            with self.replayer.record() as rec:
+                tokens_BR, logprobs_BR = self._sample(ids_BP, mask_BP, params, generator, progress)
+            routes = rec.routes  # (B, P + R - 1, L, K): prefill plus every fed sampled token
+        return self._rollouts(prompts, mask_BP, tokens_BR, logprobs_BR, routes, params)
+
+    def _sample(
+        self,
+        ids_BP: torch.Tensor,
+        mask_BP: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+        progress: Callable[[int, int], None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = mask_BP
+        output = self.model(input_ids=ids_BP, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True)
+        tokens, logprobs = [], []
+        for step in range(params.max_new_tokens):
+            token_B, logprob_B = sample_tokens(output.logits[:, -1].float(), params, generator)
+            tokens.append(token_B)
+            logprobs.append(logprob_B)
+            if progress is not None:
+                progress(step + 1, params.max_new_tokens)
+            if step + 1 == params.max_new_tokens:
+                break  # the last sampled token is never fed back (engines return num_tokens - 1 rows)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = position_ids_for(mask)[:, -1:]
+            output = self.model(
+                input_ids=token_B[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=output.past_key_values,
+                use_cache=True,
+            )
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+    def _rollouts(
+        self,
+        prompts: Sequence[Sequence[int]],
+        mask_BP: torch.Tensor,
+        tokens_BR: torch.Tensor,
+        logprobs_BR: torch.Tensor,
+        routes: torch.Tensor | None,
+        params: SamplingParams,
+    ) -> list[Rollout]:
+        rollouts = []
+        prompt_width = mask_BP.shape[1]
+        for b, prompt in enumerate(prompts):
+            response = tokens_BR[b].tolist()
+            finished = params.eos_token_id is not None and params.eos_token_id in response
+            length = response.index(params.eos_token_id) + 1 if finished else len(response)
+            trace = None
+            if routes is not None and self.replayer is not None:
+                rows = len(prompt) + length - 1
+                fed_positions = torch.arange(prompt_width - len(prompt), prompt_width + length - 1)
+                trace = RouteTrace(
+                    routes[b, fed_positions].numpy(), self.replayer.num_experts, self.replayer.layers
+                ).with_provenance(Source.HF, self.policy_version)
+                assert trace.num_tokens == rows
+            rollouts.append(Rollout(list(prompt), response[:length], logprobs_BR[b, :length].tolist(), trace, finished))
+        return rollouts
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) ids and attention mask with every prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids_BP = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask_BP = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, prompt in enumerate(prompts):
+        ids_BP[b, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask_BP[b, width - len(prompt) :] = 1
+    return ids_BP, mask_BP
+
+
+def position_ids_for(mask_BS: torch.Tensor) -> torch.Tensor:
+    """Positions counting attended tokens only (0 at each sequence's first token), padding at 0."""
+    return (mask_BS.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def sample_tokens(
+    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row with temperature and top-p; return it and its log-prob."""
+    logprobs_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_BV, order_BV = logprobs_BV.sort(dim=-1, descending=True)
+        keep_BV = sorted_BV.exp().cumsum(dim=-1) - sorted_BV.exp() < params.top_p  # always keeps the top token
+        filtered_BV = torch.full_like(logprobs_BV, float("-inf")).scatter(
+            1, order_BV, sorted_BV.masked_fill(~keep_BV, float("-inf"))
+        )
+        logprobs_BV = torch.log_softmax(filtered_BV, dim=-1)
+    token_B = torch.multinomial(logprobs_BV.exp(), 1, generator=generator)[:, 0]
+    return token_B, logprobs_BV.gather(1, token_B[:, None])[:, 0]
+
+
+__all__ = ["HFEngine", "Rollout", "SamplingParams", "left_pad", "position_ids_for", "sample_tokens"]

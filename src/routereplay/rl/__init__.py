@@ -1,0 +1,1 @@
+"""The embedded default: a synthetic task, a tiny MoE that learned it, trainer-side scoring, demo."""

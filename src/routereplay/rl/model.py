@@ -1,0 +1,183 @@
+"""The demo model: a tiny MoE that has learned digit addition, trained by the project and cached.
+
+Two architectures:
+- `qwen3_moe` (the default): softmax router, top-2 of 8 experts, 4 MoE layers.
+- `deepseek_v3`: sigmoid router with a selection bias and group limits, a dense first layer, then
+  3 MoE layers.
+The model is trained with supervised next-token loss on "a+b=sum<eos>", answer tokens only. This
+takes well under two minutes on two CPU cores, and the result is cached with save_pretrained and
+its tokenizer under `~/.cache/routereplay` (or `$ROUTEREPLAY_CACHE`). `load_checkpoint` loads any
+local HF MoE checkpoint, with clear errors for a missing path, a checkpoint without a tokenizer,
+and a model without MoE layers. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from routereplay.enums import StrEnum
+from routereplay.errors import AttachError, ConfigError, NoRoutersError
+from routereplay.rl.tasks import AdditionTask, build_tokenizer
+
+TRAIN_VERSION = 8  # bump when the recipe changes, so caches are rebuilt
+
+
+class Arch(StrEnum):
+    QWEN3_MOE = "qwen3_moe"
+    DEEPSEEK_V3 = "deepseek_v3"
+
+
+def demo_config(arch: Arch | str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Any:
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 64,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": False,
+    }
+    arch = Arch(arch)
+    if arch is Arch.QWEN3_MOE:
+        return transformers.Qwen3MoeConfig(
+            **common,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_hidden_layers=8,
+            head_dim=16,
+            num_experts=64,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.05,  # trained with the load-balancing loss, like real MoEs
+        )
+    return transformers.DeepseekV3Config(
+        **common,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ROUTEREPLAY_CACHE", Path.home() / ".cache" / "routereplay"))
+
+
+def load_or_train(
+    arch: Arch | str = Arch.QWEN3_MOE,
+    *,
+    steps: int = 800,
+    seed: int = 0,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[torch.nn.Module, Any, str]:
+    """The cached demo model for `arch` (trained now if absent): (model, tokenizer, where it came from)."""
+    folder = cache_dir() / f"demo-{Arch(arch)}-v{TRAIN_VERSION}-s{steps}-seed{seed}"
+    if (folder / "config.json").exists():
+        model, tokenizer = load_checkpoint(folder)
+        return model, tokenizer, f"cached: {folder}"
+    model, tokenizer = train_demo_model(arch, steps=steps, seed=seed, progress=progress)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if folder.exists():  # another process won the race: keep its copy
+        shutil.rmtree(staging)
+    else:
+        staging.rename(folder)
+    return model, tokenizer, f"trained now, cached in {folder}"
+
+
+def train_demo_model(
+    arch: Arch | str,
+    *,
+    steps: int = 600,
+    seed: int = 0,
+    batch: int = 64,
+    lr: float = 5e-3,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """Supervised training on addition (answer tokens only); returns the model in eval mode and its tokenizer."""
+    import transformers
+
+    tokenizer = build_tokenizer()
+    task = AdditionTask(tokenizer)
+    config = demo_config(arch, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    for step in range(steps):
+        problems = task.problems(batch, seed=seed * 1_000_003 + step)
+        sequences = [task.target_ids(p) for p in problems]
+        width = max(len(s) for s in sequences)
+        ids = torch.full((batch, width), task.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch, width), -100, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for b, (problem, sequence) in enumerate(zip(problems, sequences, strict=True)):
+            ids[b, : len(sequence)] = torch.tensor(sequence)
+            mask[b, : len(sequence)] = 1
+            answer_from = len(task.encode(problem.prompt))
+            labels[b, answer_from : len(sequence)] = ids[b, answer_from : len(sequence)]
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if progress is not None:
+            progress(step + 1, steps, float(loss))
+    return model.eval(), tokenizer
+
+
+def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
+    """Load a local HF MoE checkpoint and its tokenizer (no network), with clear errors."""
+    import transformers
+
+    folder = Path(path)
+    if not folder.is_dir() or not (folder / "config.json").exists():
+        raise ConfigError(f"--model {path}: not a checkpoint folder (no config.json there); pass a save_pretrained folder")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((folder / name).exists() for name in tokenizer_files):
+        raise ConfigError(
+            f"--model {path}: the checkpoint has no tokenizer ({', '.join(tokenizer_files)}); save one with "
+            "tokenizer.save_pretrained(path)"
+        )
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--model {path}: cannot load it with transformers ({type(exc).__name__}: {exc})") from None
+    from routereplay.runtime import attach
+
+    try:
+        attach(model).detach()
+    except NoRoutersError:
+        raise NoRoutersError(f"--model {path}: {type(model).__name__} has no MoE layers; router replay needs an MoE model") from None
+    except AttachError as exc:
+        raise type(exc)(f"--model {path}: {exc}") from None
+    return model.eval(), tokenizer
+
+
+__all__ = ["Arch", "cache_dir", "demo_config", "load_checkpoint", "load_or_train", "train_demo_model"]
