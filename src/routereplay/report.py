@@ -56,10 +56,10 @@ METRIC_ROWS: tuple[tuple[str, str, str], ...] = (
     ("mean_abs_dlogp", "Mean |d|", "mean absolute log-prob difference"),
     ("signed_mean_dlogp", "Mean d", "signed mean log-prob difference (bias)"),
     ("extreme_frac_2", "F(2)", "tokens with |d| > ln 2 (probability ratio outside [½, 2])"),
-    ("chi2", "χ²", "mean (exp(d) − 1)², the χ² divergence estimate"),
+    ("chi2", "χ²", "mean exp(d)² − 1, the χ² estimate of the token ratio p_train / p_infer"),
     ("prob_abs_diff", "Mean |Δp|", "mean |p_train − p_infer| of the sampled token"),
     ("pearson_prob", "Pearson r(p)", "correlation of p_train and p_infer over tokens"),
-    ("fallback_rows", "Fallback rows", "replayed rows that fell back to the trainer's own router"),
+    ("fallback_rows", "Fallback rows", "(token, layer) rows without engine routes (-1), routed live and counted"),
 )
 
 LN2 = math.log(2.0)

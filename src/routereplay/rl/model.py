@@ -26,7 +26,7 @@ from routereplay.enums import StrEnum
 from routereplay.errors import AttachError, ConfigError, NoRoutersError
 from routereplay.rl.tasks import AdditionTask, build_tokenizer
 
-TRAIN_VERSION = 8  # bump when the recipe changes, so caches are rebuilt
+TRAIN_VERSION = 9  # bump when the recipe changes, so caches are rebuilt
 
 
 class Arch(StrEnum):
@@ -53,10 +53,10 @@ def demo_config(arch: Arch | str, vocab_size: int, eos_token_id: int, pad_token_
         return transformers.Qwen3MoeConfig(
             **common,
             intermediate_size=128,
-            moe_intermediate_size=64,
+            moe_intermediate_size=32,
             num_hidden_layers=8,
             head_dim=16,
-            num_experts=64,
+            num_experts=128,
             num_experts_per_tok=2,
             norm_topk_prob=True,
             router_aux_loss_coef=0.05,  # trained with the load-balancing loss, like real MoEs
@@ -164,6 +164,7 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
             f"--model {path}: the checkpoint has no tokenizer ({', '.join(tokenizer_files)}); save one with "
             "tokenizer.save_pretrained(path)"
         )
+    transformers.utils.logging.disable_progress_bar()  # the demo draws its own progress
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)

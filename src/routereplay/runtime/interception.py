@@ -39,7 +39,7 @@ class TopKInterceptor(TorchFunctionMode):
         super().__init__()
         self.site, self.forced = site, forced
         self.hits = 0
-        self.last: tuple[torch.Tensor, int] | None = None  # (chosen ids (T, K), fallback rows) of the last match
+        self.last: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (ids (T, K), fallback rows (T,))
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -56,15 +56,14 @@ class TopKInterceptor(TorchFunctionMode):
             return func(*args, **kwargs)
         rows = scores.numel() // site.num_choices
         forced_TK = self.forced(site, rows)
-        fallbacks = 0
+        fallback_T: torch.Tensor | None = None
         if forced_TK is None:  # record: the live choice
             with torch.no_grad():
                 chosen_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
         else:
             chosen_TK = forced_TK.to(scores.device)
             fallback_T = chosen_TK[:, 0] < 0
-            fallbacks = int(fallback_T.sum())
-            if fallbacks:  # -1 rows: the live router decides for those tokens only
+            if bool(fallback_T.any()):  # -1 rows: the live router decides for those tokens only
                 with torch.no_grad():
                     live_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
                 chosen_TK = torch.where(fallback_T[:, None], live_TK, chosen_TK)
@@ -76,7 +75,7 @@ class TopKInterceptor(TorchFunctionMode):
             indices = indices.movedim(-1, dim)
         values = scores.gather(dim, indices)
         self.hits += 1
-        self.last = (chosen_TK, fallbacks)  # when several calls match (a one-group group score), the last selects
+        self.last = (chosen_TK, fallback_T)  # when several calls match (a one-group group score), the last selects
         return torch.return_types.topk((values, indices))
 
 

@@ -96,8 +96,15 @@ class Binding:
 class _Session:
     """State of one record or replay context: its steps (forward calls) and their routes."""
 
-    def __init__(self, replayer: Replayer, mode: ReplayMode, routes_BSLK: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        replayer: Replayer,
+        mode: ReplayMode,
+        routes_BSLK: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> None:
         self.replayer, self.mode, self.open = replayer, mode, True
+        self.attended_T = None if attention_mask is None else attention_mask.reshape(-1).bool()
         self.routes_LTK: torch.Tensor | None = None
         self.batch_shape: tuple[int, int] | None = None
         if routes_BSLK is not None:
@@ -137,7 +144,7 @@ class _Session:
             )
         return self.routes_LTK[index]
 
-    def sink(self, site: RouterSite, chosen_TK: torch.Tensor, fallbacks: int) -> None:
+    def sink(self, site: RouterSite, chosen_TK: torch.Tensor, fallback_T: torch.Tensor | None) -> None:
         stats = self.replayer.stats
         if in_backward():
             return
@@ -147,6 +154,9 @@ class _Session:
         if self.mode is ReplayMode.RECORD:
             stats.recorded_rows += chosen_TK.shape[0]
         else:
+            if fallback_T is not None and self.attended_T is not None and self.attended_T.numel() == fallback_T.numel():
+                fallback_T = fallback_T & self.attended_T.to(fallback_T.device)  # padding is not a fallback
+            fallbacks = 0 if fallback_T is None else int(fallback_T.sum())
             stats.replayed_rows += chosen_TK.shape[0] - fallbacks
             stats.fallback_rows += fallbacks
             if fallbacks:
@@ -274,7 +284,8 @@ class Replayer:
     ) -> Iterator[Recording]:
         """Force routes: a (B, S, L, K) int tensor aligned with the input, or RouteTraces + attention_mask.
 
-        -1 rows fall back to the live router for that token only (counted in `stats.fallback_rows`).
+        -1 rows fall back to the live router for that token only (counted in `stats.fallback_rows`;
+        with an attention_mask, padding positions are not counted).
         Run forward AND backward inside the context. The context value's `.routes` are the routes used.
         """
         if not isinstance(routes, torch.Tensor):
@@ -284,7 +295,7 @@ class Replayer:
             routes = traces_to_routes(list(routes), attention_mask, self.layers, self.top_k)
         self._check_uniform_top_k()
         checked = check_routes(routes, self.layers, self.top_k, self.num_experts)
-        session = self._enter(ReplayMode.REPLAY, checked)
+        session = self._enter(ReplayMode.REPLAY, checked, attention_mask)
         try:
             yield Recording(session, self.layers, self.num_experts)
         finally:
@@ -311,10 +322,12 @@ class Replayer:
         return "\n".join(lines)
 
     # -- internals ---------------------------------------------------------------------------------
-    def _enter(self, mode: ReplayMode, routes: torch.Tensor | None) -> _Session:
+    def _enter(
+        self, mode: ReplayMode, routes: torch.Tensor | None, attention_mask: torch.Tensor | None = None
+    ) -> _Session:
         if self._session is not None:
             raise ReplayStateError(f"already inside a {self.mode} context; contexts do not nest")
-        self._session = _Session(self, mode, routes)
+        self._session = _Session(self, mode, routes, attention_mask)
         self.mode = mode
         if self.jitter is JitterPolicy.OFF:  # jitter acts in the block, before the router: off for the context
             for module in {

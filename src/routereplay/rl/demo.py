@@ -1,0 +1,115 @@
+"""The main job: rollouts from the built-in engine, scored by the trainer with and without R3.
+
+The engine (bf16) samples answers to addition prompts and returns its log-probs and routes, as vLLM
+would. The trainer (fp32) then scores the same tokens twice:
+- `off`: its routers choose freely;
+- `R3`: it replays the engine's routes.
+For each mode the record holds routing agreement against the engine's routes and the log-prob
+mismatch against the engine's log-probs (`routereplay.metrics`). `run_demo` returns the record that
+`routereplay demo --json` prints and that `report.write_report` draws. Legend: B = sequences,
+S = positions, L = layers, K = top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from routereplay.engines.hf import HFEngine, SamplingParams
+from routereplay.metrics import logprob_mismatch, routing_agreement
+from routereplay.rl.model import Arch, load_checkpoint, load_or_train
+from routereplay.rl.scoring import engine_logprobs, engine_routes, score
+from routereplay.rl.tasks import AdditionTask
+from routereplay.runtime import attach
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoConfig:
+    arch: str = Arch.QWEN3_MOE.value
+    model: str | None = None  # a local HF MoE checkpoint instead of the demo model
+    prompts: int = 2048
+    max_new_tokens: int = 5
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    train_steps: int = 800
+    engine_dtype: str = "bfloat16"
+    trainer_dtype: str = "float32"
+
+
+def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
+    report = progress or (lambda _phase, _done, _total: None)
+    if config.model is not None:
+        report("loading --model", 0, 1)
+        model, tokenizer = load_checkpoint(config.model)
+        source = f"--model {config.model}"
+    else:
+        model, tokenizer, source = load_or_train(
+            config.arch,
+            steps=config.train_steps,
+            progress=lambda step, steps, _loss: report("training the demo model (cached after this run)", step, steps),
+        )
+    model = model.to(getattr(torch, config.trainer_dtype)).eval()
+    task = AdditionTask(tokenizer)
+    problems = task.problems(config.prompts, seed=config.seed + 1)
+    engine = HFEngine(model, dtype=getattr(torch, config.engine_dtype), policy_version=0)
+    params = SamplingParams(
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=config.seed,
+        eos_token_id=task.eos_token_id,
+        pad_token_id=task.pad_token_id,
+    )
+    rollouts = engine.generate(
+        task.prompt_ids(problems), params, progress=lambda done, total: report("sampling (engine)", done, total)
+    )
+    rewards = [task.reward(p, r.response_ids) for p, r in zip(problems, rollouts, strict=True)]
+    replayer = attach(model)
+    modes: dict[str, dict[str, Any]] = {}
+    deltas: dict[str, list[float]] = {}
+    for index, (mode, replay) in enumerate((("off", False), ("R3", True))):
+        report(f"scoring (trainer, {mode})", index, 2)
+        replayer.stats.reset()
+        scored = score(model, rollouts, task.pad_token_id, replayer=replayer, replay=replay, temperature=config.temperature)
+        infer_BS = engine_logprobs(rollouts, scored.ids_BS.shape)
+        engine_BSLK = engine_routes(rollouts, scored.ids_BS.shape, len(replayer.layers), replayer.top_k)
+        assert scored.routes_BSLK is not None
+        routing = routing_agreement(scored.routes_BSLK, engine_BSLK, scored.mask_BS.bool())
+        mismatch = logprob_mismatch(scored.logprobs_BS, infer_BS, scored.response_BS, tau=2.0)
+        modes[mode] = {**routing, **mismatch, "fallback_rows": replayer.stats.fallback_rows}
+        deltas[mode] = (scored.logprobs_BS - infer_BS)[scored.response_BS].tolist()
+    report("scoring (trainer, R3)", 2, 2)
+    replayer.detach()
+    text_config = model.config.get_text_config()
+    return {
+        "config": asdict(config),
+        "model": {
+            "model_type": text_config.model_type,
+            "layers": list(replayer.layers),
+            "num_experts": replayer.num_experts,
+            "top_k": replayer.top_k,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "source": source,
+        },
+        "rollouts": {
+            "sequences": len(rollouts),
+            "response_tokens": sum(len(r.response_ids) for r in rollouts),
+            "reward_mean": sum(rewards) / len(rewards),
+        },
+        "modes": modes,
+        "dlogp": deltas,
+    }
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The --json record: everything but the per-token arrays (those go to the report)."""
+    return {key: value for key, value in result.items() if key != "dlogp"}
+
+
+__all__ = ["DemoConfig", "run_demo", "summary"]
