@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 TRANSFORMERS := transformers==5.23.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo examples test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml Makefile
 EXAMPLES := src/routereplay/examples
 
 demo: $(STAMP)
+	$(BIN)/routereplay demo --report routereplay-report
+
+examples: $(STAMP)
 	@echo "== SGLang /generate response, Qwen3-30B-A3B shape (48 MoE layers, top-8 of 128) =="
 	$(BIN)/routereplay inspect $(EXAMPLES)/qwen3_30b_a3b_sglang.json \
 		--num-layers 48 --top-k 8 --num-experts 128 --layers-shown 6

@@ -33,7 +33,9 @@ from routereplay.errors import ConfigError, TraceShapeError
 def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, Any]:
     """Compare two routings `a`, `b` of shape (..., L, K); `mask` (...) selects tokens (default all)."""
     if a.shape != b.shape or a.dim() < 2:
-        raise TraceShapeError(f"routings must have the same (..., L, K) shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise TraceShapeError(
+            f"routings must have the same (..., L, K) shape, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     num_layers, top_k = a.shape[-2], a.shape[-1]
     a_NLK, b_NLK = a.reshape(-1, num_layers, top_k).long(), b.reshape(-1, num_layers, top_k).long()
     token_N = _mask(mask, a.shape[:-2], a_NLK.shape[0])

@@ -28,11 +28,16 @@ def add_parser(subparsers: Any) -> None:
             "Prints the routing disagreement and the log-prob mismatch (k3 KL, F(2), ...) of both modes, and "
             "writes a report folder (report.html + PNG plots)."
         ),
-        epilog="examples:\n  routereplay demo\n  routereplay demo --arch deepseek_v3 --json\n  routereplay demo --model ./my-moe",
+        epilog=(
+            "examples:\n  routereplay demo\n  routereplay demo --arch deepseek_v3 --json\n"
+            "  routereplay demo --model ./my-moe"
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model = parser.add_argument_group("model")
-    model.add_argument("--arch", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe", help="demo model architecture")
+    model.add_argument(
+        "--arch", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe", help="demo model architecture"
+    )
     model.add_argument("--model", help="a local HF MoE checkpoint folder (with tokenizer) instead of the demo model")
     model.add_argument("--train-steps", type=int, default=800, help="training steps of the demo model (default 800)")
     rollout = parser.add_argument_group("rollouts")

@@ -76,7 +76,9 @@ def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, 
     for index, (mode, replay) in enumerate((("off", False), ("R3", True))):
         report(f"scoring (trainer, {mode})", index, 2)
         replayer.stats.reset()
-        scored = score(model, rollouts, task.pad_token_id, replayer=replayer, replay=replay, temperature=config.temperature)
+        scored = score(
+            model, rollouts, task.pad_token_id, replayer=replayer, replay=replay, temperature=config.temperature
+        )
         infer_BS = engine_logprobs(rollouts, scored.ids_BS.shape)
         engine_BSLK = engine_routes(rollouts, scored.ids_BS.shape, len(replayer.layers), replayer.top_k)
         assert scored.routes_BSLK is not None
@@ -86,7 +88,7 @@ def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, 
         deltas[mode] = (scored.logprobs_BS - infer_BS)[scored.response_BS].tolist()
     report("scoring (trainer, R3)", 2, 2)
     replayer.detach()
-    text_config = model.config.get_text_config()
+    text_config = model.config.get_text_config()  # type: ignore[union-attr, operator]
     return {
         "config": asdict(config),
         "model": {

@@ -55,7 +55,7 @@ def demo_config(arch: Arch | str, vocab_size: int, eos_token_id: int, pad_token_
             intermediate_size=128,
             moe_intermediate_size=32,
             num_hidden_layers=8,
-            head_dim=16,
+            head_dim=16,  # type: ignore[call-arg]  # a config kwarg the stub does not list
             num_experts=128,
             num_experts_per_tok=2,
             norm_topk_prob=True,
@@ -100,7 +100,7 @@ def load_or_train(
     model, tokenizer = train_demo_model(arch, steps=steps, seed=seed, progress=progress)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    model.save_pretrained(staging)
+    model.save_pretrained(staging)  # type: ignore[operator]
     tokenizer.save_pretrained(staging)
     if folder.exists():  # another process won the race: keep its copy
         shutil.rmtree(staging)
@@ -147,7 +147,7 @@ def train_demo_model(
         optimizer.step()
         schedule.step()
         if progress is not None:
-            progress(step + 1, steps, float(loss))
+            progress(step + 1, steps, loss.item())
     return model.eval(), tokenizer
 
 
@@ -157,7 +157,9 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
 
     folder = Path(path)
     if not folder.is_dir() or not (folder / "config.json").exists():
-        raise ConfigError(f"--model {path}: not a checkpoint folder (no config.json there); pass a save_pretrained folder")
+        raise ConfigError(
+            f"--model {path}: not a checkpoint folder (no config.json there); pass a save_pretrained folder"
+        )
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
     if not any((folder / name).exists() for name in tokenizer_files):
         raise ConfigError(
@@ -175,7 +177,9 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
     try:
         attach(model).detach()
     except NoRoutersError:
-        raise NoRoutersError(f"--model {path}: {type(model).__name__} has no MoE layers; router replay needs an MoE model") from None
+        raise NoRoutersError(
+            f"--model {path}: {type(model).__name__} has no MoE layers; router replay needs an MoE model"
+        ) from None
     except AttachError as exc:
         raise type(exc)(f"--model {path}: {exc}") from None
     return model.eval(), tokenizer

@@ -54,7 +54,7 @@ class AdditionTask:
         return [self.encode(p.prompt) for p in problems]
 
     def target_ids(self, problem: Problem) -> list[int]:
-        return self.encode(problem.prompt + problem.answer) + [self.eos_token_id]
+        return [*self.encode(problem.prompt + problem.answer), self.eos_token_id]
 
     def reward(self, problem: Problem, response_ids: list[int]) -> float:
         if not response_ids or response_ids[-1] != self.eos_token_id:
