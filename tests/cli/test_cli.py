@@ -171,3 +171,12 @@ def test_bench_replay_small_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(s["median"] > 0 for s in result["seconds"].values())
     assert set(result["targets"]) == {"record_over_off", "replay_over_off"}
     assert result["config"]["batch"] == 1 and result["config"]["seq"] == 16
+
+
+@pytest.mark.hf
+def test_bench_engine_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "engine", "--repeats", "1", "--json"]) == EXIT_OK
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["seconds"]) == {"no_capture", "capture"}
+    assert result["ratios"]["capture_over_no_capture"] > 0
+    assert set(result["targets"]) == {"capture_over_no_capture"}

@@ -8,18 +8,19 @@ from typing import Any
 
 from routereplay.cli.arguments import add_json_argument
 
-SUITES = ("codec", "replay")
+SUITES = ("codec", "replay", "engine")
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="run a benchmark suite (codec, replay) and print medians of repeated runs",
+        help="run a benchmark suite (codec, replay, engine) and print medians of repeated runs",
         description=(
             "Run a benchmark suite. `codec`: bytes per (token, layer) row and encode/decode throughput of "
             "routereplay's codec against JSON lists, SGLang base64 int32, vLLM base64 .npy and raw uint8, "
             "all measured in the same run on the same random routes. `replay`: forward + backward step time of a "
-            "Qwen3-MoE-shaped model with routers off, recording and replaying (interleaved). Progress goes to stderr."
+            "Qwen3-MoE-shaped model with routers off, recording and replaying (interleaved). `engine`: the built-in "
+            "engine's generation time with and without route capture. Progress goes to stderr."
         ),
     )
     parser.add_argument("suite", choices=SUITES, help="which benchmark to run")
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from routereplay.bench import codec as codec_bench
+    from routereplay.bench import engine as engine_bench
     from routereplay.bench import replay as replay_bench
     from routereplay.errors import ConfigError
 
@@ -56,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
                 repeats=args.repeats or 5,
                 seed=args.seed,
             )
+        elif args.suite == "engine":
+            suite = engine_bench
+            config = engine_bench.EngineBenchConfig(repeats=args.repeats or 5, seed=args.seed)
         else:
             suite = replay_bench
             config = replay_bench.ReplayBenchConfig(

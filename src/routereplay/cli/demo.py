@@ -57,12 +57,14 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import transformers
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from routereplay.errors import ConfigError
     from routereplay.rl.demo import DemoConfig, run_demo, summary
 
+    transformers.utils.logging.disable_progress_bar()  # this command draws its own progress bars
     if args.prompts < 1 or args.max_new_tokens < 1 or args.train_steps < 1:
         raise ConfigError("--prompts, --max-new-tokens and --train-steps must be >= 1")
     config = DemoConfig(

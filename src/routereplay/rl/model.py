@@ -26,7 +26,7 @@ from routereplay.enums import StrEnum
 from routereplay.errors import AttachError, ConfigError, NoRoutersError
 from routereplay.rl.tasks import AdditionTask, build_tokenizer
 
-TRAIN_VERSION = 9  # bump when the recipe changes, so caches are rebuilt
+TRAIN_VERSION = 10  # bump when the recipe changes, so caches are rebuilt
 
 
 class Arch(StrEnum):
@@ -64,13 +64,13 @@ def demo_config(arch: Arch | str, vocab_size: int, eos_token_id: int, pad_token_
     return transformers.DeepseekV3Config(
         **common,
         intermediate_size=128,
-        moe_intermediate_size=64,
-        num_hidden_layers=4,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
+        moe_intermediate_size=32,
+        num_hidden_layers=8,
+        first_k_dense_replace=1,  # layer 0 dense, like DeepSeek-V3 / Moonlight: MoE layers are 1..7
+        n_routed_experts=128,
         num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
+        n_group=8,
+        topk_group=4,
         n_shared_experts=1,
         routed_scaling_factor=1.0,
         kv_lora_rank=16,
@@ -166,7 +166,6 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
             f"--model {path}: the checkpoint has no tokenizer ({', '.join(tokenizer_files)}); save one with "
             "tokenizer.save_pretrained(path)"
         )
-    transformers.utils.logging.disable_progress_bar()  # the demo draws its own progress
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)

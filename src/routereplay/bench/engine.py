@@ -1,0 +1,93 @@
+"""Engine benchmark: what route capture costs the built-in engine's generation.
+
+The model has the demo shape (Qwen3-MoE, 8 layers, top-2 of 128 experts) with random weights; speed
+does not depend on training. Prompts are addition-length (6 tokens) and the engine samples 16 new
+tokens each, in bf16. Each repeat generates once without capture and once with it, interleaved,
+and the ratio reported is the median of the per-repeat ratios. Capture means recording every
+router's choice across the KV-cache steps and assembling a `RouteTrace` per sequence.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from routereplay.bench.timing import target
+from routereplay.environment import collect
+
+CAPTURE_TARGET = 1.05
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineBenchConfig:
+    prompts: int = 256
+    max_new_tokens: int = 16
+    repeats: int = 5
+    seed: int = 0
+
+
+def run(config: EngineBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    import transformers
+
+    from routereplay.engines.hf import HFEngine, SamplingParams
+    from routereplay.rl.model import demo_config
+
+    report = progress or (lambda _name: None)
+    report("building the model")
+    torch.manual_seed(config.seed)
+    model = transformers.AutoModelForCausalLM.from_config(demo_config("qwen3_moe", 16, 1, 0)).eval()
+    engines = {"no_capture": HFEngine(model, capture=False), "capture": HFEngine(model, capture=True)}
+    generator = torch.Generator().manual_seed(config.seed)
+    prompts = torch.randint(2, 16, (config.prompts, 6), generator=generator).tolist()
+    params = SamplingParams(max_new_tokens=config.max_new_tokens, seed=config.seed)
+    for engine in engines.values():  # warm-up
+        engine.generate(prompts, params)
+    seconds: dict[str, list[float]] = {name: [] for name in engines}
+    for repeat in range(config.repeats):
+        report(f"repeat {repeat + 1}/{config.repeats}")
+        for name, engine in engines.items():
+            begin = time.perf_counter()
+            engine.generate(prompts, params)
+            seconds[name].append(time.perf_counter() - begin)
+    ratio = statistics.median(c / n for c, n in zip(seconds["capture"], seconds["no_capture"], strict=True))
+    tokens = config.prompts * config.max_new_tokens
+    return {
+        "suite": "engine",
+        "machine": collect(),
+        "config": {k: getattr(config, k) for k in EngineBenchConfig.__dataclass_fields__},
+        "seconds": {n: {"median": statistics.median(v), "low": min(v), "high": max(v)} for n, v in seconds.items()},
+        "tokens_per_s": {n: tokens / statistics.median(v) for n, v in seconds.items()},
+        "ratios": {"capture_over_no_capture": ratio},
+        "targets": {"capture_over_no_capture": target(ratio, CAPTURE_TARGET)},
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    config, machine = result["config"], result["machine"]
+    lines = [
+        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, "
+        f"transformers {machine['transformers']}, by `routereplay bench engine`.",
+        "",
+        f"Demo-shaped Qwen3-MoE (8 layers, top-2 of 128 experts), bf16 engine, {config['prompts']} prompts x "
+        f"{config['max_new_tokens']} new tokens; {config['repeats']} interleaved repeats (median).",
+        "",
+        "| engine | seconds per generate (median) | low | high | new tokens/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, s in result["seconds"].items():
+        lines.append(
+            f"| {name.replace('_', ' ')} | {s['median']:.3f} | {s['low']:.3f} | {s['high']:.3f} | "
+            f"{result['tokens_per_s'][name]:.0f} |"
+        )
+    lines.append(
+        f"\ncapture / no capture (median of per-repeat ratios): {result['ratios']['capture_over_no_capture']:.3f}"
+    )
+    return "\n".join(lines)
+
+
+__all__ = ["EngineBenchConfig", "markdown", "run"]
