@@ -10,14 +10,14 @@ router's choice across the KV-cache steps and assembling a `RouteTrace` per sequ
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
-from routereplay.bench.timing import target
+from routereplay.bench.timing import interleave, median_ratio, spread, target
 from routereplay.environment import collect
 
 CAPTURE_TARGET = 1.05
@@ -45,22 +45,15 @@ def run(config: EngineBenchConfig, progress: Callable[[str], None] | None = None
     generator = torch.Generator().manual_seed(config.seed)
     prompts = torch.randint(2, 16, (config.prompts, 6), generator=generator).tolist()
     params = SamplingParams(max_new_tokens=config.max_new_tokens, seed=config.seed)
-    for engine in engines.values():  # warm-up
-        engine.generate(prompts, params)
-    seconds: dict[str, list[float]] = {name: [] for name in engines}
-    for repeat in range(config.repeats):
-        report(f"repeat {repeat + 1}/{config.repeats}")
-        for name, engine in engines.items():
-            begin = time.perf_counter()
-            engine.generate(prompts, params)
-            seconds[name].append(time.perf_counter() - begin)
-    ratio = statistics.median(c / n for c, n in zip(seconds["capture"], seconds["no_capture"], strict=True))
+    calls: dict[str, Callable[[], Any]] = {name: partial(e.generate, prompts, params) for name, e in engines.items()}
+    seconds = interleave(calls, config.repeats, report)
+    ratio = median_ratio(seconds["capture"], seconds["no_capture"])
     tokens = config.prompts * config.max_new_tokens
     return {
         "suite": "engine",
         "machine": collect(),
         "config": {k: getattr(config, k) for k in EngineBenchConfig.__dataclass_fields__},
-        "seconds": {n: {"median": statistics.median(v), "low": min(v), "high": max(v)} for n, v in seconds.items()},
+        "seconds": spread(seconds),
         "tokens_per_s": {n: tokens / statistics.median(v) for n, v in seconds.items()},
         "ratios": {"capture_over_no_capture": ratio},
         "targets": {"capture_over_no_capture": target(ratio, CAPTURE_TARGET)},

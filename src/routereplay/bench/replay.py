@@ -8,15 +8,13 @@ are medians of those per-repeat times. Legend: B = batch, S = sequence length, L
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from routereplay.bench.timing import target
+from routereplay.bench.timing import interleave, median_ratio, spread, target
 from routereplay.environment import collect
 
 RECORD_TARGET = 1.03
@@ -86,27 +84,17 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
         with replayer.replay(routes_BSLK):
             step()
 
-    modes = {"off": off, "record": record, "replay": replay}
-    for function in modes.values():  # warm-up
-        function()
-    seconds: dict[str, list[float]] = {name: [] for name in modes}
-    for repeat in range(config.repeats):
-        report(f"repeat {repeat + 1}/{config.repeats}")
-        for name, function in modes.items():
-            begin = time.perf_counter()
-            function()
-            seconds[name].append(time.perf_counter() - begin)
+    seconds = interleave({"off": off, "record": record, "replay": replay}, config.repeats, report)
     replayer.detach()
-    medians = {name: statistics.median(values) for name, values in seconds.items()}
     ratios = {
-        "record_over_off": statistics.median(r / o for r, o in zip(seconds["record"], seconds["off"], strict=True)),
-        "replay_over_off": statistics.median(r / o for r, o in zip(seconds["replay"], seconds["off"], strict=True)),
+        "record_over_off": median_ratio(seconds["record"], seconds["off"]),
+        "replay_over_off": median_ratio(seconds["replay"], seconds["off"]),
     }
     return {
         "suite": "replay",
         "machine": collect(),
         "config": {k: getattr(config, k) for k in ReplayBenchConfig.__dataclass_fields__},
-        "seconds": {name: {"median": medians[name], "low": min(v), "high": max(v)} for name, v in seconds.items()},
+        "seconds": spread(seconds),
         "ratios": ratios,
         "targets": {
             "record_over_off": target(ratios["record_over_off"], RECORD_TARGET),

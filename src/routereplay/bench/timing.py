@@ -37,10 +37,38 @@ def measure(function: Callable[[], Any], repeats: int, warmup: int = 1) -> Timin
     return Timing(statistics.median(seconds), min(seconds), max(seconds), repeats)
 
 
+def interleave(
+    functions: dict[str, Callable[[], Any]], repeats: int, report: Callable[[str], None] | None = None
+) -> dict[str, list[float]]:
+    """Seconds of each function per repeat, run in turn inside every repeat (after one warm-up each),
+    so drift in machine speed hits all of them alike. Ratios should be taken per repeat."""
+    for function in functions.values():
+        function()
+    seconds: dict[str, list[float]] = {name: [] for name in functions}
+    for repeat in range(repeats):
+        if report is not None:
+            report(f"repeat {repeat + 1}/{repeats}")
+        for name, function in functions.items():
+            begin = time.perf_counter()
+            function()
+            seconds[name].append(time.perf_counter() - begin)
+    return seconds
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median of the per-repeat ratios (robust to a slow repeat hitting both sides)."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+
+
+def spread(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """{name: {median, low, high}} of interleaved timings."""
+    return {name: {"median": statistics.median(v), "low": min(v), "high": max(v)} for name, v in seconds.items()}
+
+
 def target(value: float, goal: float, *, higher_is_better: bool = False) -> dict[str, Any]:
     """A benchmark target as recorded in --json: the value, the goal, the direction, met or not."""
     met = value >= goal if higher_is_better else value <= goal
     return {"value": value, "target": goal, "direction": ">=" if higher_is_better else "<=", "met": bool(met)}
 
 
-__all__ = ["Timing", "measure", "target"]
+__all__ = ["Timing", "interleave", "measure", "median_ratio", "spread", "target"]
