@@ -128,8 +128,7 @@ def test_checkpointed_equals_plain_under_replay(model_type: str) -> None:
     model, replayer = _attach(model_type, jitter="off")
     if replayer is None:
         return
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        pytest.skip(f"{model_type} does not support gradient checkpointing in transformers")
+    assert getattr(model, "supports_gradient_checkpointing", False), f"{model_type}: no checkpointing in transformers"
     inputs = _inputs(model)
     forced = _random_routes(replayer, 2, 12, seed=3)
     grads = []
