@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 # Metrics shown as a percentage: fractions of rows / tokens, or an overlap in [0, 1].
-PERCENT_METRICS = frozenset({"routing_disagreement", "token_disagreement", "extreme_frac_2", "jaccard"})
+PERCENT_METRICS = frozenset({"routing_disagreement", "token_disagreement", "extreme_frac_2", "jaccard", "drift"})
 # Metrics that are small and span orders of magnitude.
 SCIENTIFIC_METRICS = frozenset({"k3_kl", "chi2"})
 
@@ -360,11 +360,13 @@ def plot_steps(result: Mapping[str, Any], path: Path) -> Path | None:
         return None
     modes_M = _ordered_modes({row["mode"]: None for row in steps})
     all_modes = _ordered_modes({**result["modes"], **{mode: None for mode in modes_M}})
-    panels = (
-        ("k3_kl", "k3 KL per step", "k3 KL (nats / token)"),
-        ("routing_disagreement", "Routing disagreement per step", "rows with a different expert set (%)"),
+    candidates = (
+        ("k3_kl", "k3 KL per step (engine vs trainer)", "k3 KL (nats / token)"),
+        ("routing_disagreement", "Engine vs trainer routing, updates", "rows with a different expert set (%)"),
+        ("drift", "Routing drift: old-log-prob pass → updates", "rows with a different expert set (%)"),
     )
-    fig = _new_figure(9.0, 3.6)
+    panels = [panel for panel in candidates if any(row.get(panel[0]) is not None for row in steps)]
+    fig = _new_figure(4.5 * len(panels), 3.6)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (name, title, ylabel) in zip(axes, panels, strict=True):
         scale = 100.0 if name in PERCENT_METRICS else 1.0

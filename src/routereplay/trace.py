@@ -9,13 +9,14 @@ when token `start + t` was the input position; `-1` everywhere in that (t, l) ro
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from routereplay.enums import Source
+from routereplay.enums import Source, StrEnum
 from routereplay.errors import (
     ConfigError,
     DtypeError,
@@ -34,6 +35,14 @@ if TYPE_CHECKING:
 
 INT16_MAX_EXPERTS = 32767  # ids up to 32766 and the -1 sentinel fit in int16
 ZERO_LAYER_MIN_ROWS_K1 = 32  # with top-1, an all-zero layer is flagged only over this many rows
+UNROUTED_SOURCE = "none"  # provenance of positions no engine call covered (set by `RouteTrace.merge`)
+
+
+class MergePolicy(StrEnum):
+    """Which rows win where two traces of one sequence both route a token (`RouteTrace.merge`)."""
+
+    KEEP = "keep"  # the existing rows: the routes used when the token was sampled
+    REPLACE = "replace"  # the newer rows (e.g. a re-prefill after a weight update)
 
 
 def canonical_dtype(num_experts: int) -> np.dtype[Any]:
@@ -270,6 +279,67 @@ class RouteTrace:
         segments = (Segment(self.start, self.stop, source, policy_version),) if self.num_tokens else ()
         return RouteTrace(self.experts, self.num_experts, self.layers, self.start, segments)
 
+    def merge(self, other: RouteTrace, *, policy: MergePolicy | str = MergePolicy.KEEP) -> RouteTrace:
+        """Merge another trace of the same sequence by absolute token position, into a new trace.
+
+        The result covers [min start, max stop); positions neither trace covers are -1 rows under a
+        segment of source `UNROUTED_SOURCE` ("none"). Each token's (L, K) row comes whole from one
+        trace, so no token mixes two forward passes: a routed row (ids in some layer) beats an all -1
+        row or a position the other trace does not cover; where both route a token, `keep` takes this
+        trace's row (the routes used when the token was sampled) and `replace` takes `other`'s.
+        Provenance follows the rows; adjacent segments of equal source and version are coalesced.
+        """
+        try:
+            policy = MergePolicy(policy)
+        except ValueError:
+            raise ConfigError(f"policy={policy!r} is not a merge policy; use 'keep' or 'replace'") from None
+        if other.num_experts != self.num_experts:
+            raise ConfigError(f"cannot merge traces of {self.num_experts} and {other.num_experts} experts")
+        if other.top_k != self.top_k:
+            raise TopKMismatchError(f"cannot merge traces of top-k {self.top_k} and {other.top_k}")
+        if other.layers != self.layers:
+            raise LayerCountError(
+                f"cannot merge traces of layers {list(self.layers)} and {list(other.layers)}; select the same "
+                "global layers first (select_layers / moe_layers=)"
+            )
+        if not (self.num_tokens and other.num_tokens):
+            kept = self if self.num_tokens or not other.num_tokens else other
+            return RouteTrace(kept.experts.copy(), kept.num_experts, kept.layers, kept.start, kept.segments)
+        first, second = (self, other) if policy is MergePolicy.KEEP else (other, self)
+        start = min(self.start, other.start)
+        span = max(self.stop, other.stop) - start
+        covered_2T = np.zeros((2, span), bool)
+        routed_2T = np.zeros((2, span), bool)
+        for i, trace in enumerate((first, second)):
+            lo = trace.start - start
+            covered_2T[i, lo : lo + trace.num_tokens] = True
+            routed_2T[i, lo : lo + trace.num_tokens] = (trace.experts[..., 0] >= 0).any(axis=1)
+        use_second_T = covered_2T[1] & (~covered_2T[0] | (routed_2T[1] & ~routed_2T[0]))
+        use_first_T = covered_2T[0] & ~use_second_T
+        experts = np.full((span, self.num_layers, self.top_k), -1, self.experts.dtype)
+        labels_T = np.full(span, -1, np.int64)  # index into `catalogue` of each token's segment, -1 = none
+        catalogue = [*first.segments, *second.segments]
+        offset = 0
+        for trace, use_T in ((first, use_first_T), (second, use_second_T)):
+            lo, hi = trace.start - start, trace.stop - start
+            local = use_T[lo:hi]
+            experts[lo:hi][local] = trace.experts[local]
+            lengths = [s.end - s.begin for s in trace.segments]
+            labels_T[lo:hi][local] = np.repeat(np.arange(len(lengths)) + offset, lengths)[local]
+            offset += len(lengths)
+        bounds = [0, *(np.flatnonzero(np.diff(labels_T)) + 1).tolist(), span]
+        segments: list[Segment] = []
+        for begin, end in itertools.pairwise(bounds):  # one step per run, not per token
+            label = int(labels_T[begin])
+            source, version = (
+                (UNROUTED_SOURCE, None) if label < 0 else (catalogue[label].source, catalogue[label].policy_version)
+            )
+            if segments and (segments[-1].source, segments[-1].policy_version) == (source, version):
+                segments[-1] = replace(segments[-1], end=start + end)
+            else:
+                segments.append(Segment(start + begin, start + end, source, version))
+        return RouteTrace(experts, self.num_experts, self.layers, start, segments)
+
     def to_torch(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The ids as a (T, L, K) tensor (shares memory on CPU unless `dtype` differs)."""
         import torch
@@ -375,4 +445,4 @@ def _check_segments(segments: tuple[Segment, ...], start: int, stop: int) -> Non
         raise ConfigError(f"provenance segments end at {position} but the trace's rows end at {stop}")
 
 
-__all__ = ["RouteTrace", "Segment", "canonical_dtype"]
+__all__ = ["UNROUTED_SOURCE", "MergePolicy", "RouteTrace", "Segment", "canonical_dtype"]

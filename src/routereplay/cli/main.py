@@ -12,11 +12,11 @@ import sys
 from collections.abc import Sequence
 
 from routereplay import __version__
-from routereplay.cli import bench, convert, demo, env, inspect
+from routereplay.cli import bench, convert, demo, env, inspect, train
 from routereplay.errors import RouteReplayError
 
 EXIT_OK, EXIT_INVALID, EXIT_ERROR = 0, 1, 2
-COMMANDS = (demo, inspect, convert, bench, env)
+COMMANDS = (demo, train, inspect, convert, bench, env)
 
 
 def build_parser() -> argparse.ArgumentParser:

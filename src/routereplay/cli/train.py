@@ -1,0 +1,204 @@
+"""`routereplay train`: GRPO on the demo task with router replay off, R2 or R3.
+
+The built-in engine (bf16, weights synced every step) samples by default. `--engine vllm|sglang
+--url URL` samples from a remote server started with `--enable-return-routed-experts` instead.
+That server's weights are not updated, so its rollouts come from a fixed policy. Per step the
+command reports reward, engine-vs-trainer routing disagreement and k3 KL, routing drift from the
+old-log-prob pass to the updates, ppo_kl, clip fraction, grad norm, fallback rows and time. It can
+also write a JSONL log and a per-step plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from routereplay.cli.arguments import add_json_argument
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="GRPO on the demo task with router replay off, R2 or R3",
+        description=(
+            "Train the demo model (or --model) with a small GRPO: rollouts -> old log-probs -> several update "
+            "mini-steps. --mode R2 replays the trainer's own old-log-prob routing in every mini-step; --mode R3 "
+            "replays the engine's routes in the old-log-prob pass and every mini-step; off routes naturally."
+        ),
+        epilog=(
+            "examples:\n  routereplay train --mode R3 --steps 5\n"
+            "  routereplay train --mode R2 --steps 3 --log r2.jsonl --plot r2.png\n"
+            "  routereplay train --mode R3 --engine sglang --url http://127.0.0.1:30000 --model ./ckpt"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--mode", default="off", help="off, R2 or R3 (R2 and R3 together are refused)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
+    group = parser.add_argument_group("model and engine")
+    group.add_argument(
+        "--arch", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe", help="demo model architecture"
+    )
+    group.add_argument("--model", help="a local HF MoE checkpoint folder (with tokenizer) instead of the demo model")
+    group.add_argument("--engine", choices=["hf", "vllm", "sglang"], default="hf", help="rollout engine (default hf)")
+    group.add_argument("--url", help="server URL for --engine vllm|sglang")
+    group.add_argument("--served-model", help="model name the remote server serves (default: --model's folder name)")
+    rl = parser.add_argument_group("GRPO")
+    rl.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step (default 32)")
+    rl.add_argument("--group-size", type=int, default=4, help="samples per prompt (default 4)")
+    rl.add_argument("--mini-steps", type=int, default=4, help="policy-update mini-steps per batch (default 4)")
+    rl.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
+    rl.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to a frozen reference (default 0: off)")
+    rl.add_argument(
+        "--reference-routing", choices=["natural", "replay"], default="natural", help="how the reference model routes"
+    )
+    rl.add_argument("--max-new-tokens", type=int, default=5, help="tokens sampled per prompt (default 5)")
+    rl.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling")
+    out = parser.add_argument_group("output")
+    out.add_argument("--log", help="append one JSON record per step to this JSONL file")
+    out.add_argument("--plot", help="write a per-step plot (PNG) here")
+    add_json_argument(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import transformers
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from routereplay.errors import ConfigError
+    from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
+    from routereplay.rl.model import load_checkpoint, load_or_train
+    from routereplay.rl.tasks import AdditionTask
+
+    transformers.utils.logging.disable_progress_bar()
+    config = GRPOConfig(
+        mode=args.mode,
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        mini_steps=args.mini_steps,
+        lr=args.lr,
+        kl_coef=args.kl_coef,
+        reference_routing=args.reference_routing,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
+    if args.engine != "hf" and not args.url:
+        raise ConfigError(
+            f"--engine {args.engine} needs --url (the server started with --enable-return-routed-experts)"
+        )
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        tasks: dict[str, Any] = {}
+
+        def report(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total)
+            progress.update(tasks[phase], completed=done, total=total)
+
+        if args.model:
+            model, tokenizer = load_checkpoint(args.model)
+        else:
+            model, tokenizer, _ = load_or_train(
+                args.arch, progress=lambda step, steps, _loss: report("training the demo model (cached)", step, steps)
+            )
+        task = AdditionTask(tokenizer)
+        engine = _engine(args, model)
+        trainer = GRPOTrainer(model, task, engine, config, log_path=args.log)
+        report(f"GRPO ({config.mode})", 0, config.steps)
+        history = trainer.train(report)
+    if args.plot:
+        from pathlib import Path
+
+        from routereplay.report import plot_steps
+
+        plot_steps({"modes": {config.mode: {}}, "steps": step_rows(history)}, Path(args.plot))
+    if args.json:
+        print(json.dumps(history, indent=2))
+    else:
+        render(history)
+    return 0
+
+
+def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per-step rows for `report.plot_steps`: k3 KL, engine-vs-trainer disagreement, drift."""
+    return [
+        {
+            "step": r["step"],
+            "mode": r["mode"],
+            "k3_kl": r["k3_kl"],
+            "routing_disagreement": sum(r["rollout_disagreement_per_mini_step"])
+            / len(r["rollout_disagreement_per_mini_step"]),
+            "drift": r["max_drift"],
+            "reward_mean": r["reward_mean"],
+        }
+        for r in history
+    ]
+
+
+def render(history: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    if not history:
+        return
+    table = Table(title=f"GRPO, mode {history[0]['mode']}", title_justify="left")
+    columns = ("step", "reward", "≠eng old", "≠eng upd", "k3 KL", "drift", "ppo_kl", "clip", "|grad|", "fallback", "s")
+    for name in columns:
+        table.add_column(name, justify="right")
+    table.caption = (
+        "≠eng: routing disagreement with the engine's routes (old-log-prob pass; mean over update mini-steps); "
+        "drift: max over mini-steps of the disagreement with the old-log-prob pass's routing"
+    )
+    for r in history:
+        updates = r["rollout_disagreement_per_mini_step"]
+        table.add_row(
+            str(r["step"]),
+            f"{r['reward_mean']:.1%}",
+            f"{r['rollout_routing_disagreement']:.2%}",
+            f"{sum(updates) / len(updates):.2%}",
+            f"{r['k3_kl']:.2e}",
+            f"{r['max_drift']:.2%}",
+            f"{r['ppo_kl']:.2e}",
+            f"{r['clip_frac']:.1%}",
+            f"{r['grad_norm']:.3f}",
+            str(r["fallback_rows"]),
+            f"{sum(r['seconds'].values()):.1f}",
+        )
+    console = Console()
+    Console(width=max(console.width, 124)).print(table)  # 11 columns: do not squeeze into 80
+
+
+def _engine(args: argparse.Namespace, model: Any) -> Any:
+    from pathlib import Path
+
+    from routereplay.engines.hf import HFEngine
+    from routereplay.runtime import attach
+
+    if args.engine == "hf":
+        return HFEngine(model)
+    probe = attach(model)
+    layers, top_k, num_experts = probe.layers, probe.top_k, probe.num_experts
+    probe.detach()
+    served = args.served_model or (Path(args.model).name if args.model else "routereplay-demo")
+    if args.engine == "vllm":
+        from routereplay.engines.remote import VLLMClient
+
+        client: Any = VLLMClient(args.url, model=served, num_experts=num_experts, moe_layers=layers, top_k=top_k)
+    else:
+        from routereplay.engines.remote import SGLangClient
+
+        num_layers = model.config.get_text_config().num_hidden_layers
+        client = SGLangClient(
+            args.url, model=served, num_layers=num_layers, top_k=top_k, num_experts=num_experts, moe_layers=layers
+        )
+    client.check_server()
+    return client

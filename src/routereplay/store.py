@@ -1,0 +1,467 @@
+"""`RouteStore`: routes of a batch of samples, assembled from several engine calls per sample.
+
+Legend: T = rows (token positions fed as input), L = MoE layers, K = top-k, N = tokens of a sample.
+A sample holds its full token ids (prompt, every turn, tool/observation tokens) and one `RouteTrace`
+merged by absolute token position from every engine call that returned routes:
+
+- multi-turn: each call returns rows from token 0 (whole prefix again) or from `start_len`
+  (SGLang `routed_experts_start_len`, vLLM `routed_experts_prompt_start`); both merge by offset;
+- tool tokens no engine routed stay -1 rows: the replayer falls back to the live router there, and
+  `stats()` counts them;
+- a partial rollout resumed after an abort or a weight update sends the full sequence again or
+  only the delta; `policy="keep"` keeps the rows used when each token was sampled, `"replace"`
+  takes the newer ones.
+
+`trace(sample_id)` covers rows [0, N - 1): the last token is never fed back, so never routed.
+
+File format (`save` / `load`), little-endian, one file per batch, written atomically:
+
+    0   4    magic b"RRST"
+    4   u8   version (1), then 3 reserved zero bytes
+    8   u64  header length H      16  u64  data length D
+    24  H    UTF-8 JSON header: {"geometry": null | {"num_experts", "layers", "top_k"},
+             "samples": [{"id", "tokens": count, "routes": blob bytes | null, "metadata",
+             "conflicting_rows"}, ...]}
+        D    per sample in header order: its token ids as int64, then its codec blob
+             (`routereplay.codec.encode(trace, mode="ordered")`: exact ids and provenance)
+        u32  CRC32 (zlib) of every byte before it
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from routereplay import codec
+from routereplay.enums import CodecMode
+from routereplay.errors import (
+    ChecksumError,
+    CodecError,
+    CodecFormatError,
+    CodecVersionError,
+    ConfigError,
+    LayerCountError,
+    RowCountError,
+    TopKMismatchError,
+)
+from routereplay.trace import UNROUTED_SOURCE, MergePolicy, RouteTrace, Segment, canonical_dtype
+from routereplay.tracefile import atomic_write
+
+MAGIC = b"RRST"
+VERSION = 1
+_FIXED = struct.Struct("<4sB3xQQ")  # magic, version, reserved, header length, data length
+_CRC = struct.Struct("<I")
+
+SampleId = str | int
+
+
+class MisalignedRoutesError(RowCountError):
+    """A sample's new token ids do not extend the stored ones: the trajectory was rewritten."""
+
+
+class DuplicatedPrefixError(RowCountError):
+    """The routes hold a prefix twice (the verl #6029 partial-rollout concatenation bug)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counts over the assembled traces. A row is one token position; `routed_rows` have ids in every
+    layer, `fallback_rows` have -1 in some layer (the live router decides there)."""
+
+    samples: int
+    tokens: int
+    rows: int
+    routed_rows: int
+    fallback_rows: int
+    conflicting_rows: int  # re-sent rows whose routes disagreed with the stored ones (as sets)
+    rows_by_source: dict[str, int]
+
+
+@dataclass(slots=True)
+class _Sample:
+    tokens: np.ndarray  # (N,) int64, read-only
+    trace: RouteTrace | None = None  # rows some engine call returned (None: no routes yet)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    conflicting_rows: int = 0
+
+
+class RouteStore:
+    """Samples keyed by id (str or int): token ids, merged routes and a metadata dict each.
+
+    The model geometry (num_experts, layers, top_k) is given here or taken from the first trace;
+    every later trace must match it.
+    """
+
+    def __init__(
+        self, *, num_experts: int | None = None, layers: Sequence[int] | None = None, top_k: int | None = None
+    ) -> None:
+        given = [num_experts is not None, layers is not None, top_k is not None]
+        if any(given) and not all(given):
+            raise ConfigError("give all of num_experts, layers and top_k, or none (taken from the first trace)")
+        self._geometry: tuple[int, tuple[int, ...], int] | None = None
+        if num_experts is not None and layers is not None and top_k is not None:
+            self._geometry = (int(num_experts), tuple(int(x) for x in layers), int(top_k))
+        self._samples: dict[SampleId, _Sample] = {}
+
+    # --- adding -------------------------------------------------------------------------------
+    def add_turn(
+        self,
+        sample_id: SampleId,
+        token_ids: Sequence[int] | np.ndarray,
+        trace: RouteTrace | None,
+        *,
+        policy: MergePolicy | str = MergePolicy.KEEP,
+        policy_version: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        validate: bool = True,
+    ) -> None:
+        """Record one engine call: `token_ids` is the sample's FULL sequence after it (prompt, every turn,
+        tool tokens); `trace` the rows it returned ([trace.start, trace.stop), None when it returned none).
+
+        The stored tokens must be a prefix of `token_ids`, and rows stop at len(token_ids) - 1. Rows
+        merge by absolute position under `policy`; `policy_version` stamps every row of `trace`.
+        Nothing is stored unless every check passes.
+        """
+        sample_id = _check_id(sample_id)
+        tokens = _as_tokens(token_ids, sample_id)
+        sample = self._samples.get(sample_id)
+        if sample is not None:
+            _check_prefix(sample.tokens, tokens, sample_id)
+        try:
+            policy = MergePolicy(policy)
+        except ValueError:
+            raise ConfigError(f"policy={policy!r} is not a merge policy; use 'keep' or 'replace'") from None
+        if trace is not None:
+            self._check_geometry(trace, sample_id)
+            _check_rows(trace, len(tokens), sample_id)
+            if validate:
+                trace.validate(sample_id)
+            if policy_version is not None:
+                segments = tuple(replace(s, policy_version=policy_version) for s in trace.segments)
+                trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments)
+            if self._geometry is None:
+                self._geometry = (trace.num_experts, trace.layers, trace.top_k)
+        if sample is None:
+            sample = self._samples[sample_id] = _Sample(tokens)
+        sample.tokens = tokens
+        if trace is not None and trace.num_tokens:
+            if sample.trace is None:
+                sample.trace = RouteTrace(
+                    trace.experts.copy(), trace.num_experts, trace.layers, trace.start, trace.segments
+                )
+            else:
+                sample.conflicting_rows += _conflicts(sample.trace, trace)
+                sample.trace = sample.trace.merge(trace, policy=policy)
+        if metadata:
+            sample.metadata.update(metadata)
+
+    # --- reading ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._samples
+
+    def __iter__(self) -> Iterator[SampleId]:
+        """Sample ids in insertion order."""
+        return iter(list(self._samples))
+
+    @property
+    def geometry(self) -> tuple[int, tuple[int, ...], int] | None:
+        """(num_experts, layers, top_k), or None before the first trace."""
+        return self._geometry
+
+    def tokens(self, sample_id: SampleId) -> list[int]:
+        return self._get(sample_id).tokens.tolist()
+
+    def metadata(self, sample_id: SampleId) -> dict[str, Any]:
+        """The sample's metadata dict itself (edits are kept; it must stay JSON for `save`)."""
+        return self._get(sample_id).metadata
+
+    def trace(self, sample_id: SampleId) -> RouteTrace:
+        """The routes of rows [0, N - 1), -1 where no engine call routed the token (under a "none" segment)."""
+        sample = self._get(sample_id)
+        if self._geometry is None:
+            raise ConfigError(
+                f"sample {sample_id!r} has no routes and the store has seen no trace; pass num_experts, layers "
+                "and top_k to RouteStore(...) to get all -1 traces"
+            )
+        num_experts, layers, top_k = self._geometry
+        rows = len(sample.tokens) - 1
+        empty = np.full((rows, len(layers), top_k), -1, canonical_dtype(num_experts))
+        frame = RouteTrace(empty, num_experts, layers, 0, (Segment(0, rows, UNROUTED_SOURCE),) if rows else ())
+        return frame if sample.trace is None else frame.merge(sample.trace, policy=MergePolicy.REPLACE)
+
+    def stale_fraction(self, sample_id: SampleId | None, current_version: int) -> float:
+        """Fraction of routed rows produced under a policy version older than `current_version`, over one
+        sample or (None) all. Rows of unknown version count as stale: they cannot be shown current."""
+        samples = self._samples.values() if sample_id is None else [self._get(sample_id)]
+        stale = routed = 0
+        for trace in (sample.trace for sample in samples if sample.trace is not None):
+            cumulative = np.concatenate([[0], np.cumsum(trace.routed_mask.all(axis=1))])
+            for segment in trace.segments:
+                count = int(cumulative[segment.end - trace.start] - cumulative[segment.begin - trace.start])
+                routed += count
+                if segment.policy_version is None or segment.policy_version < current_version:
+                    stale += count
+        return stale / routed if routed else 0.0
+
+    def stats(self) -> StoreStats:
+        samples = self._samples.values()
+        by_source: Counter[str] = Counter()
+        for sample in samples:
+            trace = sample.trace
+            for segment in () if trace is None else trace.segments:
+                by_source[str(segment.source)] += segment.end - segment.begin
+            by_source[UNROUTED_SOURCE] += len(sample.tokens) - 1 - (0 if trace is None else trace.num_tokens)
+        tokens = sum(len(sample.tokens) for sample in samples)
+        rows = tokens - len(samples)
+        routed = sum(sample.trace.num_routed for sample in samples if sample.trace is not None)
+        conflicts = sum(sample.conflicting_rows for sample in samples)
+        sources = {name: count for name, count in by_source.items() if count}
+        return StoreStats(len(samples), tokens, rows, routed, rows - routed, conflicts, sources)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RouteStore):
+            return NotImplemented
+        return (
+            self._geometry == other._geometry
+            and list(self._samples) == list(other._samples)
+            and all(_same_sample(a, other._samples[key]) for key, a in self._samples.items())
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # --- persistence --------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The whole store in the versioned container format (see the module docstring)."""
+        entries, chunks = [], []
+        for sample_id, sample in self._samples.items():
+            blob = b"" if sample.trace is None else codec.encode(sample.trace, mode=CodecMode.ORDERED)
+            _check_json(sample.metadata, sample_id)
+            entries.append({
+                "id": sample_id,
+                "tokens": len(sample.tokens),
+                "routes": None if sample.trace is None else len(blob),
+                "metadata": sample.metadata,
+                "conflicting_rows": sample.conflicting_rows,
+            })  # fmt: skip
+            chunks += [sample.tokens.astype("<i8").tobytes(), blob]
+        geometry = None
+        if self._geometry is not None:
+            num_experts, layers, top_k = self._geometry
+            geometry = {"num_experts": num_experts, "layers": list(layers), "top_k": top_k}
+        header = json.dumps({"geometry": geometry, "samples": entries}, allow_nan=False).encode()
+        data = b"".join(chunks)
+        body = _FIXED.pack(MAGIC, VERSION, len(header), len(data)) + header + data
+        return body + _CRC.pack(zlib.crc32(body))
+
+    def save(self, path: str | Path) -> int:
+        """Write the store to one file atomically; returns the bytes written."""
+        data = self.to_bytes()
+        atomic_write(Path(path), data)
+        return len(data)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RouteStore:
+        """Parse `to_bytes` output; corruption raises `CodecFormatError`, `CodecVersionError` or `ChecksumError`."""
+        header, body = _check_envelope(bytes(data))
+        try:
+            geometry = header["geometry"]
+            store = cls() if geometry is None else cls(**geometry)
+            position = 0
+            for entry in header["samples"]:
+                sample_id, count, size = entry["id"], entry["tokens"], entry["routes"]
+                if sample_id in store:
+                    raise ValueError(f"sample id {sample_id!r} appears twice")
+                if not isinstance(count, int) or count < 1 or position + 8 * count > len(body):
+                    raise ValueError(f"sample {sample_id!r} declares {count!r} tokens past the data section")
+                tokens = np.frombuffer(body, "<i8", count, position)
+                position += 8 * count
+                trace = None
+                if size is not None:
+                    if not isinstance(size, int) or not 0 <= size <= len(body) - position:
+                        raise ValueError(f"sample {sample_id!r} declares a {size!r}-byte routes blob past the data")
+                    trace = codec.decode(body[position : position + size])
+                    position += size
+                    if trace.num_tokens == 0:
+                        raise ValueError(f"sample {sample_id!r} has an empty routes blob")
+                store.add_turn(sample_id, tokens, trace, metadata=entry["metadata"])
+                store._samples[sample_id].conflicting_rows = int(entry["conflicting_rows"])
+            if position != len(body):
+                raise ValueError(f"{len(body) - position} stray bytes at the end of the data section")
+        except CodecError:
+            raise
+        except (KeyError, TypeError, ValueError) as error:  # ConfigError / RowCountError are ValueErrors
+            raise CodecFormatError(f"route store file is malformed: {error!s}; re-save the store") from error
+        return store
+
+    @classmethod
+    def load(cls, path: str | Path) -> RouteStore:
+        return cls.from_bytes(Path(path).read_bytes())
+
+    # --- internals ----------------------------------------------------------------------------
+    def _get(self, sample_id: SampleId) -> _Sample:
+        try:
+            return self._samples[sample_id]
+        except (KeyError, TypeError):
+            raise ConfigError(f"no sample {sample_id!r} in this store ({len(self._samples)} samples)") from None
+
+    def _check_geometry(self, trace: RouteTrace, sample_id: SampleId) -> None:
+        if self._geometry is None:
+            return
+        num_experts, layers, top_k = self._geometry
+        where = f"sample {sample_id!r}"
+        if trace.num_experts != num_experts:
+            raise ConfigError(
+                f"{where}: routes are for {trace.num_experts} experts, the store's model has {num_experts}"
+            )
+        if trace.top_k != top_k:
+            raise TopKMismatchError(f"{where}: routes have top-k {trace.top_k}, the store's model routes to {top_k}")
+        if trace.layers != layers:
+            raise LayerCountError(
+                f"{where}: routes cover layers {list(trace.layers)}, the store holds layers {list(layers)}; decode "
+                "with the same moe_layers= for every call"
+            )
+
+
+def _check_id(sample_id: Any) -> SampleId:
+    if isinstance(sample_id, np.integer):
+        sample_id = int(sample_id)
+    if isinstance(sample_id, bool) or not isinstance(sample_id, (str, int)):
+        raise ConfigError(f"sample id {sample_id!r} must be a str or an int (it is saved as JSON)")
+    return sample_id
+
+
+def _as_tokens(token_ids: Sequence[int] | np.ndarray, sample_id: SampleId) -> np.ndarray:
+    array = np.asarray(token_ids)
+    if array.ndim != 1 or array.size == 0 or array.dtype.kind not in "iu":
+        raise ConfigError(
+            f"sample {sample_id!r}: token_ids must be a non-empty 1-D sequence of ints, got dtype {array.dtype}, "
+            f"shape {array.shape}"
+        )
+    if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
+        raise ConfigError(f"sample {sample_id!r}: token id {int(array.max())} does not fit int64")
+    tokens = np.array(array, dtype=np.int64)
+    tokens.setflags(write=False)
+    return tokens
+
+
+def _check_prefix(old: np.ndarray, new: np.ndarray, sample_id: SampleId) -> None:
+    n = min(len(old), len(new))
+    differ = np.flatnonzero(old[:n] != new[:n])
+    if differ.size:
+        at = int(differ[0])
+        raise MisalignedRoutesError(
+            f"sample {sample_id!r}: token ids differ from the stored ones at position {at} (stored {int(old[at])}, "
+            f"now {int(new[at])}): the trajectory was rewritten (re-tokenised chat template, trimmed history?), so "
+            "stored routes no longer line up. Pass the full sequence with the stored tokens as its prefix, or use a "
+            "new sample id"
+        )
+    if len(new) < len(old):
+        raise MisalignedRoutesError(
+            f"sample {sample_id!r}: {len(new)} token ids, fewer than the {len(old)} stored (first missing position "
+            f"{len(new)}); token_ids must be the FULL sequence after this call, not only the new tokens"
+        )
+
+
+def _check_rows(trace: RouteTrace, num_tokens: int, sample_id: SampleId) -> None:
+    """Rows must stop at num_tokens - 1; an excess that repeats a prefix is the duplicated-prefix bug."""
+    limit = num_tokens - 1
+    if trace.stop <= limit:
+        return
+    extra = trace.num_tokens - max(limit - trace.start, 0)
+    head = trace.experts[:extra]
+    if (
+        0 < extra <= trace.num_tokens - extra
+        and (head >= 0).any()
+        and np.array_equal(head, trace.experts[extra : 2 * extra])
+    ):
+        raise DuplicatedPrefixError(
+            f"sample {sample_id!r}: routes have {trace.num_tokens} rows from token {trace.start} but {num_tokens} "
+            f"token ids allow {limit - trace.start}, and the first {extra} rows repeat the next {extra}: a prefix's "
+            "routes were concatenated twice (the verl #6029 partial-rollout merge bug). keep one copy: drop the "
+            f"first {extra} rows, or add the re-sent full sequence as its own turn (it merges by offset)"
+        )
+    raise RowCountError(
+        f"sample {sample_id!r}: routes cover token positions [{trace.start}, {trace.stop}) but the sample has "
+        f"{num_tokens} token ids, so rows stop at {limit} (the last token is never fed back). Check the call's "
+        "start offset (start_len / prompt_start) and that token_ids is the full sequence after this call"
+    )
+
+
+def _conflicts(old: RouteTrace, new: RouteTrace) -> int:
+    """Rows routed by both traces whose route sets differ in some layer."""
+    begin, end = max(old.start, new.start), min(old.stop, new.stop)
+    if begin >= end:
+        return 0
+    a = np.sort(old.experts[begin - old.start : end - old.start], axis=2)
+    b = np.sort(new.experts[begin - new.start : end - new.start], axis=2)
+    both_T = (a[..., 0] >= 0).any(axis=1) & (b[..., 0] >= 0).any(axis=1)
+    return int(((a != b).any(axis=(1, 2)) & both_T).sum())
+
+
+def _check_json(metadata: dict[str, Any], sample_id: SampleId) -> None:
+    try:
+        exact = json.loads(json.dumps(metadata, allow_nan=False)) == metadata
+    except (TypeError, ValueError) as error:
+        raise ConfigError(
+            f"sample {sample_id!r}: metadata is not JSON ({error}); store plain str/int/float/list/dict"
+        ) from None
+    if not exact:
+        raise ConfigError(
+            f"sample {sample_id!r}: metadata {metadata!r} changes through JSON (tuples, non-str keys); store lists "
+            "and str keys so that load(save(store)) == store"
+        )
+
+
+def _check_envelope(data: bytes) -> tuple[dict[str, Any], bytes]:
+    if data[:4] != MAGIC:
+        raise CodecFormatError(f"bad magic {data[:4]!r} at byte offset 0 (expected {MAGIC!r}): not a route store file")
+    if len(data) < _FIXED.size + _CRC.size:
+        raise CodecFormatError(f"truncated route store file: {len(data)} bytes; re-save the store")
+    _, version, header_size, data_size = _FIXED.unpack_from(data)
+    if version != VERSION:
+        raise CodecVersionError(
+            f"route store file version {version} (byte offset 4); this release reads version {VERSION}: "
+            "upgrade routereplay"
+        )
+    expected = _FIXED.size + header_size + data_size + _CRC.size
+    if len(data) != expected:
+        what = "truncated" if len(data) < expected else "followed by trailing bytes"
+        raise CodecFormatError(f"route store file is {len(data)} bytes, its header declares {expected}: it was {what}")
+    (stored,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+    actual = zlib.crc32(memoryview(data)[: -_CRC.size])
+    if stored != actual:
+        raise ChecksumError(
+            f"route store CRC32 mismatch: stored {stored:#010x}, computed {actual:#010x}: the file was corrupted or "
+            "tampered with; re-save the store"
+        )
+    header_end = _FIXED.size + header_size
+    try:
+        header = json.loads(data[_FIXED.size : header_end])
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CodecFormatError(f"route store header is not JSON ({error}): corrupt file") from error
+    if not isinstance(header, dict):
+        raise CodecFormatError("route store header is not a JSON object: corrupt file")
+    return header, data[header_end : header_end + data_size]
+
+
+def _same_sample(a: _Sample, b: _Sample) -> bool:
+    return (
+        bool(np.array_equal(a.tokens, b.tokens))
+        and a.trace == b.trace
+        and a.metadata == b.metadata
+        and a.conflicting_rows == b.conflicting_rows
+    )
+
+
+__all__ = ["DuplicatedPrefixError", "MergePolicy", "MisalignedRoutesError", "RouteStore", "StoreStats"]
