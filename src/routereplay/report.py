@@ -42,7 +42,17 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 # Metrics shown as a percentage: fractions of rows / tokens, or an overlap in [0, 1].
-PERCENT_METRICS = frozenset({"routing_disagreement", "token_disagreement", "extreme_frac_2", "jaccard", "drift"})
+PERCENT_METRICS = frozenset(
+    {
+        "routing_disagreement",
+        "token_disagreement",
+        "extreme_frac_2",
+        "jaccard",
+        "drift",
+        "update_drift",
+        "update_routing_disagreement",
+    }
+)
 # Metrics that are small and span orders of magnitude.
 SCIENTIFIC_METRICS = frozenset({"k3_kl", "chi2"})
 
@@ -59,6 +69,12 @@ METRIC_ROWS: tuple[tuple[str, str, str], ...] = (
     ("chi2", "χ²", "mean exp(d)² − 1, the χ² estimate of the token ratio p_train / p_infer"),
     ("prob_abs_diff", "Mean |Δp|", "mean |p_train − p_infer| of the sampled token"),
     ("pearson_prob", "Pearson r(p)", "correlation of p_train and p_infer over tokens"),
+    (
+        "update_routing_disagreement",
+        "≠ engine in updates (GRPO)",
+        "mean over GRPO update mini-steps of the routing disagreement with the engine's routes",
+    ),
+    ("update_drift", "Drift old pass → updates (GRPO)", "routing change between the old-log-prob pass and the updates"),
     ("fallback_rows", "Fallback rows", "(token, layer) rows without engine routes (-1), routed live and counted"),
 )
 

@@ -12,7 +12,7 @@ from routereplay.errors import ConfigError, NoRoutersError
 
 pytestmark = pytest.mark.hf
 
-SMALL = ["--prompts", "24", "--train-steps", "25", "--max-new-tokens", "4"]
+SMALL = ["--prompts", "24", "--train-steps", "25", "--max-new-tokens", "4", "--rl-steps", "0"]
 
 
 @pytest.fixture(autouse=True)
@@ -22,9 +22,11 @@ def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyP
 
 def test_demo_json_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "report"
-    assert main(["demo", *SMALL, "--json", "--report", str(report)]) == EXIT_OK
+    assert main(["demo", *SMALL[:-1], "1", "--json", "--report", str(report)]) == EXIT_OK  # one GRPO step per mode
     record = json.loads(capsys.readouterr().out)
-    assert set(record["modes"]) == {"off", "R3"}
+    assert set(record["modes"]) == {"off", "R2", "R3"}
+    assert record["modes"]["R2"]["update_drift"] == 0.0 and record["modes"]["R3"]["update_routing_disagreement"] == 0.0
+    assert {(row["mode"], row["step"]) for row in record["steps"]} == {("off", 0), ("R2", 0), ("R3", 0)}
     for mode in record["modes"].values():
         for key in ("routing_disagreement", "token_disagreement", "extreme_frac_2", "jaccard"):
             assert 0.0 <= mode[key] <= 1.0
@@ -34,7 +36,7 @@ def test_demo_json_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert record["rollouts"]["sequences"] == 24 and "dlogp" not in record
     assert record["config"]["engine_dtype"] == "bfloat16" and record["config"]["trainer_dtype"] == "float32"
     files = {p.name for p in report.iterdir()}
-    assert {"report.html", "per_layer_disagreement.png", "dlogp_hist.png", "kl.png"} <= files
+    assert {"report.html", "per_layer_disagreement.png", "dlogp_hist.png", "kl.png", "steps.png"} <= files
     assert "R3" in (report / "report.html").read_text()
 
 

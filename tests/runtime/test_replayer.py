@@ -255,3 +255,30 @@ def test_aux_loss_policy_is_explicit(model: torch.nn.Module) -> None:
     with pytest.raises(ConfigError, match="only 'natural' is supported"):
         attach(model, aux_loss_routing="replayed")
     assert attach(model).aux_loss_routing == "natural"
+
+
+def test_deepcopy_of_an_attached_model_is_independent() -> None:
+    """A reference model or an engine copy made after attach must run its OWN weights, unattached."""
+    import copy
+
+    from routereplay.runtime import attach
+
+    model = tiny_qwen3()
+    replayer = attach(model)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in clone.parameters():
+            parameter.mul_(0.5)  # the copy's weights now differ
+    ids, mask = _batch()
+    plain = tiny_qwen3()
+    with torch.no_grad():
+        for parameter in plain.parameters():
+            parameter.mul_(0.5)
+    assert torch.equal(
+        clone(input_ids=ids, attention_mask=mask).logits, plain(input_ids=ids, attention_mask=mask).logits
+    )
+    with replayer.replay(random_routes(2, 10, 3, 2, 8)):  # the original's context does not touch the copy
+        assert torch.equal(
+            clone(input_ids=ids, attention_mask=mask).logits, plain(input_ids=ids, attention_mask=mask).logits
+        )
+    attach(clone).detach()  # the copy can be attached on its own

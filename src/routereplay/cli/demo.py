@@ -40,6 +40,9 @@ def add_parser(subparsers: Any) -> None:
     )
     model.add_argument("--model", help="a local HF MoE checkpoint folder (with tokenizer) instead of the demo model")
     model.add_argument("--train-steps", type=int, default=800, help="training steps of the demo model (default 800)")
+    model.add_argument(
+        "--rl-steps", type=int, default=3, help="GRPO steps per mode (off, R2, R3) for the per-step comparison; 0 skips"
+    )
     rollout = parser.add_argument_group("rollouts")
     rollout.add_argument("--prompts", type=int, default=2048, help="number of addition prompts (default 2048)")
     rollout.add_argument("--max-new-tokens", type=int, default=5, help="tokens sampled per prompt (default 5)")
@@ -65,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from routereplay.rl.demo import DemoConfig, run_demo, summary
 
     transformers.utils.logging.disable_progress_bar()  # this command draws its own progress bars
-    if args.prompts < 1 or args.max_new_tokens < 1 or args.train_steps < 1:
-        raise ConfigError("--prompts, --max-new-tokens and --train-steps must be >= 1")
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.train_steps < 1 or args.rl_steps < 0:
+        raise ConfigError("--prompts, --max-new-tokens and --train-steps must be >= 1, --rl-steps >= 0")
     config = DemoConfig(
         arch=args.arch,
         model=args.model,
@@ -76,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         train_steps=args.train_steps,
+        rl_steps=args.rl_steps,
         engine_dtype=args.engine_dtype,
     )
     console = Console(stderr=True)

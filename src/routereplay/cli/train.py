@@ -40,6 +40,7 @@ def add_parser(subparsers: Any) -> None:
         "--arch", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe", help="demo model architecture"
     )
     group.add_argument("--model", help="a local HF MoE checkpoint folder (with tokenizer) instead of the demo model")
+    group.add_argument("--train-steps", type=int, default=800, help="supervised steps of the demo model (default 800)")
     group.add_argument("--engine", choices=["hf", "vllm", "sglang"], default="hf", help="rollout engine (default hf)")
     group.add_argument("--url", help="server URL for --engine vllm|sglang")
     group.add_argument("--served-model", help="model name the remote server serves (default: --model's folder name)")
@@ -108,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
             model, tokenizer = load_checkpoint(args.model)
         else:
             model, tokenizer, _ = load_or_train(
-                args.arch, progress=lambda step, steps, _loss: report("training the demo model (cached)", step, steps)
+                args.arch,
+                steps=args.train_steps,
+                progress=lambda step, steps, _loss: report("training the demo model (cached)", step, steps),
             )
         task = AdditionTask(tokenizer)
         engine = _engine(args, model)

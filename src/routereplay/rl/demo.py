@@ -38,6 +38,7 @@ class DemoConfig:
     top_p: float = 1.0
     seed: int = 0
     train_steps: int = 800
+    rl_steps: int = 3  # GRPO steps per mode (off, R2, R3) for the per-step comparison; 0 skips it
     engine_dtype: str = "bfloat16"
     trainer_dtype: str = "float32"
 
@@ -88,6 +89,17 @@ def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, 
         deltas[mode] = (scored.logprobs_BS - infer_BS)[scored.response_BS].tolist()
     report("scoring (trainer, R3)", 2, 2)
     replayer.detach()
+    steps: list[dict[str, Any]] = []
+    if config.rl_steps:
+        # R2 replays the trainer's own routing: its old-log-prob pass routes naturally, so against the
+        # engine it measures exactly like `off`; it differs in the updates (drift), measured below
+        modes = {"off": modes["off"], "R2": dict(modes["off"]), "R3": modes["R3"]}
+        deltas["R2"] = deltas["off"]
+        steps = _rl_comparison(model, task, config, report)
+        for mode, record in modes.items():
+            rows = [row for row in steps if row["mode"] == mode]
+            record["update_drift"] = sum(row["drift"] for row in rows) / len(rows)
+            record["update_routing_disagreement"] = sum(row["routing_disagreement"] for row in rows) / len(rows)
     text_config = model.config.get_text_config()  # type: ignore[union-attr, operator]
     return {
         "config": asdict(config),
@@ -106,7 +118,41 @@ def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, 
         },
         "modes": modes,
         "dlogp": deltas,
+        "steps": steps,
     }
+
+
+def _rl_comparison(
+    model: torch.nn.Module, task: AdditionTask, config: DemoConfig, report: Progress
+) -> list[dict[str, Any]]:
+    """A few GRPO steps from the same start in each mode; one row per (mode, step)."""
+    import copy
+
+    from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
+
+    rows: list[dict[str, Any]] = []
+    for mode in ("off", "R2", "R3"):
+        policy = copy.deepcopy(model)
+        engine = HFEngine(policy, dtype=getattr(torch, config.engine_dtype))
+        grpo = GRPOConfig(mode=mode, steps=config.rl_steps, max_new_tokens=config.max_new_tokens, seed=config.seed)
+        trainer = GRPOTrainer(policy, task, engine, grpo)
+        phase = f"GRPO steps ({mode})"
+        trainer.train(lambda _phase, done, total: report(phase, done, total))  # noqa: B023 - called inside the loop
+        for record in trainer.history:
+            updates = record["rollout_disagreement_per_mini_step"]
+            rows.append(
+                {
+                    "step": record["step"],
+                    "mode": mode,
+                    "reward_mean": record["reward_mean"],
+                    "k3_kl": record["k3_kl"],
+                    "routing_disagreement": sum(updates) / len(updates),
+                    "drift": record["max_drift"],
+                    "ppo_kl": record["ppo_kl"],
+                    "clip_frac": record["clip_frac"],
+                }
+            )
+    return rows
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,8 @@ Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S to
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -226,7 +228,7 @@ class Replayer:
         aux_loss_routing: AuxLossRouting | str = AuxLossRouting.NATURAL,
         jitter: JitterPolicy | str = JitterPolicy.MODEL,
     ) -> None:
-        if getattr(model, MARKER, None) is not None:
+        if _attached_replayer(model) is not None:
             raise AlreadyAttachedError("this model already has a Replayer attached; call .detach() on it first")
         try:
             self.aux_loss_routing = AuxLossRouting(aux_loss_routing)
@@ -266,7 +268,7 @@ class Replayer:
         self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
         for site in sites:
             site.scope.forward = self._wrap(site, site.scope.forward)  # instance attribute; class untouched
-        setattr(model, MARKER, self)
+        setattr(model, MARKER, weakref.ref(self))  # a weak marker: a deepcopy of the model is not "attached"
 
     # -- contexts ----------------------------------------------------------------------------------
     @contextmanager
@@ -310,7 +312,7 @@ class Replayer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if getattr(self.model, MARKER, None) is self:
+        if _attached_replayer(self.model) is self:
             delattr(self.model, MARKER)
 
     def describe(self) -> str:
@@ -367,7 +369,9 @@ class Replayer:
             session.begin_step(shape)
 
     def _wrap(self, site: RouterSite, original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if module is not site.scope:  # a deepcopy of the attached model: not bound, routes naturally
+                return type(module).forward(module, *args, **kwargs)
             session = self._session
             if session is None:
                 if self._pending_replay and in_backward():
@@ -378,7 +382,7 @@ class Replayer:
                 return original(*args, **kwargs)
             return self._call(session, site, original, args, kwargs)
 
-        return forward
+        return types.MethodType(forward, site.scope)  # bound to the module, so a copy knows it is a copy
 
     def _call(
         self,
@@ -407,6 +411,12 @@ class Replayer:
             self._pending_replay = True
             _guard_backward(output, session, site)
         return output
+
+
+def _attached_replayer(model: nn.Module) -> Replayer | None:
+    marker = getattr(model, MARKER, None)
+    replayer = marker() if isinstance(marker, weakref.ref) else None
+    return replayer if isinstance(replayer, Replayer) and replayer.model is model and replayer._handles else None
 
 
 def attach(
