@@ -9,17 +9,20 @@ from routereplay.engines import decode_megatron, decode_sglang, decode_vllm
 from routereplay.enums import CodecMode, ReplayMode, Source
 from routereplay.errors import RouteReplayError
 from routereplay.runtime import Recording, Replayer, ReplayStats, attach
-from routereplay.trace import RouteTrace, Segment
+from routereplay.store import RouteStore
+from routereplay.trace import MergePolicy, RouteTrace, Segment
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CodecMode",
+    "MergePolicy",
     "Recording",
     "ReplayMode",
     "ReplayStats",
     "Replayer",
     "RouteReplayError",
+    "RouteStore",
     "RouteTrace",
     "Segment",
     "Source",
