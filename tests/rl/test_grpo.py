@@ -21,7 +21,8 @@ pytestmark = pytest.mark.hf
 def trained() -> tuple[torch.nn.Module, object]:
     from routereplay.rl.model import train_demo_model
 
-    return train_demo_model("qwen3_moe", steps=300)  # enough to earn rewards: advantages must not all be 0
+    # a smaller sibling of the demo model, trained enough to earn rewards (advantages must not all be 0)
+    return train_demo_model("qwen3_moe", steps=300, num_experts=16, num_hidden_layers=3)
 
 
 def _run(trained: tuple[torch.nn.Module, object], mode: str, **overrides: object) -> list[dict]:

@@ -212,7 +212,7 @@ def dtype_named(name: Any, what: str) -> np.dtype[Any]:
     """A dtype from a name an engine sends (`routed_experts_dtype`), restricted to integer types."""
     try:
         dtype = np.dtype(str(name).removeprefix("torch."))
-    except TypeError:
+    except (TypeError, ValueError):
         raise DtypeError(f"{what}: unknown routed_experts_dtype {name!r}; expected int32, uint16 or uint8") from None
     if dtype.kind not in "iu":
         raise DtypeError(f"{what}: routed_experts_dtype {name!r} is not an integer type")

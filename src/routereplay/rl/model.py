@@ -34,8 +34,8 @@ class Arch(StrEnum):
     DEEPSEEK_V3 = "deepseek_v3"
 
 
-def demo_config(arch: Arch | str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Any:
-    import transformers
+def demo_config(arch: Arch | str, vocab_size: int, eos_token_id: int, pad_token_id: int, **overrides: Any) -> Any:
+    """The demo model's config; `overrides` replace fields (tests use smaller models)."""
 
     common: dict[str, Any] = {
         "vocab_size": vocab_size,
@@ -49,6 +49,15 @@ def demo_config(arch: Arch | str, vocab_size: int, eos_token_id: int, pad_token_
         "tie_word_embeddings": False,
     }
     arch = Arch(arch)
+    config = _arch_config(arch, common)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def _arch_config(arch: Arch, common: dict[str, Any]) -> Any:
+    import transformers
+
     if arch is Arch.QWEN3_MOE:
         return transformers.Qwen3MoeConfig(
             **common,
@@ -117,13 +126,14 @@ def train_demo_model(
     batch: int = 64,
     lr: float = 5e-3,
     progress: Callable[[int, int, float], None] | None = None,
+    **overrides: Any,
 ) -> tuple[torch.nn.Module, Any]:
     """Supervised training on addition (answer tokens only); returns the model in eval mode and its tokenizer."""
     import transformers
 
     tokenizer = build_tokenizer()
     task = AdditionTask(tokenizer)
-    config = demo_config(arch, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config = demo_config(arch, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
