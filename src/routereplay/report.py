@@ -370,10 +370,12 @@ def plot_kl(result: Mapping[str, Any], path: Path) -> Path | None:
 
 
 def plot_steps(result: Mapping[str, Any], path: Path) -> Path | None:
-    """k3 KL and routing disagreement per training step, one line per mode; None without steps."""
+    """k3 KL, engine-vs-trainer routing and drift per training step, one line per mode; None without steps."""
     steps = result.get("steps") or []
     if not steps:
         return None
+    from matplotlib.ticker import MaxNLocator
+
     modes_M = _ordered_modes({row["mode"]: None for row in steps})
     all_modes = _ordered_modes({**result["modes"], **{mode: None for mode in modes_M}})
     candidates = (
@@ -400,6 +402,7 @@ def plot_steps(result: Mapping[str, Any], path: Path) -> Path | None:
                 label=mode,
             )
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         if scale == 1.0:
