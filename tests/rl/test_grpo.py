@@ -116,3 +116,19 @@ def test_train_cli_two_steps(
     assert [r["step"] for r in history] == [0, 1] and {r["mode"] for r in history} == {mode}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 2
+
+
+def test_tensorboard_needs_the_package(trained: tuple[torch.nn.Module, object], tmp_path: Path) -> None:
+    import importlib.util
+
+    from routereplay.rl.tasks import AdditionTask
+
+    model, tokenizer = trained
+    config = GRPOConfig(mode="off", steps=1, prompts_per_step=2, group_size=2, mini_steps=1)
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ImportError, match="pip install tensorboard"):
+            GRPOTrainer(model, AdditionTask(tokenizer), HFEngine(model), config, tensorboard_dir=tmp_path / "tb")
+    else:  # installed: scalars land in the folder
+        trainer = GRPOTrainer(model, AdditionTask(tokenizer), HFEngine(model), config, tensorboard_dir=tmp_path / "tb")
+        trainer.train()
+        assert any((tmp_path / "tb").iterdir())

@@ -58,6 +58,7 @@ def add_parser(subparsers: Any) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--log", help="append one JSON record per step to this JSONL file")
     out.add_argument("--plot", help="write a per-step plot (PNG) here")
+    out.add_argument("--tensorboard", help="also log scalars to this tensorboard folder (needs tensorboard)")
     add_json_argument(parser)
     parser.set_defaults(func=run)
 
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             )
         task = AdditionTask(tokenizer)
         engine = _engine(args, model)
-        trainer = GRPOTrainer(model, task, engine, config, log_path=args.log)
+        trainer = GRPOTrainer(model, task, engine, config, log_path=args.log, tensorboard_dir=args.tensorboard)
         report(f"GRPO ({config.mode})", 0, config.steps)
         history = trainer.train(report)
     if args.plot:

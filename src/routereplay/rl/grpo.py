@@ -113,6 +113,7 @@ class GRPOTrainer:
         config: GRPOConfig,
         *,
         log_path: str | Path | None = None,
+        tensorboard_dir: str | Path | None = None,
     ) -> None:
         self.model, self.task, self.engine, self.config = model, task, engine, config
         self.mode = TrainMode(config.mode)
@@ -131,6 +132,15 @@ class GRPOTrainer:
             if config.reference_routing == "replay":
                 self.reference_replayer = attach(self.reference)
         self.log_path = Path(log_path) if log_path is not None else None
+        self.writer: Any = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError(
+                    "tensorboard logging needs the tensorboard package: pip install tensorboard"
+                ) from None
+            self.writer = SummaryWriter(str(tensorboard_dir))
         self.history: list[dict[str, Any]] = []
 
     def train(self, progress: Callable[[str, int, int], None] | None = None) -> list[dict[str, Any]]:
@@ -204,6 +214,11 @@ class GRPOTrainer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("a", encoding="utf-8") as stream:
                 stream.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.writer.add_scalar(f"{self.mode}/{key}", value, step)
+            self.writer.flush()
         return record
 
     def _mini_step(
