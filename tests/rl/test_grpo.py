@@ -124,6 +124,7 @@ def test_tensorboard_needs_the_package(trained: tuple[torch.nn.Module, object], 
     from routereplay.rl.tasks import AdditionTask
 
     model, tokenizer = trained
+    model = copy.deepcopy(model)
     config = GRPOConfig(mode="off", steps=1, prompts_per_step=2, group_size=2, mini_steps=1)
     if importlib.util.find_spec("tensorboard") is None:
         with pytest.raises(ImportError, match="pip install tensorboard"):

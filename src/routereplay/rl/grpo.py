@@ -116,6 +116,15 @@ class GRPOTrainer:
         tensorboard_dir: str | Path | None = None,
     ) -> None:
         self.model, self.task, self.engine, self.config = model, task, engine, config
+        self.writer: Any = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError(
+                    "tensorboard logging needs the tensorboard package: pip install tensorboard"
+                ) from None
+            self.writer = SummaryWriter(str(tensorboard_dir))
         self.mode = TrainMode(config.mode)
         self.replayer: Replayer = attach(model)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
@@ -132,15 +141,6 @@ class GRPOTrainer:
             if config.reference_routing == "replay":
                 self.reference_replayer = attach(self.reference)
         self.log_path = Path(log_path) if log_path is not None else None
-        self.writer: Any = None
-        if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ImportError(
-                    "tensorboard logging needs the tensorboard package: pip install tensorboard"
-                ) from None
-            self.writer = SummaryWriter(str(tensorboard_dir))
         self.history: list[dict[str, Any]] = []
 
     def train(self, progress: Callable[[str, int, int], None] | None = None) -> list[dict[str, Any]]:
