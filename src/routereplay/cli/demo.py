@@ -61,9 +61,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import transformers
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from routereplay.cli.progress import phase_progress
     from routereplay.errors import ConfigError
     from routereplay.rl.demo import DemoConfig, run_demo, summary
 
@@ -82,22 +81,7 @@ def run(args: argparse.Namespace) -> int:
         rl_steps=args.rl_steps,
         engine_dtype=args.engine_dtype,
     )
-    console = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        tasks: dict[str, Any] = {}
-
-        def report(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(phase, total=total)
-            progress.update(tasks[phase], completed=done, total=total)
-
+    with phase_progress() as report:
         result = run_demo(config, report)
     paths = []
     if not args.no_report:
@@ -109,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         _render(result)
         if paths:
-            Console().print(f"report: [bold]{args.report}/report.html[/bold] ({len(paths)} files)")
+            print(f"report: {args.report}/report.html ({len(paths)} files)")
     return 0
 
 

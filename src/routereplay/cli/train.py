@@ -65,9 +65,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import transformers
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from routereplay.cli.progress import phase_progress
     from routereplay.errors import ConfigError
     from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
     from routereplay.rl.model import load_checkpoint, load_or_train
@@ -90,22 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--engine {args.engine} needs --url (the server started with --enable-return-routed-experts)"
         )
-    console = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        tasks: dict[str, Any] = {}
-
-        def report(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(phase, total=total)
-            progress.update(tasks[phase], completed=done, total=total)
-
+    with phase_progress() as report:
         if args.model:
             model, tokenizer = load_checkpoint(args.model)
         else:
