@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,7 @@ def _import_httpx() -> Any:
     return httpx
 
 
-class _RemoteEngine:
+class _RemoteEngine(ABC):
     """Shared HTTP plumbing: retries, JSON parsing, concurrency, EOS cut."""
 
     name = "remote"
@@ -123,14 +124,17 @@ class _RemoteEngine:
             raise MissingRoutesError(f"{self.name} server {self.url}: {exc}") from None
         return _cut_at_eos(prompt, response_ids, logprobs, trace, params.eos_token_id)
 
+    @abstractmethod
     def _body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
-        raise NotImplementedError
+        """The request body for one prompt (server-specific)."""
 
+    @abstractmethod
     def _tokens(self, data: dict[str, Any], where: str) -> tuple[list[int], list[float]]:
-        raise NotImplementedError
+        """Response token ids and their log-probs (server-specific)."""
 
+    @abstractmethod
     def _decode(self, data: dict[str, Any], *, num_tokens: int, sequence: int) -> RouteTrace:
-        raise NotImplementedError
+        """The response's routes as a validated trace (server-specific decoder)."""
 
     def _call(self, client: httpx.Client, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """One request with retries on connection errors, timeouts, 429 and 5xx; returns parsed JSON."""
