@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet $(TRANSFORMERS) -e ".[dev,hf,demo]"
+	$(BIN)/python -m pip install --quiet $(TRANSFORMERS) -e ".[dev,hf,demo,megatron]"
 	touch $(STAMP)
 
 EXAMPLES := src/routereplay/examples
