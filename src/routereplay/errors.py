@@ -140,6 +140,21 @@ class RecomputeError(ReplayStateError):
     """An activation-checkpoint recompute found no routes to reuse, so it would route differently."""
 
 
+# --- training layouts: padding, packing, parallel shards, pipeline stages ----------------------
+
+
+class LayoutError(RouteReplayError, ValueError):
+    """Routes cannot be put into (or taken out of) the trainer's token or layer layout as asked."""
+
+
+class DivisibilityError(LayoutError):
+    """A length does not divide by the parallel size a split needs (SP, CP zigzag, TP-SP scatter)."""
+
+
+class StageLayerError(LayoutError):
+    """A layer was asked of a pipeline stage that does not own it, or is not a replayed MoE layer."""
+
+
 def location(
     sequence: str | int | None = None,
     *,
