@@ -140,6 +140,17 @@ class RecomputeError(ReplayStateError):
     """An activation-checkpoint recompute found no routes to reuse, so it would route differently."""
 
 
+# --- the Megatron-core adapter ------------------------------------------------------------------
+
+
+class MissingLayerError(LayerCountError):
+    """A replay payload does not cover a layer whose router this model (stage, chunk) owns."""
+
+
+class MicroBatchCountError(ReplayStateError):
+    """A replay schedule was not consumed exactly once per micro-batch (a leftover or missing entry)."""
+
+
 # --- training layouts: padding, packing, parallel shards, pipeline stages ----------------------
 
 
