@@ -180,3 +180,18 @@ def test_bench_engine_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(result["seconds"]) == {"no_capture", "capture"}
     assert result["ratios"]["capture_over_no_capture"] > 0
     assert set(result["targets"]) == {"capture_over_no_capture"}
+
+
+def test_bench_layout_small_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "layout", "--sequences", "5", "--seq", "40", "--layers", "3", "--sp", "3", "--repeats", "2"]
+    assert main([*args, "--json"]) == EXIT_OK
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["seconds"]) == {"loop", "plan", "all_ranks"}
+    assert 5 * 10 <= result["tokens"] <= 5 * 40
+    assert result["route_bytes"] == result["tokens"] * 3 * 8 * 2
+    assert result["targets"]["loop_over_plan"]["target"] == 10.0
+
+
+def test_bench_layout_rejects_a_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "layout", "--sp", "0"]) == EXIT_ERROR
+    assert "layout bench: sp must be >= 1, got 0" in capsys.readouterr().err
