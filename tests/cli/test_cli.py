@@ -195,3 +195,41 @@ def test_bench_layout_small_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_layout_rejects_a_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "layout", "--sp", "0"]) == EXIT_ERROR
     assert "layout bench: sp must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_store_small_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "store", "--samples", "6", "--max-len", "300", "--layers", "4", "--repeats", "1", "--json"]
+    assert main(args) == EXIT_OK
+    result = json.loads(capsys.readouterr().out)
+    rows = result["tokens"] - 6  # every sample's last token has no route
+    assert result["payload_bytes"] == rows * 4 * 8 * 2 == result["routes_held_bytes"]
+    peaks = result["peak_bytes"]
+    assert peaks["dense_int32"] >= 2 * peaks["dense_int16"] - 1024 >= 6 * 300 * 4 * 8 * 2 * 2 - 1024
+    assert peaks["store"] >= result["payload_bytes"]
+
+
+@pytest.mark.hf
+def test_bench_all_writes_benchmarks_and_the_readme_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n<!-- bench:begin -->\nstale\n<!-- bench:end -->\nafter\n")
+    output = tmp_path / "BENCHMARKS.md"
+    assert main(["bench", "all", "--quick", "--output", str(output), "--readme", str(readme), "--json"]) == EXIT_OK
+    results = json.loads(capsys.readouterr().out)
+    assert list(results) == ["codec", "layout", "store", "replay", "engine"]
+    text = output.read_text()
+    for suite in results:
+        assert f"`routereplay bench {suite}`" in text
+    table = readme.read_text()
+    assert "stale" not in table and table.endswith("<!-- bench:end -->\nafter\n")
+    assert table.count("\n| ") == sum(len(r["targets"]) for r in results.values()) + 1
+
+
+def test_bench_all_refuses_a_readme_without_markers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from routereplay.bench.record import write_readme_table
+    from routereplay.errors import ConfigError
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    with pytest.raises(ConfigError, match="has no <!-- bench:begin --> ... <!-- bench:end --> markers"):
+        write_readme_table(readme, "| table |")
+    assert readme.read_text() == "# no markers\n"

@@ -1,92 +1,121 @@
-"""`routereplay bench SUITE`: measured figures (medians of repeated runs), as a table or --json."""
+"""`routereplay bench SUITE`: measured figures (medians of repeated runs), as a table or --json.
+
+`bench all` runs every suite in one process and writes BENCHMARKS.md (and, with --readme, the
+README's summary table) from those records.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from routereplay.cli.arguments import add_json_argument
 
-SUITES = ("codec", "layout", "replay", "engine")
+SUITES = ("codec", "layout", "store", "replay", "engine")
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="run a benchmark suite (codec, layout, replay, engine) and print medians of repeated runs",
+        help="run a benchmark suite (codec, layout, store, replay, engine, or all) and print medians",
         description=(
-            "Run a benchmark suite. `codec`: bytes per (token, layer) row and encode/decode throughput of "
-            "routereplay's codec against JSON lists, SGLang base64 int32, vLLM base64 .npy and raw uint8, "
-            "all measured in the same run on the same random routes. `layout`: pack + Ulysses SP shard of a padded "
-            "batch of routes (default 64 x 4096 tokens, 48 layers, top-8) with routereplay's vectorised transforms "
-            "against the per-sequence loop framework glue uses, checked equal, interleaved. "
-            "`replay`: forward + backward step time of a "
-            "Qwen3-MoE-shaped model with routers off, recording and replaying (interleaved). `engine`: the built-in "
-            "engine's generation time with and without route capture. Progress goes to stderr."
+            "Run a benchmark suite; every ratio is measured side by side in the same run. "
+            "`codec`: bytes per (token, layer) row and encode/decode speed of routereplay's codec against JSON lists, "
+            "SGLang base64 int32, vLLM base64 .npy and raw uint8 on the same random routes. "
+            "`layout`: pack + Ulysses SP shard of a padded batch of routes (64 x 4096 tokens, 48 layers, top-8) with "
+            "routereplay's vectorised transforms against the per-sequence loop framework glue uses. "
+            "`store`: peak memory of a 512-sample x 8k-token Qwen3-30B-A3B batch's routes in the ragged RouteStore "
+            "against dense padded int16/int32 tensors. "
+            "`replay`: forward + backward step time of a Qwen3-MoE-shaped model with routers off, recording and "
+            "replaying. `engine`: the built-in engine's generation time with and without route capture. "
+            "`all`: every suite, then BENCHMARKS.md (--output) and the README table (--readme). "
+            "Progress goes to stderr."
         ),
     )
-    parser.add_argument("suite", choices=SUITES, help="which benchmark to run")
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens T (default 32768)")
-    parser.add_argument("--layers", type=int, default=48, help="MoE layers L (default 48)")
-    parser.add_argument("--top-k", type=int, default=8, help="top-k K (default 8)")
-    parser.add_argument("--experts", type=int, default=128, help="experts E (default 128)")
-    parser.add_argument("--batch", type=int, default=8, help="replay: batch rows (default 8)")
-    parser.add_argument("--seq", type=int, help="replay: tokens per row (default 256); layout: padded length (4096)")
-    parser.add_argument("--sequences", type=int, default=64, help="layout: sequences in the batch (default 64)")
-    parser.add_argument("--sp", type=int, default=4, help="layout: Ulysses sequence-parallel size (default 4)")
-    parser.add_argument("--repeats", type=int, help="timed repeats per measurement (default: codec 5, replay 7)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random routes")
-    parser.add_argument("--markdown", action="store_true", help="print the markdown table used in README/BENCHMARKS.md")
+    parser.add_argument("suite", choices=(*SUITES, "all"), help="which benchmark to run")
+    sizes = parser.add_argument_group("sizes (defaults are the figures quoted in BENCHMARKS.md)")
+    sizes.add_argument("--tokens", type=int, default=32768, help="codec: tokens T (default 32768)")
+    sizes.add_argument("--layers", type=int, default=48, help="codec, layout, store: MoE layers L (default 48)")
+    sizes.add_argument("--top-k", type=int, default=8, help="top-k K (default 8)")
+    sizes.add_argument("--experts", type=int, default=128, help="experts E (default 128)")
+    sizes.add_argument("--batch", type=int, default=8, help="replay: batch rows (default 8)")
+    sizes.add_argument("--seq", type=int, help="replay: tokens per row (256); layout: padded length (4096)")
+    sizes.add_argument("--sequences", type=int, default=64, help="layout: sequences in the batch (default 64)")
+    sizes.add_argument("--sp", type=int, default=4, help="layout: Ulysses sequence-parallel size (default 4)")
+    sizes.add_argument("--samples", type=int, default=512, help="store: samples in the batch (default 512)")
+    sizes.add_argument("--max-len", type=int, default=8192, help="store: longest sample in tokens (default 8192)")
+    sizes.add_argument("--repeats", type=int, help="timed repeats per measurement (default: per suite)")
+    sizes.add_argument("--seed", type=int, default=0, help="seed of the random routes and inputs")
+    sizes.add_argument("--quick", action="store_true", help="small sizes for a smoke run (figures not comparable)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--markdown", action="store_true", help="print the markdown tables (the default unless --json)")
+    out.add_argument("--output", type=Path, default=Path("BENCHMARKS.md"), help="all: file to write (BENCHMARKS.md)")
+    out.add_argument("--readme", type=Path, help="all: also replace the README table between the bench markers")
     add_json_argument(parser)
     parser.set_defaults(func=run)
+
+
+def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
+    """The benchmark module of `name` and its config from the command line."""
+    from routereplay.bench import codec, engine, layout, replay, store
+
+    quick = args.quick
+    repeats = args.repeats or (2 if quick else None)
+    if name == "codec":
+        return codec, codec.CodecBenchConfig(
+            num_tokens=512 if quick else args.tokens,
+            num_layers=args.layers,
+            top_k=args.top_k,
+            num_experts=args.experts,
+            repeats=repeats or 5,
+            seed=args.seed,
+        )
+    if name == "layout":
+        return layout, layout.LayoutBenchConfig(
+            sequences=4 if quick else args.sequences,
+            seq=64 if quick else args.seq or 4096,
+            layers=args.layers,
+            top_k=args.top_k,
+            experts=args.experts,
+            sp=args.sp,
+            rank=min(1, max(args.sp - 1, 0)),
+            repeats=repeats or 7,
+            seed=args.seed,
+        )
+    if name == "store":
+        return store, store.StoreBenchConfig(
+            samples=4 if quick else args.samples,
+            seq=256 if quick else args.max_len,
+            min_len=32 if quick else min(1024, args.max_len),
+            layers=args.layers,
+            top_k=args.top_k,
+            experts=args.experts,
+            repeats=repeats or 3,
+            seed=args.seed,
+        )
+    if name == "engine":
+        return engine, engine.EngineBenchConfig(prompts=8 if quick else 256, repeats=repeats or 5, seed=args.seed)
+    return replay, replay.ReplayBenchConfig(
+        batch=1 if quick else args.batch, seq=16 if quick else args.seq or 256, repeats=repeats or 7, seed=args.seed
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from routereplay.bench import codec as codec_bench
-    from routereplay.bench import engine as engine_bench
-    from routereplay.bench import layout as layout_bench
-    from routereplay.bench import replay as replay_bench
+    from routereplay.bench import record
     from routereplay.errors import ConfigError
 
-    suite: Any
+    names = SUITES if args.suite == "all" else (args.suite,)
     try:
-        if args.suite == "codec":
-            suite = codec_bench
-            config: Any = codec_bench.CodecBenchConfig(
-                num_tokens=args.tokens,
-                num_layers=args.layers,
-                top_k=args.top_k,
-                num_experts=args.experts,
-                repeats=args.repeats or 5,
-                seed=args.seed,
-            )
-        elif args.suite == "layout":
-            suite = layout_bench
-            config = layout_bench.LayoutBenchConfig(
-                sequences=args.sequences,
-                seq=args.seq or 4096,
-                layers=args.layers,
-                top_k=args.top_k,
-                experts=args.experts,
-                sp=args.sp,
-                rank=min(1, args.sp - 1),
-                repeats=args.repeats or 7,
-                seed=args.seed,
-            )
-        elif args.suite == "engine":
-            suite = engine_bench
-            config = engine_bench.EngineBenchConfig(repeats=args.repeats or 5, seed=args.seed)
-        else:
-            suite = replay_bench
-            config = replay_bench.ReplayBenchConfig(
-                batch=args.batch, seq=args.seq or 256, repeats=args.repeats or 7, seed=args.seed
-            )
+        suites = {name: _suite(name, args) for name in names}
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    results: dict[str, dict[str, Any]] = {}
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -94,14 +123,29 @@ def run(args: argparse.Namespace) -> int:
         console=Console(stderr=True),
         transient=True,
     ) as progress:
-        task = progress.add_task(f"bench {args.suite}", total=None)
-        result = suite.run(config, lambda name: progress.update(task, description=f"{args.suite}: {name}"))
+        task = progress.add_task("bench", total=None)
+        for name, (module, config) in suites.items():
+
+            def report(step: str, name: str = name) -> None:
+                progress.update(task, description=f"{name}: {step}")
+
+            results[name] = module.run(config, report)
+    if args.suite == "all":
+        renderers = {name: module.markdown for name, (module, _) in suites.items()}
+        command = "routereplay bench all" + (" --quick" if args.quick else "")
+        args.output.write_text(record.benchmarks_markdown(results, renderers, command), encoding="utf-8")
+        if args.readme is not None:
+            record.write_readme_table(args.readme, record.summary_table(results))
     if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(suite.markdown(result))
+        print(json.dumps(results if args.suite == "all" else results[args.suite], indent=2))
+        return 0
+    for name, (module, _) in suites.items():
+        print(module.markdown(results[name]))
         print()
-        for name, target in result["targets"].items():
-            mark = "met" if target["met"] else "MISSED"
-            print(f"target {name}: {target['value']:.4g} {target['direction']} {target['target']}  [{mark}]")
+        for goal_name, goal in results[name]["targets"].items():
+            mark = "met" if goal["met"] else "MISSED"
+            print(f"target {goal_name}: {goal['value']:.4g} {goal['direction']} {goal['target']}  [{mark}]")
+        print()
+    if args.suite == "all":
+        print(f"wrote {args.output}" + (f" and the table in {args.readme}" if args.readme else ""))
     return 0
