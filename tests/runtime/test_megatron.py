@@ -569,3 +569,37 @@ def test_full_router_forward_on_cuda_records_replays_and_forces() -> None:
             assert chosen_sets(map_NE.cpu()) == [set(r) for r in forced_NLK[:, j].tolist()]
             (probs_NE * torch.randn_like(probs_NE)).sum().backward()
             assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_megatron_checkpoint_recompute_on_cuda_reuses_each_microbatchs_routes() -> None:
+    """Megatron's own CheckpointFunction (it forks the CUDA RNG, so it cannot run on CPU), 1F1B order."""
+    from megatron.core import tensor_parallel
+
+    from routereplay.runtime.megatron import attach_megatron
+
+    tensor_parallel.model_parallel_cuda_manual_seed(0, force_reset_rng=True)
+    block = build_block(make_config(moe_router_dtype="fp32")).cuda()
+    routers = routers_of(block)
+    mr = attach_megatron(block)
+
+    def body(x_SBH: torch.Tensor) -> torch.Tensor:
+        h_SBH = x_SBH
+        for layer, router in sorted(routers.items()):
+            probs_NE, _ = router(h_SBH)
+            h_SBH = h_SBH + (probs_NE @ MIX[layer].cuda()).view_as(h_SBH)
+        return h_SBH
+
+    xs = [torch.randn(S, B, H, device="cuda", requires_grad=True) for _ in range(2)]
+    routes = [random_routes(3, seed=91).cuda(), random_routes(3, seed=92).cuda()]
+    routes[1][:4, 2] = -1
+    with mr.replay(routes) as used:
+        losses = [tensor_parallel.checkpoint(body, False, x).sum() for x in xs]
+        for loss in losses:
+            loss.backward()
+    assert mr.stats.recompute_calls == 2 * 3
+    for x, routes_NLK in zip(xs, used.microbatches, strict=True):
+        reference = x.detach().clone().requires_grad_(True)
+        with mr.replay(routes_NLK):
+            body(reference).sum().backward()
+        torch.testing.assert_close(x.grad, reference.grad, rtol=0, atol=0)
