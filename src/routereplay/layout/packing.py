@@ -65,12 +65,18 @@ def pack(
     multiple: int = 1,
     fill: int = -1,
 ) -> Packed[Array]:
-    """Sequences `order` (default: all, in batch order) packed into one row, each padded to `multiple`."""
+    """Sequences `order` (default: all, in batch order) packed into one row, each padded to `multiple`.
+
+    In batch order with `multiple=1` the ragged rows already are the packed row: `values` is shared,
+    not copied."""
     order_B = (
         torch.arange(ragged.num_sequences)
         if order is None
         else check_order(order, ragged.num_sequences, allow_subset=True)
     )
+    if multiple == 1 and bool(torch.equal(order_B, torch.arange(ragged.num_sequences))):
+        # the ragged rows already are the packed row: no copy
+        return Packed(ragged.values, ragged.cu_seqlens, ragged.lengths, order_B, ragged.num_sequences)
     index_P, cu_padded, lengths_B = pack_index(ragged.cu_seqlens, order_B, multiple)
     values = like(take(as_tensor(ragged.values), index_P, fill=fill), ragged.values)
     return Packed(values, cu_padded, lengths_B, order_B, ragged.num_sequences)

@@ -18,7 +18,7 @@ import torch
 
 from routereplay.enums import StrEnum
 from routereplay.errors import BatchShapeError, ConfigError
-from routereplay.layout.array import Array, as_tensor, index_tensor, like, put, take
+from routereplay.layout.array import Array, as_tensor, index_tensor, like, put
 from routereplay.layout.ragged import Ragged, cu_seqlens_of, positions, sequence_ids
 
 
@@ -72,7 +72,7 @@ def unpad(
         if lengths_B.numel() != batch:
             raise BatchShapeError(f"got {lengths_B.numel()} lengths for a batch of {batch} rows")
         index_N = unpad_index(lengths_B, seq_len, side)
-    return Ragged(like(take(flat, index_N), padded_BS), cu_seqlens_of(lengths_B))
+    return Ragged(like(torch.index_select(flat, 0, index_N), padded_BS), cu_seqlens_of(lengths_B))
 
 
 def pad(

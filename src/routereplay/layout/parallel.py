@@ -45,11 +45,13 @@ def _cat(shards: Sequence[Any], dim: int, what: str) -> torch.Tensor:
 
 def ulysses_shard(x: Array, world_size: int, rank: int, *, dim: int = 0, fill: int = -1) -> Array:
     """Rank `rank`'s contiguous chunk of `x` along `dim`, after padding it with `fill` to a multiple of
-    `world_size` (the padding lands on the last ranks)."""
+    `world_size` (the padding lands on the last ranks). A chunk without padding is a view of `x`."""
     _check_rank(world_size, rank, "ulysses_shard")
     t = as_tensor(x)
     dim = check_dim(t, dim, "ulysses_shard")
     chunk = -(-t.shape[dim] // world_size)
+    if (rank + 1) * chunk <= t.shape[dim]:
+        return like(t.narrow(dim, rank * chunk, chunk), x)  # no padding in this chunk: a view
     index_C = torch.arange(rank * chunk, (rank + 1) * chunk)
     index_C[index_C >= t.shape[dim]] = -1
     return like(take(t, index_C, dim=dim, fill=fill), x)
