@@ -480,6 +480,11 @@ def test_recompute_errors_partial_and_after_close() -> None:
         loss = step(routers, hidden(0, requires_grad=True)).sum()
     with pytest.raises(ReplayStateError, match="after its record/replay context closed"):
         loss.backward()
+    with mr.replay(random_routes(3, seed=54)):
+        loss = step(routers, hidden(0, requires_grad=True)).sum()
+    with pytest.raises(RecomputeError, match=r"backward recompute #1 but only 0 forward\(s\) routed in this context"):
+        with mr.record():  # another context's routes are never reused
+            loss.backward()
     with mr.record():
         with pytest.raises(ReplayStateError, match="contexts do not nest"):
             with mr.replay(random_routes(3, seed=53)):

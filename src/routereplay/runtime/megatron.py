@@ -102,11 +102,7 @@ class _RouterHook:
         return copy.deepcopy(self.original, memo)  # a copy of an attached model is not attached
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_unbound, (self.original,))
-
-
-def _unbound(original: Any) -> Any:
-    return original
+        return (copy.copy, (self.original,))  # a pickled model holds the original slot, not the replayer
 
 
 class _Schedule:
@@ -115,7 +111,7 @@ class _Schedule:
     def __init__(
         self, mode: ReplayMode, layers: tuple[int, ...], routes: list[dict[int, tuple[torch.Tensor, int]]] | None
     ) -> None:
-        self.mode, self.routes, self.open = mode, routes, True
+        self.mode, self.routes = mode, routes
         self.used: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}  # per forward call
         self.recomputed: dict[int, int] = dict.fromkeys(layers, 0)
         self.forwards = 0
@@ -141,8 +137,8 @@ class _Schedule:
         used, n = self.used[site.layer], self.recomputed[site.layer]
         if n >= len(used):
             raise RecomputeError(
-                f"layer {site.layer} ({site.name}) is recomputed during backward for the {n + 1}th time but routed "
-                f"only {len(used)} forward(s) in this context; it would route differently from its forward"
+                f"layer {site.layer} ({site.name}): backward recompute #{n + 1} but only {len(used)} forward(s) "
+                "routed in this context; it would route differently from its forward"
             )
         chosen_NK = used[n]
         if chosen_NK.shape[0] != rows:
@@ -304,7 +300,7 @@ class MegatronReplayer:
             yield MegatronRecording(schedule, self.layers, self.num_experts, self.stats)
             clean = True
         finally:
-            schedule.open, self._schedule, self.mode = False, None, ReplayMode.OFF
+            self._schedule, self.mode = None, ReplayMode.OFF
             self._pending = self._pending or schedule.forwards > 0
         if clean:
             schedule.check_complete()
