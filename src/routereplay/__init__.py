@@ -8,7 +8,7 @@ from routereplay.codec import decode, encode
 from routereplay.engines import decode_megatron, decode_sglang, decode_vllm
 from routereplay.enums import CodecMode, ReplayMode, Source
 from routereplay.errors import RouteReplayError
-from routereplay.runtime import Recording, Replayer, ReplayStats, attach
+from routereplay.runtime import Recording, Replayer, ReplayStats, attach, attach_megatron
 from routereplay.store import RouteStore
 from routereplay.trace import MergePolicy, RouteTrace, Segment
 
@@ -28,6 +28,7 @@ __all__ = [
     "Source",
     "__version__",
     "attach",
+    "attach_megatron",
     "decode",
     "decode_megatron",
     "decode_sglang",

@@ -608,3 +608,42 @@ def test_megatron_checkpoint_recompute_on_cuda_reuses_each_microbatchs_routes() 
         with mr.replay(routes_NLK):
             body(reference).sum().backward()
         torch.testing.assert_close(x.grad, reference.grad, rtol=0, atol=0)
+
+
+# --- fed through the layout transforms ------------------------------------------------------------
+
+
+def test_layout_transforms_feed_each_microbatch_and_sp_rank_its_own_routes() -> None:
+    """A padded trainer batch, packed into THD micro-batches in the trainer's order and scattered over
+    two TP-SP ranks by routereplay.layout, routes every real token exactly as the unsharded batch does."""
+    from routereplay.layout import attention_mask_of, pack, sequence_parallel_scatter, unpad
+    from routereplay.layout.plan import gather, token_index
+    from routereplay.runtime.megatron import attach_megatron
+
+    block = build_block()
+    routers = routers_of(block)
+    mr = attach_megatron(block)
+    lengths, seq = [5, 3, 4, 2], 5
+    mask_BS = attention_mask_of(lengths, seq, "right")
+    routes_BSLK = random_routes(3, seed=11, rows=len(lengths) * seq).view(len(lengths), seq, 3, K).clone()
+    routes_BSLK[~mask_BS] = -1
+    x_BSH = torch.randn(len(lengths), seq, H, generator=torch.Generator().manual_seed(5))
+    with mr.replay(routes_BSLK.reshape(-1, 3, K)):  # every token at once: routing is per token
+        _, reference = run(routers, x_BSH.reshape(-1, 1, H))
+    tp, checked = 2, 0
+    for order in ([2, 0], [3, 1]):  # two micro-batches, each packed in the trainer's order
+        index_P = pack(unpad(token_index(len(lengths), seq), attention_mask=mask_BS), order=order, multiple=tp).values
+        for rank in range(tp):
+            mine_P = sequence_parallel_scatter(index_P, tp, rank)
+            with mr.replay(gather(routes_BSLK, mine_P, source_dims=2)):
+                _, out = run(routers, gather(x_BSH, mine_P, source_dims=2)[:, None])
+            real = mine_P >= 0
+            for layer in MOE_LAYERS:
+                assert torch.equal(out[layer][1][real], reference[layer][1][mine_P[real]])
+                torch.testing.assert_close(out[layer][0][real], reference[layer][0][mine_P[real]])
+            checked += int(real.sum())
+    assert checked == sum(lengths)
+    wrong_P = sequence_parallel_scatter(index_P, tp, 0)  # negative control: rank 1's routes on rank 0's tokens
+    with mr.replay(gather(routes_BSLK, sequence_parallel_scatter(index_P, tp, 1), source_dims=2)):
+        _, out = run(routers, gather(x_BSH, wrong_P, source_dims=2)[:, None])
+    assert not torch.equal(out[1][1][wrong_P >= 0], reference[1][1][wrong_P[wrong_P >= 0]])
