@@ -46,7 +46,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(BIN)/routereplay bench codec
+	$(BIN)/routereplay bench all --output BENCHMARKS.md --readme README.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

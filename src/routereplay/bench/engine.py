@@ -27,7 +27,7 @@ CAPTURE_TARGET = 1.05
 class EngineBenchConfig:
     prompts: int = 256
     max_new_tokens: int = 16
-    repeats: int = 5
+    repeats: int = 11
     seed: int = 0
 
 

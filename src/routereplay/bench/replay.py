@@ -29,7 +29,7 @@ class ReplayBenchConfig:
     layers: int = 8
     experts: int = 32
     top_k: int = 4
-    repeats: int = 7
+    repeats: int = 21
     seed: int = 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -41,16 +42,21 @@ def interleave(
     functions: dict[str, Callable[[], Any]], repeats: int, report: Callable[[str], None] | None = None
 ) -> dict[str, list[float]]:
     """Seconds of each function per repeat, run in turn inside every repeat (after one warm-up each),
-    so drift in machine speed hits all of them alike. Ratios should be taken per repeat."""
+    so drift in machine speed hits all of them alike. The order rotates from repeat to repeat, so no
+    function always runs right after the same neighbour, and garbage is collected (untimed) before
+    every call. Ratios should be taken per repeat."""
     for function in functions.values():
         function()
+    names = list(functions)
     seconds: dict[str, list[float]] = {name: [] for name in functions}
     for repeat in range(repeats):
         if report is not None:
             report(f"repeat {repeat + 1}/{repeats}")
-        for name, function in functions.items():
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()
             begin = time.perf_counter()
-            function()
+            functions[name]()
             seconds[name].append(time.perf_counter() - begin)
     return seconds
 

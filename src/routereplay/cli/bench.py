@@ -97,9 +97,9 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
             seed=args.seed,
         )
     if name == "engine":
-        return engine, engine.EngineBenchConfig(prompts=8 if quick else 256, repeats=repeats or 5, seed=args.seed)
+        return engine, engine.EngineBenchConfig(prompts=8 if quick else 256, repeats=repeats or 11, seed=args.seed)
     return replay, replay.ReplayBenchConfig(
-        batch=1 if quick else args.batch, seq=16 if quick else args.seq or 256, repeats=repeats or 7, seed=args.seed
+        batch=1 if quick else args.batch, seq=16 if quick else args.seq or 256, repeats=repeats or 21, seed=args.seed
     )
 
 

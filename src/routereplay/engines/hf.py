@@ -26,8 +26,9 @@ from torch import nn
 
 from routereplay.enums import Source
 from routereplay.errors import ConfigError
+from routereplay.layout.padding import unpad
 from routereplay.runtime import attach
-from routereplay.trace import RouteTrace
+from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,22 +146,43 @@ class HFEngine:
         routes: torch.Tensor | None,
         params: SamplingParams,
     ) -> list[Rollout]:
-        rollouts = []
-        prompt_width = mask_BP.shape[1]
-        for b, prompt in enumerate(prompts):
-            response = tokens_BR[b].tolist()
-            finished = params.eos_token_id is not None and params.eos_token_id in response
-            length = response.index(params.eos_token_id) + 1 if finished else len(response)
-            trace = None
-            if routes is not None and self.replayer is not None:
-                rows = len(prompt) + length - 1
-                fed_positions = torch.arange(prompt_width - len(prompt), prompt_width + length - 1)
-                trace = RouteTrace(
-                    routes[b, fed_positions].numpy(), self.replayer.num_experts, self.replayer.layers
-                ).with_provenance(Source.HF, self.policy_version)
-                assert trace.num_tokens == rows
-            rollouts.append(Rollout(list(prompt), response[:length], logprobs_BR[b, :length].tolist(), trace, finished))
-        return rollouts
+        responses = tokens_BR.tolist()
+        finished = [params.eos_token_id is not None and params.eos_token_id in r for r in responses]
+        lengths = [r.index(params.eos_token_id) + 1 if f else len(r) for r, f in zip(responses, finished, strict=True)]
+        traces = self._traces(prompts, mask_BP.shape[1], lengths, routes)
+        return [
+            Rollout(
+                list(prompt),
+                response[:length],
+                logprobs_BR[b, :length].tolist(),
+                traces[b],
+                finished[b],
+            )
+            for b, (prompt, response, length) in enumerate(zip(prompts, responses, lengths, strict=True))
+        ]
+
+    def _traces(
+        self, prompts: Sequence[Sequence[int]], prompt_width: int, lengths: list[int], routes: torch.Tensor | None
+    ) -> list[RouteTrace | None]:
+        """Each sequence's fed positions (its prompt, then its response but the last token) cut from the
+        batch routes in one gather and one cast, then viewed per sequence."""
+        if routes is None or self.replayer is None:
+            return [None] * len(prompts)
+        prompt_B = torch.tensor([len(p) for p in prompts])
+        stop_B = prompt_width + torch.tensor(lengths) - 1
+        positions_S = torch.arange(routes.shape[1])
+        fed_BS = (positions_S >= (prompt_width - prompt_B)[:, None]) & (positions_S < stop_B[:, None])
+        ragged = unpad(routes, attention_mask=fed_BS)
+        num_experts, layers = self.replayer.num_experts, self.replayer.layers
+        experts_NLK = ragged.values.numpy().astype(canonical_dtype(num_experts))
+        cu = ragged.cu_seqlens.tolist()
+        traces: list[RouteTrace | None] = []
+        for b in range(len(prompts)):
+            rows = cu[b + 1] - cu[b]
+            assert rows == len(prompts[b]) + lengths[b] - 1
+            segments = (Segment(0, rows, Source.HF, self.policy_version),) if rows else ()
+            traces.append(RouteTrace(experts_NLK[cu[b] : cu[b + 1]], num_experts, layers, 0, segments))
+        return traces
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

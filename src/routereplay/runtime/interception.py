@@ -57,6 +57,13 @@ class TopKInterceptor(TorchFunctionMode):
         rows = scores.numel() // site.num_choices
         forced_TK = self.forced(site, rows)
         fallback_T: torch.Tensor | None = None
+        if forced_TK is None and not torch.is_grad_enabled():
+            # record without autograd (rollout engines, old-log-prob passes): nothing is saved for a
+            # recompute, so the live top-k is returned as is; its values are the gathered scores
+            result = func(*args, **kwargs)
+            self.hits += 1
+            self.last = (_rows_last(result[1], dim, k), None)
+            return result
         if forced_TK is None:  # record: the live choice
             with torch.no_grad():
                 chosen_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
