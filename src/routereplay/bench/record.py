@@ -48,8 +48,8 @@ NOTES = {
         "quiet for the figure to mean anything."
     ),
     "engine": (
-        "Capture records every router's choice across the KV-cache steps and assembles a validated `RouteTrace` per "
-        "sequence; the ratio is the median of per-repeat ratios, interleaved."
+        "Capture records every router's choice across the KV-cache steps and assembles a `RouteTrace` per sequence "
+        "(one gather for the batch); the ratio is the median of per-repeat ratios, interleaved."
     ),
 }
 
