@@ -171,6 +171,24 @@ def test_bench_replay_small_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(s["median"] > 0 for s in result["seconds"].values())
     assert set(result["targets"]) == {"record_over_off", "replay_over_off"}
     assert result["config"]["batch"] == 1 and result["config"]["seq"] == 16
+    assert result["model"]["hidden"] == 256 and result["config"]["dtype"] == "float32"
+
+
+@pytest.mark.hf
+def test_bench_replay_in_bfloat16_with_fewer_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "replay", "--batch", "1", "--seq", "8", "--repeats", "1", "--replay-layers", "2"]
+    assert main([*args, "--dtype", "bfloat16", "--json"]) == EXIT_OK
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["dtype"] == "bfloat16" and result["config"]["layers"] == 2
+
+
+def test_bench_replay_refuses_cuda_where_there_is_none(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the refusal is for machines without it")
+    assert main(["bench", "replay", "--device", "cuda"]) == EXIT_ERROR
+    assert "device 'cuda' asked for but CUDA is not available here" in capsys.readouterr().err
 
 
 @pytest.mark.hf

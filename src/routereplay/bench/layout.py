@@ -42,8 +42,11 @@ class LayoutBenchConfig:
     rank: int = 1
     repeats: int = 7
     seed: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"layout bench: device {self.device!r} asked for but CUDA is not available here")
         for name in ("sequences", "seq", "layers", "top_k", "experts", "sp", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout bench: {name} must be >= 1, got {getattr(self, name)}")
@@ -67,7 +70,9 @@ def glue_loop(routes_BSLK: torch.Tensor, mask_BS: torch.Tensor, sp: int, rank: i
 def planned(routes_BSLK: torch.Tensor, mask_BS: torch.Tensor, sp: int, rank: int) -> torch.Tensor:
     """routereplay: the layout chain on token numbers, then one gather of this rank's rows."""
     batch, seq = mask_BS.shape
-    index_P = ulysses_shard(pack(unpad(token_index(batch, seq), attention_mask=mask_BS)).values, sp, rank)
+    index_P = ulysses_shard(
+        pack(unpad(token_index(batch, seq, device=mask_BS.device), attention_mask=mask_BS)).values, sp, rank
+    )
     return gather(routes_BSLK, index_P, source_dims=2)
 
 
@@ -84,7 +89,7 @@ def make_batch(config: LayoutBenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (config.sequences, config.seq, config.layers, config.top_k)
     routes_BSLK = torch.randint(0, config.experts, shape, generator=generator, dtype=torch.int16)
     routes_BSLK[~mask_BS] = -1
-    return routes_BSLK, mask_BS
+    return routes_BSLK.to(config.device), mask_BS.to(config.device)
 
 
 def run(config: LayoutBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -98,11 +103,16 @@ def run(config: LayoutBenchConfig, progress: Callable[[str], None] | None = None
         if not (torch.equal(planned(routes_BSLK, mask_BS, config.sp, r), expected) and torch.equal(every[r], expected)):
             raise AssertionError(f"layout bench: rank {r}'s shard differs between the loop and routereplay")
     del every
+    synchronize = torch.cuda.synchronize if config.device.startswith("cuda") else (lambda: None)
+
+    def timed(function: Callable[[], Any]) -> Callable[[], None]:
+        return lambda: (function(), synchronize())[1]
+
     seconds = interleave(
         {
-            "loop": lambda: glue_loop(routes_BSLK, mask_BS, config.sp, config.rank),
-            "plan": lambda: planned(routes_BSLK, mask_BS, config.sp, config.rank),
-            "all_ranks": lambda: all_ranks(routes_BSLK, mask_BS, config.sp),
+            "loop": timed(lambda: glue_loop(routes_BSLK, mask_BS, config.sp, config.rank)),
+            "plan": timed(lambda: planned(routes_BSLK, mask_BS, config.sp, config.rank)),
+            "all_ranks": timed(lambda: all_ranks(routes_BSLK, mask_BS, config.sp)),
         },
         config.repeats,
         report,
@@ -128,7 +138,7 @@ def markdown(result: dict[str, Any]) -> str:
     config, machine = result["config"], result["machine"]
     lines = [
         f"Measured on {machine['processor']} ({machine['cpu_count']} cores, {machine['torch_threads']} torch threads), "
-        f"torch {machine['torch']}, by `routereplay bench layout`.",
+        f"torch {machine['torch']}, on {config['device']}, by `routereplay bench layout`.",
         "",
         f"Pack + Ulysses SP shard (sp={config['sp']}, rank {config['rank']}) of {config['sequences']} sequences padded "
         f"to {config['seq']} tokens ({result['tokens']} real tokens), "

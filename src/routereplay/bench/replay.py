@@ -1,8 +1,11 @@
 """Replay benchmark: forward + backward time of a training step with routers off, recording, replaying.
 
-The model is Qwen3-MoE shaped and tiny enough for a CPU: hidden 256, 8 layers, 32 experts, top-4.
-The batch is 8 x 256 tokens. Each repeat times one step per mode, with the modes interleaved
-(off, record, replay, ...) so that drift in machine speed hits all three alike. The reported ratios
+The default model is Qwen3-MoE shaped and tiny enough for a CPU: hidden 256, 8 layers, 32 experts,
+top-4, fp32, batch 8 x 256 tokens. `shape="qwen3-30b-a3b"` takes Qwen3-30B-A3B's layer shapes
+(hidden 2048, 128 experts, top-8, expert width 768, 32 query / 4 kv heads of 128) truncated to
+`layers` layers, for a GPU run in bf16 (`device="cuda"`, `dtype="bfloat16"`).
+Each repeat times one step per mode, with the modes interleaved in a rotating order
+(off, record, replay; record, replay, off; ...) so that drift in machine speed hits all three alike. The reported ratios
 are medians of those per-repeat times. Legend: B = batch, S = sequence length, L = layers, K = top-k.
 """
 
@@ -31,26 +34,69 @@ class ReplayBenchConfig:
     top_k: int = 4
     repeats: int = 21
     seed: int = 0
+    shape: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"replay bench: shape {self.shape!r} is not one of {sorted(SHAPES)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"replay bench: dtype {self.dtype!r} must be float32, bfloat16 or float16")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"replay bench: device {self.device!r} asked for but CUDA is not available here")
+
+
+# Qwen3-30B-A3B's per-layer shapes (config.json of Qwen/Qwen3-30B-A3B); the vocabulary is cut to
+# keep the LM head from dominating a truncated model.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "qwen3-30b-a3b": {
+        "hidden": 2048,
+        "experts": 128,
+        "top_k": 8,
+        "moe_intermediate": 768,
+        "heads": 32,
+        "kv_heads": 4,
+        "head_dim": 128,
+    },
+}
+
+
+def model_shape(config: ReplayBenchConfig) -> dict[str, int]:
+    """The model's sizes: the config's, overridden by a named shape."""
+    return {
+        "hidden": config.hidden,
+        "experts": config.experts,
+        "top_k": config.top_k,
+        "moe_intermediate": config.hidden,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": config.hidden // 4,
+        **SHAPES[config.shape],
+    }
 
 
 def build_model(config: ReplayBenchConfig) -> torch.nn.Module:
     import transformers
 
+    shape = model_shape(config)
     model_config = transformers.Qwen3MoeConfig(
         vocab_size=1024,
-        hidden_size=config.hidden,
-        intermediate_size=4 * config.hidden,
-        moe_intermediate_size=config.hidden,
+        hidden_size=shape["hidden"],
+        intermediate_size=4 * shape["hidden"],
+        moe_intermediate_size=shape["moe_intermediate"],
         num_hidden_layers=config.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=config.hidden // 4,  # type: ignore[call-arg]  # a config kwarg the stub does not list
-        num_experts=config.experts,
-        num_experts_per_tok=config.top_k,
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],  # type: ignore[call-arg]  # a config kwarg the stub does not list
+        num_experts=shape["experts"],
+        num_experts_per_tok=shape["top_k"],
         max_position_embeddings=max(512, config.seq),
     )
     torch.manual_seed(config.seed)
-    return transformers.AutoModelForCausalLM.from_config(model_config).train()
+    model = transformers.AutoModelForCausalLM.from_config(model_config, dtype=getattr(torch, config.dtype))
+    return model.to(config.device).train()
 
 
 def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -60,13 +106,15 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
     report("building the model")
     model = build_model(config)
     generator = torch.Generator().manual_seed(config.seed)
-    ids_BS = torch.randint(0, 1024, (config.batch, config.seq), generator=generator)
+    ids_BS = torch.randint(0, 1024, (config.batch, config.seq), generator=generator).to(config.device)
     mask_BS = torch.ones_like(ids_BS)
+    synchronize = torch.cuda.synchronize if config.device.startswith("cuda") else (lambda: None)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids_BS, attention_mask=mask_BS).logits
         logits.float().logsumexp(-1).mean().backward()
+        synchronize()  # GPU work is asynchronous: time it to the end
 
     replayer = attach(model)
     with replayer.record() as rec, torch.no_grad():
@@ -94,6 +142,7 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
         "suite": "replay",
         "machine": collect(),
         "config": {k: getattr(config, k) for k in ReplayBenchConfig.__dataclass_fields__},
+        "model": model_shape(config),
         "seconds": spread(seconds),
         "ratios": ratios,
         "targets": {
@@ -104,13 +153,14 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
 
 
 def markdown(result: dict[str, Any]) -> str:
-    config, machine = result["config"], result["machine"]
+    config, machine, model = result["config"], result["machine"], result["model"]
     lines = [
         f"Measured on {machine['processor']} ({machine['cpu_count']} cores, {machine['torch_threads']} torch threads), "
         f"torch {machine['torch']}, transformers {machine['transformers']}, by `routereplay bench replay`.",
         "",
-        f"Qwen3-MoE shape: hidden {config['hidden']}, {config['layers']} layers, {config['experts']} experts, "
-        f"top-{config['top_k']}; batch {config['batch']} x {config['seq']}; forward + backward; "
+        f"Qwen3-MoE ({config['shape']}) shape: hidden {model['hidden']}, {config['layers']} layers, "
+        f"{model['experts']} experts, top-{model['top_k']}, {config['dtype']} on {config['device']}; "
+        f"batch {config['batch']} x {config['seq']}; forward + backward; "
         f"{config['repeats']} interleaved repeats (median).",
         "",
         "| mode | seconds per step (median) | low | high | ratio to off |",

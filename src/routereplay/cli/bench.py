@@ -47,6 +47,12 @@ def add_parser(subparsers: Any) -> None:
     sizes.add_argument("--sp", type=int, default=4, help="layout: Ulysses sequence-parallel size (default 4)")
     sizes.add_argument("--samples", type=int, default=512, help="store: samples in the batch (default 512)")
     sizes.add_argument("--max-len", type=int, default=8192, help="store: longest sample in tokens (default 8192)")
+    sizes.add_argument(
+        "--shape", choices=("tiny", "qwen3-30b-a3b"), default="tiny", help="replay: model layer shapes (default tiny)"
+    )
+    sizes.add_argument("--replay-layers", type=int, default=8, help="replay: decoder layers (default 8)")
+    sizes.add_argument("--device", default="cpu", help="replay, layout: torch device, e.g. cuda (default cpu)")
+    sizes.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="replay: dtype")
     sizes.add_argument("--repeats", type=int, help="timed repeats per measurement (default: per suite)")
     sizes.add_argument("--seed", type=int, default=0, help="seed of the random routes and inputs")
     sizes.add_argument("--quick", action="store_true", help="small sizes for a smoke run (figures not comparable)")
@@ -84,6 +90,7 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
             rank=min(1, max(args.sp - 1, 0)),
             repeats=repeats or 7,
             seed=args.seed,
+            device=args.device,
         )
     if name == "store":
         return store, store.StoreBenchConfig(
@@ -99,7 +106,14 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
     if name == "engine":
         return engine, engine.EngineBenchConfig(prompts=8 if quick else 256, repeats=repeats or 11, seed=args.seed)
     return replay, replay.ReplayBenchConfig(
-        batch=1 if quick else args.batch, seq=16 if quick else args.seq or 256, repeats=repeats or 21, seed=args.seed
+        batch=1 if quick else args.batch,
+        seq=16 if quick else args.seq or 256,
+        layers=args.replay_layers,
+        repeats=repeats or 21,
+        seed=args.seed,
+        shape=args.shape,
+        device=args.device,
+        dtype=args.dtype,
     )
 
 

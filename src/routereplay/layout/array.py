@@ -49,6 +49,11 @@ def index_tensor(values: Sequence[int] | np.ndarray | torch.Tensor, name: str) -
     return tensor.to(torch.int64)
 
 
+def select(x_N: torch.Tensor, index_M: torch.Tensor, *, dim: int = 0) -> torch.Tensor:
+    """Rows `index_M` of `x_N` along `dim` (no holes); the index may live on another device."""
+    return torch.index_select(x_N, dim, index_M.to(x_N.device))
+
+
 def take(x_N: torch.Tensor, index_M: torch.Tensor, *, dim: int = 0, fill: int = -1) -> torch.Tensor:
     """Rows `index_M` of `x_N` along `dim`; rows whose index is -1 are `fill`."""
     index_M = index_M.to(x_N.device)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from routereplay.errors import BatchShapeError, ConfigError
-from routereplay.layout.array import Array, as_tensor, like, take
+from routereplay.layout.array import Array, as_tensor, like, select, take
 from routereplay.layout.ragged import Ragged, check_order, cu_seqlens_of, token_starts
 
 
@@ -92,4 +92,4 @@ def unpack(packed: Packed[Array]) -> Ragged[Array]:
     by_source = torch.argsort(packed.order)
     lengths_B = packed.lengths[by_source]
     index_N = token_starts(packed.cu_seqlens_padded[:-1][by_source], lengths_B)
-    return Ragged(like(torch.index_select(x, 0, index_N), packed.values), cu_seqlens_of(lengths_B))
+    return Ragged(like(select(x, index_N), packed.values), cu_seqlens_of(lengths_B))

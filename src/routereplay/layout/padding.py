@@ -18,7 +18,7 @@ import torch
 
 from routereplay.enums import StrEnum
 from routereplay.errors import BatchShapeError, ConfigError
-from routereplay.layout.array import Array, as_tensor, index_tensor, like, put
+from routereplay.layout.array import Array, as_tensor, index_tensor, like, put, select
 from routereplay.layout.ragged import Ragged, cu_seqlens_of, positions, sequence_ids
 
 
@@ -63,16 +63,16 @@ def unpad(
             raise BatchShapeError(
                 f"attention_mask has shape {tuple(mask_BS.shape)} but the batch is {(batch, seq_len)}"
             )
-        index_N = torch.nonzero(mask_BS.reshape(-1)).squeeze(1)
-        lengths_B = mask_BS.sum(1)
+        index_N = torch.nonzero(mask_BS.reshape(-1)).squeeze(1).to(flat.device)
+        lengths_B = mask_BS.sum(1).cpu()
     else:
         if lengths is None:
             raise ConfigError("unpad needs the sequence lengths or an attention_mask")
         lengths_B = index_tensor(lengths, "lengths")
         if lengths_B.numel() != batch:
             raise BatchShapeError(f"got {lengths_B.numel()} lengths for a batch of {batch} rows")
-        index_N = unpad_index(lengths_B, seq_len, side)
-    return Ragged(like(torch.index_select(flat, 0, index_N), padded_BS), cu_seqlens_of(lengths_B))
+        index_N = unpad_index(lengths_B, seq_len, side).to(flat.device)
+    return Ragged(like(select(flat, index_N), padded_BS), cu_seqlens_of(lengths_B))
 
 
 def pad(

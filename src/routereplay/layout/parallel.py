@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from routereplay.errors import BatchShapeError, ConfigError, DivisibilityError
-from routereplay.layout.array import Array, as_tensor, check_dim, like, put, take
+from routereplay.layout.array import Array, as_tensor, check_dim, like, put, select, take
 from routereplay.layout.packing import Packed
 from routereplay.layout.ragged import token_starts
 
@@ -142,7 +142,7 @@ def packed_zigzag_index(cu_seqlens_padded: torch.Tensor, cp_size: int, rank: int
 def packed_zigzag_shard(packed: Packed[Array], cp_size: int, rank: int) -> Array:
     """CP rank `rank`'s rows of a packed THD row (Megatron / Transformer Engine THD partitioning)."""
     index_N = packed_zigzag_index(packed.cu_seqlens_padded, cp_size, rank)
-    return like(torch.index_select(as_tensor(packed.values), 0, index_N), packed.values)
+    return like(select(as_tensor(packed.values), index_N), packed.values)
 
 
 def packed_zigzag_unshard(shards: Sequence[Array], cu_seqlens_padded: torch.Tensor) -> Array:

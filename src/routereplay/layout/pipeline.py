@@ -20,7 +20,7 @@ import torch
 
 from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, DivisibilityError, LayerCountError, StageLayerError
-from routereplay.layout.array import Array, as_tensor, check_dim, like
+from routereplay.layout.array import Array, as_tensor, check_dim, like, select
 
 
 class LayerKind(StrEnum):
@@ -104,7 +104,7 @@ class LayerMap:
                     "(dense layers have no router; hash and MTP routers stay natural)"
                 )
             slots.append(slot_of[layer])
-        return like(torch.index_select(t, dim, torch.tensor(slots, dtype=torch.int64)), routes)
+        return like(select(t, torch.tensor(slots, dtype=torch.int64), dim=dim), routes)
 
     def stage_layers(self, pipeline: PipelineLayout, pp_rank: int, vpp_rank: int = 0) -> tuple[int, ...]:
         """The replayed MoE layers that model chunk (pp_rank, vpp_rank) runs."""

@@ -22,11 +22,12 @@ from routereplay.errors import BatchShapeError, ConfigError
 from routereplay.layout.array import Array, as_tensor, like, take
 
 
-def token_index(*shape: int) -> torch.Tensor:
-    """int64 tensor of `shape` numbering the source tokens 0, 1, ... in row-major order."""
+def token_index(*shape: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 tensor of `shape` numbering the source tokens 0, 1, ... in row-major order (on `device`,
+    e.g. the routes' GPU, so the plan is built where it is applied)."""
     if any(n < 0 for n in shape):
         raise ConfigError(f"token_index needs non-negative sizes, got {shape}")
-    return torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+    return torch.arange(math.prod(shape), dtype=torch.int64, device=device).reshape(shape)
 
 
 def gather(x: Array, index: Array, *, source_dims: int, fill: int = -1) -> Array:

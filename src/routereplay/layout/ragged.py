@@ -19,7 +19,7 @@ import torch
 
 from routereplay.enums import Source
 from routereplay.errors import BatchShapeError, ConfigError, LayerCountError, TopKMismatchError
-from routereplay.layout.array import Array, as_tensor, index_tensor, like
+from routereplay.layout.array import Array, as_tensor, index_tensor, like, select
 from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
 
@@ -67,7 +67,7 @@ class Ragged(Generic[Array]):
         order_B = check_order(indices, self.num_sequences, allow_subset=True)
         lengths_B = self.lengths[order_B]
         source_N = token_starts(self.cu_seqlens[:-1][order_B], lengths_B)
-        values = like(torch.index_select(as_tensor(self.values), 0, source_N), self.values)
+        values = like(select(as_tensor(self.values), source_N), self.values)
         return Ragged(values, cu_seqlens_of(lengths_B))
 
     def __eq__(self, other: object) -> bool:
