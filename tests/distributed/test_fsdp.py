@@ -5,7 +5,7 @@ after `fully_shard`, that replay forces the given experts on the sharded model (
 activation checkpointing recomputes the layers during backward), and that two ranks each
 replaying their half of a batch give the averaged loss and the full gradients of one process
 replaying the whole batch. Negative controls keep the equality meaningful: without replay, or with
-each rank replaying the other rank's half, the loss is far off.
+each rank replaying the other rank's half, the gradients are far off.
 
 Legend: B = batch rows, S = positions, L = MoE layers, K = top-k.
 """

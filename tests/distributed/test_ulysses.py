@@ -9,7 +9,7 @@ single process replaying the unsharded routes on the unsharded batch (whose atte
 model's own eager attention), that the logits and the routes each rank used, gathered and
 unsharded, equal the single-process ones, and that the padding rows fall back to the live router
 and are counted. Negative controls: without replay, or with each rank replaying the other rank's
-shard, the loss is far off.
+shard, the gradients are far off.
 
 Legend: B = batch rows, S = positions, L = MoE layers, K = top-k, V = vocabulary.
 """
