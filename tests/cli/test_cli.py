@@ -182,13 +182,11 @@ def test_bench_replay_in_bfloat16_with_fewer_layers(capsys: pytest.CaptureFixtur
     assert result["config"]["dtype"] == "bfloat16" and result["config"]["layers"] == 2
 
 
-def test_bench_replay_refuses_cuda_where_there_is_none(capsys: pytest.CaptureFixture[str]) -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA; the refusal is for machines without it")
-    assert main(["bench", "replay", "--device", "cuda"]) == EXIT_ERROR
-    assert "device 'cuda' asked for but CUDA is not available here" in capsys.readouterr().err
+def test_bench_replay_and_layout_refuse_a_device_this_machine_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "replay", "--device", "cuda:64"]) == EXIT_ERROR
+    assert "replay bench: device 'cuda:64' asked for but this machine has" in capsys.readouterr().err
+    assert main(["bench", "layout", "--device", "tpu"]) == EXIT_ERROR
+    assert "layout bench: 'tpu' is not a torch device" in capsys.readouterr().err
 
 
 @pytest.mark.hf

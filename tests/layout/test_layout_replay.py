@@ -4,6 +4,8 @@ rounding; a wrong packing order is caught by the same comparison."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -69,10 +71,7 @@ def test_packed_replay_equals_padded_replay(model_and_replayer, lengths, side, s
 
     assert packed_run.stats.fallback_rows == 0  # packing dropped every padding row
     assert packed_run.stats.replayed_rows == sum(lengths) * 3
-    recorded = type(routes)(
-        packed_run.routes[0],
-        *[getattr(routes, f) for f in ("cu_seqlens_padded", "lengths", "order", "num_source_sequences")],
-    )
+    recorded = dataclasses.replace(routes, values=packed_run.routes[0])
     assert unpack(recorded) == unpad(padded_run.routes, attention_mask=mask_BS)
     expected = pack(unpad(logits_padded, attention_mask=mask_BS), order=order).values
     assert torch.allclose(logits_packed[0], expected, atol=1e-5, rtol=0)

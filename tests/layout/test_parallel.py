@@ -3,6 +3,8 @@ sharding agrees with padded sharding."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -71,15 +73,7 @@ def test_packed_zigzag_round_trips_and_splits_each_sequence(ragged: Ragged, cp: 
     shards = [packed_zigzag_shard(packed, cp, r) for r in range(cp)]
     assert sum(s.shape[0] for s in shards) == packed.num_rows
     restored = packed_zigzag_unshard(shards, packed.cu_seqlens_padded)
-    assert (
-        unpack(
-            type(packed)(
-                restored,
-                *[getattr(packed, f) for f in ("cu_seqlens_padded", "lengths", "order", "num_source_sequences")],
-            )
-        )
-        == ragged
-    )
+    assert unpack(dataclasses.replace(packed, values=restored)) == ragged
     # per sequence, rank r's rows are exactly the padded-batch zigzag of that sequence
     for b in range(ragged.num_sequences):
         begin, end = int(packed.cu_seqlens_padded[b]), int(packed.cu_seqlens_padded[b + 1])

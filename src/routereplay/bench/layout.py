@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from routereplay.bench.timing import interleave, median_ratio, spread, target
+from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
 from routereplay.environment import collect
 from routereplay.layout import pack, ulysses_shard, unpad
 from routereplay.layout.plan import gather, token_index
@@ -45,8 +45,7 @@ class LayoutBenchConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"layout bench: device {self.device!r} asked for but CUDA is not available here")
+        check_device("layout", self.device)
         for name in ("sequences", "seq", "layers", "top_k", "experts", "sp", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"layout bench: {name} must be >= 1, got {getattr(self, name)}")
@@ -103,7 +102,7 @@ def run(config: LayoutBenchConfig, progress: Callable[[str], None] | None = None
         if not (torch.equal(planned(routes_BSLK, mask_BS, config.sp, r), expected) and torch.equal(every[r], expected)):
             raise AssertionError(f"layout bench: rank {r}'s shard differs between the loop and routereplay")
     del every
-    synchronize = torch.cuda.synchronize if config.device.startswith("cuda") else (lambda: None)
+    synchronize = synchronizer(config.device)
 
     def timed(function: Callable[[], Any]) -> Callable[[], None]:
         return lambda: (function(), synchronize())[1]

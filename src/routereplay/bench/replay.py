@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from routereplay.bench.timing import interleave, median_ratio, spread, target
+from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
 from routereplay.environment import collect
 
 RECORD_TARGET = 1.03
@@ -43,8 +43,7 @@ class ReplayBenchConfig:
             raise ValueError(f"replay bench: shape {self.shape!r} is not one of {sorted(SHAPES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"replay bench: dtype {self.dtype!r} must be float32, bfloat16 or float16")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"replay bench: device {self.device!r} asked for but CUDA is not available here")
+        check_device("replay", self.device)
 
 
 # Qwen3-30B-A3B's per-layer shapes (config.json of Qwen/Qwen3-30B-A3B); the vocabulary is cut to
@@ -108,7 +107,7 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
     generator = torch.Generator().manual_seed(config.seed)
     ids_BS = torch.randint(0, 1024, (config.batch, config.seq), generator=generator).to(config.device)
     mask_BS = torch.ones_like(ids_BS)
-    synchronize = torch.cuda.synchronize if config.device.startswith("cuda") else (lambda: None)
+    synchronize = synchronizer(config.device)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)

@@ -71,10 +71,33 @@ def spread(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {name: {"median": statistics.median(v), "low": min(v), "high": max(v)} for name, v in seconds.items()}
 
 
+def check_device(suite: str, device: str) -> None:
+    """ValueError unless `device` is a torch device this machine has (cpu, or an existing CUDA index)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{suite} bench: {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise ValueError(f"{suite} bench: device {device!r} asked for but this machine has {count} CUDA devices")
+    elif parsed.type != "cpu":
+        raise ValueError(f"{suite} bench: device type {parsed.type!r} is not supported (use cpu or cuda)")
+
+
+def synchronizer(device: str) -> Callable[[], None]:
+    """What makes a timed call wait for its device work: CUDA runs asynchronously."""
+    import torch
+
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def target(value: float, goal: float, *, higher_is_better: bool = False) -> dict[str, Any]:
     """A benchmark target as recorded in --json: the value, the goal, the direction, met or not."""
     met = value >= goal if higher_is_better else value <= goal
     return {"value": value, "target": goal, "direction": ">=" if higher_is_better else "<=", "met": bool(met)}
 
 
-__all__ = ["Timing", "interleave", "measure", "median_ratio", "spread", "target"]
+__all__ = ["Timing", "check_device", "interleave", "measure", "median_ratio", "spread", "synchronizer", "target"]
