@@ -2,6 +2,10 @@
 
 Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a test marked `hf`,
 `megatron`, `zstd` or `gpu` is skipped with a reason only when that dependency is missing here.
+
+Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
+`too_slow` health check, because both are wall-clock limits that fail on a busy machine (issue 11
+item 26); time targets live in the benchmarks (`routereplay bench`), not in tests.
 """
 
 from __future__ import annotations
@@ -10,6 +14,18 @@ import importlib.util
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+
+HYPOTHESIS_PROFILE = "routereplay"
+HYPOTHESIS_MAX_EXAMPLES = 100
+
+settings.register_profile(
+    HYPOTHESIS_PROFILE,
+    deadline=None,
+    max_examples=HYPOTHESIS_MAX_EXAMPLES,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(HYPOTHESIS_PROFILE)
 
 OPTIONAL = {
     "hf": ("transformers", "pip install 'routereplay[hf]'"),
