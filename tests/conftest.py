@@ -6,15 +6,46 @@ Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a te
 Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
 `too_slow` health check, because both are wall-clock limits that fail on a busy machine (issue 11
 item 26); time targets live in the benchmarks (`routereplay bench`), not in tests.
+
+Threads (issue 11 item 25): pytest-xdist workers must not oversubscribe the cores. Before numpy or
+torch is imported, each process sets OMP_NUM_THREADS / MKL_NUM_THREADS to its share of the cores,
+max(1, cores // workers), unless the user set either variable; torch, OpenBLAS and the
+subprocesses the tests start (torchrun ranks) all follow it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
-import numpy as np
-import pytest
-from hypothesis import HealthCheck, settings
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # = routereplay.threads.THREAD_ENVIRONMENT_VARIABLES
+
+
+def _threads_per_worker() -> int:
+    """This process's share of the cores: max(1, cores // xdist workers); same rule as ThreadPolicy.per_worker."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return max(1, cores // max(1, workers))
+
+
+def _share_cores() -> None:
+    """Set the thread variables (not imported routereplay: its import loads torch, which reads them once)."""
+    if any(os.environ.get(name, "").strip() for name in THREAD_VARIABLES):
+        return  # the user's choice
+    threads = _threads_per_worker()
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # a plugin imported torch first: it has read the variables already
+        torch.set_num_threads(threads)
+
+
+_share_cores()
+
+import numpy as np  # noqa: E402 - after the thread variables are set
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 HYPOTHESIS_PROFILE = "routereplay"
 HYPOTHESIS_MAX_EXAMPLES = 100

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from routereplay.cli.arguments import add_json_argument
+from routereplay.cli.threads import add_threads_argument
 
 HELP = "show routing disagreement and log-prob mismatch between engine and trainer, without and with R3"
 
@@ -55,6 +56,7 @@ def add_parser(subparsers: Any) -> None:
     output = parser.add_argument_group("output")
     output.add_argument("--report", default="routereplay-report", help="report folder (default ./routereplay-report)")
     output.add_argument("--no-report", action="store_true", help="do not write the report folder")
+    add_threads_argument(model)
     add_json_argument(parser)
     parser.set_defaults(func=run)
 
@@ -80,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         train_steps=args.train_steps,
         rl_steps=args.rl_steps,
         engine_dtype=args.engine_dtype,
+        threads=args.threads,
     )
     with phase_progress() as report:
         result = run_demo(config, report)

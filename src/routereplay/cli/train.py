@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from routereplay.cli.arguments import add_json_argument
+from routereplay.cli.threads import add_threads_argument
 
 
 def add_parser(subparsers: Any) -> None:
@@ -59,6 +60,7 @@ def add_parser(subparsers: Any) -> None:
     out.add_argument("--log", help="append one JSON record per step to this JSONL file")
     out.add_argument("--plot", help="write a per-step plot (PNG) here")
     out.add_argument("--tensorboard", help="also log scalars to this tensorboard folder (needs tensorboard)")
+    add_threads_argument(group)
     add_json_argument(parser)
     parser.set_defaults(func=run)
 
@@ -71,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
     from routereplay.rl.model import load_checkpoint, load_or_train
     from routereplay.rl.tasks import AdditionTask
+    from routereplay.threads import ThreadPolicy
 
+    ThreadPolicy(threads=args.threads).apply()  # the whole command: training, engine and GRPO steps
     transformers.utils.logging.disable_progress_bar()
     config = GRPOConfig(
         mode=args.mode,
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             model, tokenizer, _ = load_or_train(
                 args.arch,
+                threads=args.threads,
                 steps=args.train_steps,
                 progress=lambda step, steps, _loss: report("training the demo model (cached)", step, steps),
             )

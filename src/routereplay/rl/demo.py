@@ -24,6 +24,7 @@ from routereplay.rl.model import Arch, load_checkpoint, load_or_train
 from routereplay.rl.scoring import engine_logprobs, engine_routes, score
 from routereplay.rl.tasks import AdditionTask
 from routereplay.runtime import attach
+from routereplay.threads import ThreadPolicy
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -41,9 +42,17 @@ class DemoConfig:
     rl_steps: int = 3  # GRPO steps per mode (off, R2, R3) for the per-step comparison; 0 skips it
     engine_dtype: str = "bfloat16"
     trainer_dtype: str = "float32"
+    threads: int | None = None  # intra-op threads (None: OMP_NUM_THREADS if set, else 1; routereplay.threads)
 
 
 def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """The demo record (see the module docstring), computed with `config.threads` intra-op threads;
+    the caller's torch thread count is restored afterwards."""
+    with ThreadPolicy(threads=config.threads).applied():
+        return _run_demo(config, progress)
+
+
+def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
     report = progress or (lambda _phase, _done, _total: None)
     if config.model is not None:
         report("loading --model", 0, 1)
@@ -54,6 +63,7 @@ def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, 
             config.arch,
             steps=config.train_steps,
             progress=lambda step, steps, _loss: report("training the demo model (cached after this run)", step, steps),
+            threads=config.threads,
         )
     model = model.to(getattr(torch, config.trainer_dtype)).eval()
     task = AdditionTask(tokenizer)

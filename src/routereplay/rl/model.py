@@ -8,7 +8,9 @@ The model is trained with supervised next-token loss on "a+b=sum<eos>", answer t
 takes well under two minutes on two CPU cores, and the result is cached with save_pretrained and
 its tokenizer under `~/.cache/routereplay` (or `$ROUTEREPLAY_CACHE`). `load_checkpoint` loads any
 local HF MoE checkpoint, with clear errors for a missing path, a checkpoint without a tokenizer,
-and a model without MoE layers. Nothing is downloaded.
+and a model without MoE layers. Nothing is downloaded. Training runs with the intra-op thread count
+of `routereplay.threads.ThreadPolicy` (1 unless `threads=` or OMP_NUM_THREADS says otherwise): the
+model is far too small to gain from threads, and spinning threads collapse under contention.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from routereplay.enums import StrEnum
 from routereplay.errors import AttachError, ConfigError, NoRoutersError
 from routereplay.rl.tasks import AdditionTask, build_tokenizer
+from routereplay.threads import ThreadPolicy
 
 TRAIN_VERSION = 10  # bump when the recipe changes, so caches are rebuilt
 
@@ -100,13 +103,16 @@ def load_or_train(
     steps: int = 800,
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
+    threads: int | None = None,
 ) -> tuple[torch.nn.Module, Any, str]:
-    """The cached demo model for `arch` (trained now if absent): (model, tokenizer, where it came from)."""
+    """The cached demo model for `arch` (trained now if absent): (model, tokenizer, where it came from).
+
+    `threads`: intra-op threads while training (None: OMP_NUM_THREADS if set, else 1)."""
     folder = cache_dir() / f"demo-{Arch(arch)}-v{TRAIN_VERSION}-s{steps}-seed{seed}"
     if (folder / "config.json").exists():
         model, tokenizer = load_checkpoint(folder)
         return model, tokenizer, f"cached: {folder}"
-    model, tokenizer = train_demo_model(arch, steps=steps, seed=seed, progress=progress)
+    model, tokenizer = train_demo_model(arch, steps=steps, seed=seed, progress=progress, threads=threads)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     model.save_pretrained(staging)  # type: ignore[operator]
@@ -126,9 +132,27 @@ def train_demo_model(
     batch: int = 64,
     lr: float = 5e-3,
     progress: Callable[[int, int, float], None] | None = None,
+    threads: int | None = None,
     **overrides: Any,
 ) -> tuple[torch.nn.Module, Any]:
-    """Supervised training on addition (answer tokens only); returns the model in eval mode and its tokenizer."""
+    """Supervised training on addition (answer tokens only); returns the model in eval mode and its tokenizer.
+
+    `threads`: intra-op threads while training (None: OMP_NUM_THREADS if set, else 1); the caller's
+    torch thread count is restored afterwards."""
+    with ThreadPolicy(threads=threads).applied():
+        return _train(arch, steps=steps, seed=seed, batch=batch, lr=lr, progress=progress, **overrides)
+
+
+def _train(
+    arch: Arch | str,
+    *,
+    steps: int,
+    seed: int,
+    batch: int,
+    lr: float,
+    progress: Callable[[int, int, float], None] | None,
+    **overrides: Any,
+) -> tuple[torch.nn.Module, Any]:
     import transformers
 
     tokenizer = build_tokenizer()
