@@ -44,6 +44,14 @@ class DtypeError(PayloadError):
     """Routes must be integers; a float, bool or object array is refused."""
 
 
+class PayloadLimitError(PayloadSizeError):
+    """A declared shape exceeds a `WireLimits` bound (rows, layers, top-k, dimensions): refused unallocated."""
+
+
+class AmbiguousChoiceError(PayloadError):
+    """A multi-choice response's routes cannot be shown to belong to the asked choice (SGLang n > 1)."""
+
+
 # --- shape of a trace -------------------------------------------------------------------------
 
 

@@ -15,12 +15,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from routereplay.engines.diagnosis import Split, clean_alternatives, describe, split_hint_for_rows
+from routereplay.engines.limits import (
+    DEFAULT_LIMITS,
+    WireLimits,
+    checked_int,
+    checked_layers,
+    checked_optional_int,
+)
 from routereplay.enums import Source
 from routereplay.errors import (
     ConfigError,
     DtypeError,
     ExpertIdRangeError,
     LayerCountError,
+    RouteValueError,
     RowCountError,
     TopKMismatchError,
     TraceShapeError,
@@ -31,7 +40,13 @@ from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Expectation:
-    """What the caller knows about the sequence and the model; every field is optional."""
+    """What the caller knows about the sequence and the model; every field but num_experts is optional.
+
+    Construction checks every field's type and range (a `None`, bool, float or string where an
+    int belongs is a `ConfigError`), so a decoder builds one before touching the payload.
+    `flat_layout` marks a payload that carried no shape of its own (SGLang's raw bytes): its
+    (layers, top_k) split is the caller's guess, and a failure lists the splits that fit instead.
+    """
 
     num_experts: int
     layers: Sequence[int] | None = None  # global layer numbers of the result
@@ -41,17 +56,35 @@ class Expectation:
     start: int = 0  # token position of the first row
     num_tokens: int | None = None  # prompt + generated tokens of the sequence
     num_tokens_origin: str = "num_tokens"  # how num_tokens was obtained (named in errors)
+    start_name: str = "start"  # the decoder's name for `start` (prompt_start, start_len), in errors
+    flat_layout: bool = False
+    limits: WireLimits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
-        if self.start < 0:
-            raise ConfigError(f"start offset {self.start} must be >= 0")
-        if self.num_tokens is not None and self.num_tokens < 1:
-            raise ConfigError(f"num_tokens={self.num_tokens} must be >= 1")
+        if not isinstance(self.limits, WireLimits):
+            raise ConfigError(f"limits must be a WireLimits, got {type(self.limits).__name__}")
+        fixed = {
+            "num_experts": checked_int(self.num_experts, "num_experts", minimum=1),
+            "layers": checked_layers(self.layers, "layers", self.limits),
+            "moe_layers": checked_layers(self.moe_layers, "moe_layers", self.limits),
+            "num_layers": checked_optional_int(self.num_layers, "num_layers", minimum=1),
+            "top_k": checked_optional_int(self.top_k, "top_k", minimum=1),
+            "start": checked_int(self.start, self.start_name),
+            "num_tokens": checked_optional_int(self.num_tokens, "num_tokens", minimum=1),
+        }
+        for name, value in fixed.items():
+            object.__setattr__(self, name, value)
+        self.limits.check_model(self.num_layers, self.top_k)
         if self.moe_layers is not None and self.layers is not None and list(self.moe_layers) != list(self.layers):
             raise ConfigError(
                 f"layers={list(self.layers)} and moe_layers={list(self.moe_layers)} disagree; pass "
                 "moe_layers for an all-layer payload, or layers for a payload that is MoE-only"
             )
+
+    @property
+    def expected_rows(self) -> int | None:
+        """Rows the payload must hold (`num_tokens - 1 - start`), when num_tokens is known."""
+        return None if self.num_tokens is None else self.num_tokens - 1 - self.start
 
 
 def assemble(
@@ -69,10 +102,7 @@ def assemble(
     """
     if experts_TLK.dtype.kind not in "iu":
         raise DtypeError(f"{location(sequence)}: routes have dtype {experts_TLK.dtype}; expected integers")
-    if experts_TLK.ndim != 3:
-        raise TraceShapeError(
-            f"{location(sequence)}: routes have shape {experts_TLK.shape}; expected (tokens, layers, top_k)"
-        )
+    expect.limits.check_shape(experts_TLK.shape, f"{location(sequence)}: routes")
     rows, payload_layers, top_k = experts_TLK.shape
     if expect.num_layers is not None and payload_layers != expect.num_layers:
         raise LayerCountError(
@@ -85,6 +115,33 @@ def assemble(
             "experts per token; a fused shared expert counted as routed, or the wrong model"
         )
     _check_rows(experts_TLK, expect, sequence)
+    try:
+        return _finish(experts_TLK, expect, source, sequence, policy_version, validate)
+    except RouteValueError as exc:
+        if not expect.flat_layout:
+            raise
+        given = Split(payload_layers, top_k)
+        fits = clean_alternatives(experts_TLK.reshape(-1), rows, given, expect.num_experts, expect.limits)
+        if not fits:
+            raise
+        raise type(exc)(
+            f"{exc}. But the payload carries no shape of its own and its {payload_layers * top_k} ids per row "
+            f"read cleanly as {describe(fits)} (the widest clean split is the likely one): the (num_layers, "
+            "top_k) split is probably wrong - pass the "
+            "model's num_hidden_layers and num_experts_per_tok"
+        ) from None
+
+
+def _finish(
+    experts_TLK: np.ndarray,
+    expect: Expectation,
+    source: Source,
+    sequence: str | int | None,
+    policy_version: int | None,
+    validate: bool,
+) -> RouteTrace:
+    """Select layers, check id range before any narrowing cast, attach provenance, validate."""
+    rows = experts_TLK.shape[0]
     experts_TLK, layers = _select_layers(experts_TLK, expect, sequence)
     if experts_TLK.dtype.kind == "u" and experts_TLK.size and int(experts_TLK.max()) >= expect.num_experts:
         # unsigned payloads cannot carry -1: report the range error before the cast can wrap
@@ -105,15 +162,15 @@ def assemble(
 
 
 def _check_rows(experts_TLK: np.ndarray, expect: Expectation, sequence: str | int | None) -> None:
-    if expect.num_tokens is None:
+    expected = expect.expected_rows
+    if expected is None:
         return
     rows = experts_TLK.shape[0]
-    expected = expect.num_tokens - 1 - expect.start
     if rows == expected:
         return
     head = (
         f"{location(sequence)}: {rows} route rows, expected {expected} = {expect.num_tokens_origin}"
-        f"({expect.num_tokens}) - 1 - start({expect.start})"
+        f"({expect.num_tokens}) - 1 - {expect.start_name}({expect.start})"
     )
     extra = rows - expected
     if extra > 0 and 2 * extra <= rows and np.array_equal(experts_TLK[:extra], experts_TLK[extra : 2 * extra]):
@@ -121,20 +178,54 @@ def _check_rows(experts_TLK: np.ndarray, expect: Expectation, sequence: str | in
             f"the first {extra} rows repeat exactly: a duplicated prefix (a resumed or multi-turn "
             "rollout whose prompt routes were concatenated twice, verl #6029). Keep one copy"
         )
-    elif extra == 1:
+        raise RowCountError(f"{head}: {cause}")
+    if expect.flat_layout:
+        raise_wrong_split(experts_TLK.size, expect, experts_TLK.shape[1], experts_TLK.shape[2], sequence, head)
+    if extra == 1:
         cause = "one row too many: the payload has a row for the last sampled token, or num_tokens misses a token"
-    elif extra > 0 and rows == expect.num_tokens - 1:
+    elif extra > 0 and rows == expect.num_tokens - 1:  # type: ignore[operator]  # known: expected is not None
         cause = (
-            f"the payload starts at token 0, not {expect.start}: pass start=0, or the engine ignored the start offset"
+            f"the payload starts at token 0, not {expect.start}: pass {expect.start_name}=0, or the engine "
+            "ignored the start offset"
         )
     elif extra > 0:
         cause = "too many rows: routes of another sequence, or a stale capture buffer; check the request/choice index"
     else:
         cause = (
             "too few rows: a truncated capture (max_bytes limit, abort mid-generation, preemption) or "
-            "a start offset (routed_experts_start_len / prompt_start) that was not passed as start="
+            f"a start offset (routed_experts_start_len / prompt_start) that was not passed as {expect.start_name}="
         )
     raise RowCountError(f"{head}: {cause}")
+
+
+def raise_wrong_split(
+    num_ids: int, expect: Expectation, num_layers: int, top_k: int, sequence: str | int | None, head: str
+) -> None:
+    """For a flat payload: if its ids make exactly the expected rows under another split, say which.
+
+    A wrong top-k (or num_layers) changes the row count of a flat payload; blaming the rows would
+    send the user after a stale buffer. Raises TopKMismatchError when keeping num_layers fits,
+    LayerCountError when keeping top_k fits, TraceShapeError otherwise; returns when nothing fits.
+    """
+    expected = expect.expected_rows
+    if expected is None:
+        return
+    given = Split(num_layers, top_k)
+    fits = split_hint_for_rows(num_ids, expected, given, expect.limits)
+    if not fits:
+        return
+    width = num_ids // expected
+    text = (
+        f"{head}. The payload carries no shape of its own: its {num_ids} ids make exactly {expected} rows of "
+        f"{width} ids, not of num_layers({num_layers}) x top_k({top_k}) = {num_layers * top_k}. It fits "
+        f"{describe(fits)}; pass the model's num_hidden_layers (every layer, dense ones included) and "
+        "num_experts_per_tok"
+    )
+    if any(s.num_layers == num_layers for s in fits):
+        raise TopKMismatchError(text)
+    if any(s.top_k == top_k for s in fits):
+        raise LayerCountError(text)
+    raise TraceShapeError(text)
 
 
 def _select_layers(
@@ -178,4 +269,4 @@ def _check_castable(experts_TLK: np.ndarray, num_experts: int, sequence: str | i
         )
 
 
-__all__ = ["Expectation", "assemble"]
+__all__ = ["Expectation", "assemble", "raise_wrong_split"]

@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from routereplay.engines.limits import DEFAULT_LIMITS, WIRE_INT_DTYPES, WireLimits, is_int
 from routereplay.errors import (
+    AmbiguousChoiceError,
     ConfigError,
     DtypeError,
     MissingRoutesError,
@@ -53,6 +55,22 @@ def pick(items: Any, index: int, name: str, what: str) -> Any:
     return items[index]
 
 
+def pick_choice(choices: Any, choice: int, what: str) -> Any:
+    """`choices[choice]` of an OpenAI-style response, refusing a list whose order was changed.
+
+    A choice that carries an `index` field must carry `choice`: a gateway that reordered or
+    filtered the list would otherwise hand back another sample's routes with no error.
+    """
+    found = pick(choices, choice, "choices", what)
+    index = get_field(found, "index", None)
+    if index is not None and (not is_int(index) or int(index) != choice):
+        raise AmbiguousChoiceError(
+            f"{what}: choices[{choice}] carries index {str(index)[:20]}, so the list was reordered or filtered; "
+            "pass the choice's position in the list you received, or the untouched response"
+        )
+    return found
+
+
 def mapping(value: Any, name: str, what: str) -> dict[str, Any]:
     """A response field that must be a JSON object."""
     if not isinstance(value, dict):
@@ -63,12 +81,6 @@ def mapping(value: Any, name: str, what: str) -> dict[str, Any]:
 def is_array_like(value: Any) -> bool:
     """numpy arrays and torch tensors (detected without importing torch)."""
     return isinstance(value, np.ndarray) or (hasattr(value, "detach") and hasattr(value, "numpy"))
-
-
-def to_numpy(value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        return value
-    return value.detach().cpu().numpy()  # torch.Tensor
 
 
 def require_present(value: Any, what: str, hint: str) -> Any:
@@ -91,6 +103,11 @@ def b64_to_bytes(text: str | bytes | bytearray, what: str, max_bytes: int = DEFA
     else:
         raw_text = bytes(text)
     raw_text = raw_text.strip()
+    if raw_text[:1] in (b"{", b"[", b'"'):  # never base64: those characters are outside its alphabet
+        raise PayloadEncodingError(
+            f"{what}: got JSON text ({len(raw_text)} chars starting {raw_text[:20]!r}), not base64 routes; "
+            "pass the parsed JSON (json.loads(text), or response.json()) - the decoder finds the field itself"
+        )
     if len(raw_text) // 4 * 3 > max_bytes:
         raise PayloadSizeError(
             f"{what}: base64 text of {len(raw_text)} chars would decode to more than max_bytes="
@@ -105,11 +122,13 @@ def b64_to_bytes(text: str | bytes | bytearray, what: str, max_bytes: int = DEFA
         ) from None
 
 
-def load_npy(data: bytes, what: str) -> np.ndarray:
-    """Parse `.npy` bytes (as written by `np.save`) without ever unpickling.
+def load_npy(data: bytes, what: str, limits: WireLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """Parse `.npy` bytes (as written by `np.save`) of a (T, L, K) route array without ever unpickling.
 
-    The header is read with a literal parser, the declared size is checked against the bytes that
-    follow before any allocation, and object dtypes (which would need pickle) are refused.
+    The header is read with a literal parser and checked field by field: a 3-D shape of plain ints
+    within `limits`, an integer dtype, the declared size equal to the bytes that follow. All of it
+    happens before any allocation, so a forged header costs nothing; object dtypes (which would
+    need pickle) are refused.
     """
     if not data.startswith(NPY_MAGIC):
         if data[:1] and data[0] == _PICKLE_PROTOCOL_OPCODE:
@@ -135,12 +154,11 @@ def load_npy(data: bytes, what: str) -> np.ndarray:
         raise PayloadEncodingError(
             f"{what}: .npy header claims {header_len} bytes but only {len(data) - offset} follow: truncated"
         )
+    descr, fortran, shape = _npy_header(data[offset : offset + header_len], major, what)
     try:
-        header = ast.literal_eval(data[offset : offset + header_len].decode("latin1" if major < 3 else "utf8"))
-        descr, fortran, shape = header["descr"], bool(header["fortran_order"]), tuple(int(n) for n in header["shape"])
         dtype = np.dtype(np.lib.format.descr_to_dtype(descr))
-    except Exception as exc:  # any malformed header (syntax, keys, dtype) is a corrupt payload
-        raise PayloadEncodingError(f"{what}: malformed .npy header ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # any malformed descr (numpy raises several types) is a corrupt payload
+        raise PayloadEncodingError(f"{what}: malformed .npy dtype {str(descr)[:40]!r} ({type(exc).__name__})") from None
     if dtype.hasobject:
         raise PickleRefusedError(
             f"{what}: .npy payload has object dtype {dtype}, which only a pickle can restore; "
@@ -151,9 +169,8 @@ def load_npy(data: bytes, what: str) -> np.ndarray:
             f"{what}: .npy payload has dtype {dtype}; routed experts are integers "
             "(vLLM sends uint8 when E <= 256, else uint16)"
         )
-    if any(n < 0 for n in shape):
-        raise PayloadEncodingError(f"{what}: .npy header declares a negative shape {shape}")
-    count = int(np.prod(shape, dtype=object))
+    limits.check_shape(shape, f"{what}: .npy header")
+    count = shape[0] * shape[1] * shape[2]
     body = len(data) - offset - header_len
     if count * dtype.itemsize != body:
         raise PayloadSizeError(
@@ -163,6 +180,27 @@ def load_npy(data: bytes, what: str) -> np.ndarray:
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset + header_len)
     array = flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
     return np.ascontiguousarray(array)
+
+
+def _npy_header(raw: bytes, major: int, what: str) -> tuple[Any, bool, tuple[int, ...]]:
+    """The (descr, fortran_order, shape) of a `.npy` header, each checked for its exact type."""
+    try:
+        header = ast.literal_eval(raw.decode("latin1" if major < 3 else "utf8"))
+    except Exception as exc:  # syntax, nesting depth, a 5000-digit literal: all a corrupt header
+        raise PayloadEncodingError(f"{what}: malformed .npy header ({type(exc).__name__})") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        keys = sorted(map(str, header))[:5] if isinstance(header, dict) else type(header).__name__
+        raise PayloadEncodingError(
+            f"{what}: malformed .npy header: expected the keys descr, fortran_order, shape; got {keys}"
+        )
+    shape, fortran = header["shape"], header["fortran_order"]
+    if not isinstance(shape, tuple) or not all(is_int(n) for n in shape):
+        raise PayloadEncodingError(f"{what}: malformed .npy header: shape {str(shape)[:60]} is not a tuple of ints")
+    if any(n < 0 for n in shape):
+        raise PayloadEncodingError(f"{what}: .npy header declares a negative shape {str(shape)[:60]}")
+    if not isinstance(fortran, bool):
+        raise PayloadEncodingError(f"{what}: malformed .npy header: fortran_order {str(fortran)[:20]!r} is not a bool")
+    return header["descr"], fortran, shape
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -200,7 +238,9 @@ def lists_to_array(value: Any, what: str) -> np.ndarray:
             "L lists of K ids"
         ) from None
     if array.dtype.kind == "O":
-        raise PayloadEncodingError(f"{what}: nested lists are ragged or mix types; expected [T][L][K] ints")
+        raise PayloadEncodingError(
+            f"{what}: nested lists are ragged, mix types, or hold integers beyond 64 bits; expected [T][L][K] ints"
+        )
     if array.size and array.dtype.kind not in "iu":
         raise DtypeError(f"{what}: nested lists hold {array.dtype} values; routed experts are integers")
     if not array.size:
@@ -209,29 +249,100 @@ def lists_to_array(value: Any, what: str) -> np.ndarray:
 
 
 def dtype_named(name: Any, what: str) -> np.dtype[Any]:
-    """A dtype from a name an engine sends (`routed_experts_dtype`), restricted to integer types."""
+    """A dtype from a name an engine sends (`routed_experts_dtype`), restricted to `WIRE_INT_DTYPES`."""
+    if isinstance(name, np.dtype):
+        name = name.name
+    elif isinstance(name, type) and issubclass(name, np.generic):
+        name = np.dtype(name).name
+    if not isinstance(name, str):
+        raise DtypeError(
+            f"{what}: routed_experts_dtype must be a dtype name, got {type(name).__name__}; expected one of "
+            f"{', '.join(sorted(WIRE_INT_DTYPES))}"
+        )
+    text = name.removeprefix("torch.")
+    if text not in WIRE_INT_DTYPES:
+        kind = "is not an integer type" if text in _NON_INT_DTYPES else "is not a dtype name this release accepts"
+        raise DtypeError(
+            f"{what}: routed_experts_dtype {name[:40]!r} {kind}; expected one of {', '.join(sorted(WIRE_INT_DTYPES))}"
+        )
+    return np.dtype(text)
+
+
+_NON_INT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "bool", "object", "complex64", "complex128"})
+NDARRAY_TAG = "ndarray"  # Megatron's serialize_ndarray wrapper: ["ndarray", {"data": [...], "dtype": "int16"}]
+
+
+def is_ndarray_wrapper(value: Any) -> bool:
+    """Whether `value` is tagged as Megatron's serialised ndarray (well-formed or not)."""
+    return (
+        isinstance(value, (list, tuple)) and len(value) >= 1 and isinstance(value[0], str) and value[0] == NDARRAY_TAG
+    )
+
+
+def unwrap_ndarray(value: Any, what: str) -> np.ndarray:
+    """`["ndarray", {"data": nested lists, "dtype": name}]` -> the array, dtype checked and enforced.
+
+    Megatron-LM's inference server (0.20, `InferenceClient(deserialize=False)`) sends numpy fields
+    this way. The dtype name must be in `WIRE_INT_DTYPES`, and every value must fit it.
+    """
+    if len(value) != 2 or not isinstance(value[1], dict):
+        raise PayloadEncodingError(
+            f'{what}: malformed ["ndarray", ...] wrapper of {len(value)} items; expected '
+            '["ndarray", {"data": [...], "dtype": "int16"}] (Megatron serialize_ndarray)'
+        )
+    body = value[1]
+    if set(body) != {"data", "dtype"}:
+        raise PayloadEncodingError(
+            f'{what}: ["ndarray", {{...}}] wrapper has keys {sorted(map(str, body))[:5]}; expected exactly '
+            "data and dtype"
+        )
+    dtype = dtype_named(body["dtype"], f"{what} (ndarray wrapper)")
+    if not isinstance(body["data"], list):
+        raise PayloadEncodingError(
+            f"{what}: ndarray wrapper data is {type(body['data']).__name__}; expected nested lists [T][L][K]"
+        )
+    array = lists_to_array(body["data"], what)
+    if array.size:
+        info = np.iinfo(dtype)
+        low, high = int(array.min()), int(array.max())
+        if low < info.min or high > info.max:
+            raise DtypeError(
+                f"{what}: ndarray wrapper declares dtype {dtype} but holds {low if low < info.min else high}, "
+                "outside its range; the wrapper was altered in transit"
+            )
+    return array.astype(dtype, copy=False)
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """An ndarray as is; a torch tensor copied to host memory (named error where that is impossible)."""
+    if isinstance(value, np.ndarray):
+        return value
     try:
-        dtype = np.dtype(str(name).removeprefix("torch."))
-    except (TypeError, ValueError):
-        raise DtypeError(f"{what}: unknown routed_experts_dtype {name!r}; expected int32, uint16 or uint8") from None
-    if dtype.kind not in "iu":
-        raise DtypeError(f"{what}: routed_experts_dtype {name!r} is not an integer type")
-    return dtype
+        return value.detach().cpu().numpy()  # torch.Tensor
+    except Exception as exc:  # meta tensors, tensors of types numpy lacks (bfloat16), fake tensors
+        raise PayloadEncodingError(
+            f"routes tensor (dtype {getattr(value, 'dtype', '?')}, device {getattr(value, 'device', '?')}) cannot "
+            f"be read on the host ({type(exc).__name__}); pass a materialised integer tensor"
+        ) from None
 
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "NDARRAY_TAG",
     "b64_to_bytes",
     "dtype_named",
     "get_field",
     "has_field",
     "is_array_like",
+    "is_ndarray_wrapper",
     "lists_to_array",
     "load_npy",
     "mapping",
     "npy_bytes",
     "pick",
+    "pick_choice",
     "raw_to_array",
     "require_present",
     "to_numpy",
+    "unwrap_ndarray",
 ]

@@ -6,7 +6,10 @@ positions [routed_experts_start_len, seqlen - 1) over every hidden layer:
 - `/generate`: `meta_info.routed_experts` = base64 of the RAW flattened int32 bytes (no shape
   header); an optional `meta_info.routed_experts_dtype` (int32 / uint16 / uint8) names another dtype.
 - OpenAI-style responses: response-level `sglext.routed_experts` (the protocol code) or per-choice
-  `sgl_ext.routed_experts` (the docs); both are checked.
+  `sgl_ext.routed_experts` (the docs); both are checked. With n > 1, SGLang fills the
+  response-level field from the first choice only (`_build_chat_response` reads `ret[0]`), so
+  it is accepted for `choice=0` alone; any other choice raises `AmbiguousChoiceError` unless the
+  choice carries its own `sgl_ext` (or the field is a list with one entry per choice).
 - `skip_tokenizer_init=True`: a raw tensor in `meta_info` (a gateway that JSON-serialises it sends
   `{}`, which is refused with an explanation).
 """
@@ -14,11 +17,21 @@ positions [routed_experts_start_len, seqlen - 1) over every hidden layer:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from routereplay.engines.assembler import Expectation, assemble
+from routereplay.engines.assembler import Expectation, assemble, raise_wrong_split
+from routereplay.engines.limits import (
+    DEFAULT_LIMITS,
+    WireLimits,
+    checked_bool,
+    checked_int,
+    checked_optional_int,
+    checked_sequence_name,
+    is_int,
+)
 from routereplay.engines.payload import (
     DEFAULT_MAX_BYTES,
     b64_to_bytes,
@@ -28,12 +41,20 @@ from routereplay.engines.payload import (
     lists_to_array,
     mapping,
     pick,
+    pick_choice,
     raw_to_array,
     require_present,
     to_numpy,
 )
 from routereplay.enums import Source
-from routereplay.errors import ConfigError, MissingRoutesError, PayloadEncodingError, TraceShapeError, location
+from routereplay.errors import (
+    AmbiguousChoiceError,
+    ConfigError,
+    MissingRoutesError,
+    PayloadEncodingError,
+    TraceShapeError,
+    location,
+)
 from routereplay.trace import RouteTrace
 
 _ABORTED_HINT = (
@@ -59,6 +80,7 @@ def decode_sglang(
     policy_version: int | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     validate: bool = True,
+    limits: WireLimits = DEFAULT_LIMITS,
 ) -> RouteTrace:
     """Decode one SGLang request's routed experts into a validated `RouteTrace`.
 
@@ -69,34 +91,44 @@ def decode_sglang(
     `routed_experts_start_len` (row 0 is token `start_len`). The dtype is `dtype`, else
     `meta_info.routed_experts_dtype`, else int32. Without `num_tokens`, a `meta_info` with
     `prompt_tokens` and `completion_tokens` supplies it, so the row count is always checked there.
+    The payload has no shape header: when its ids fit another (num_layers, top_k) split better,
+    the error lists the splits that fit. `limits` bounds every axis before allocation.
     """
-    if num_layers < 1 or top_k < 1:
-        raise ConfigError(f"num_layers={num_layers} and top_k={top_k} must be >= 1")
-    where = sequence if sequence is not None else (f"request {index}" if isinstance(value, list) else None)
-    meta, routes = _locate(value, index, choice, where)
-    num_tokens_origin = "num_tokens"
-    if num_tokens is None and meta is not None:
-        prompt_tokens, completion_tokens = (
-            get_field(meta, "prompt_tokens", None),
-            get_field(meta, "completion_tokens", None),
-        )
-        if isinstance(prompt_tokens, int) and isinstance(completion_tokens, int):
-            num_tokens = prompt_tokens + completion_tokens
-            num_tokens_origin = "meta_info prompt_tokens+completion_tokens"
-    if dtype is None and meta is not None and get_field(meta, "routed_experts_dtype", None) is not None:
-        dtype = get_field(meta, "routed_experts_dtype")
-    what = f"{location(where)} routed_experts"
-    experts_TLK = _to_array(routes, dtype, num_layers, top_k, what, max_bytes)
     expect = Expectation(
         num_experts=num_experts,
         layers=layers,
         moe_layers=moe_layers,
-        num_layers=num_layers,
-        top_k=top_k,
+        num_layers=checked_int(num_layers, "num_layers", minimum=1),
+        top_k=checked_int(top_k, "top_k", minimum=1),
         start=start_len,
+        start_name="start_len",
         num_tokens=num_tokens,
-        num_tokens_origin=num_tokens_origin,
+        flat_layout=True,
+        limits=limits,
     )
+    index = checked_int(index, "index")
+    choice = checked_int(choice, "choice")
+    max_bytes = checked_int(max_bytes, "max_bytes")
+    policy_version = checked_optional_int(policy_version, "policy_version")
+    validate = checked_bool(validate, "validate")
+    sequence = checked_sequence_name(sequence)
+    where = sequence if sequence is not None else (f"request {index}" if isinstance(value, list) else None)
+    meta, routes = _locate(value, index, choice, where)
+    if expect.num_tokens is None and meta is not None:
+        prompt_tokens, completion_tokens = (
+            get_field(meta, "prompt_tokens", None),
+            get_field(meta, "completion_tokens", None),
+        )
+        if is_int(prompt_tokens) and is_int(completion_tokens) and prompt_tokens >= 0 and completion_tokens >= 0:
+            total = int(prompt_tokens) + int(completion_tokens)
+            if total >= 1:
+                expect = replace(
+                    expect, num_tokens=total, num_tokens_origin="meta_info prompt_tokens+completion_tokens"
+                )
+    if dtype is None and meta is not None and get_field(meta, "routed_experts_dtype", None) is not None:
+        dtype = get_field(meta, "routed_experts_dtype")
+    what = f"{location(where)} routed_experts"
+    experts_TLK = _to_array(routes, dtype, expect, what, max_bytes, where)
     return assemble(
         experts_TLK, expect, source=Source.SGLANG, sequence=where, policy_version=policy_version, validate=validate
     )
@@ -109,46 +141,88 @@ def _locate(value: Any, index: int, choice: int, where: str | int | None) -> tup
         value = pick(value, index, "requests", what)
     if not isinstance(value, dict):
         return None, require_present(value, what, _ABORTED_HINT)
+    if "choices" not in value and "sglext" not in value and choice != 0:
+        raise ConfigError(
+            f"{what}: choice={choice} picks a choice of an OpenAI-style response, but this is a /generate "
+            "result or meta_info (one sample); a /generate batch is a list, indexed by index="
+        )
     if "meta_info" in value:
         value = mapping(value["meta_info"], "meta_info", what)
     if "routed_experts" in value:
         return value, require_present(value["routed_experts"], what, _ABORTED_HINT)
+    num_choices = None
     if "choices" in value:
-        found = pick(value["choices"], choice, "choices", what)
-        ext = mapping(found, "choices[]", what).get("sgl_ext")
+        choices = value["choices"]
+        found = mapping(pick_choice(choices, choice, what), "choices[]", what)
+        num_choices = len(choices)
+        ext = found.get("sgl_ext")
         if ext is not None and "routed_experts" in mapping(ext, "sgl_ext", what):
             return ext, require_present(ext["routed_experts"], what, _ABORTED_HINT)
     if value.get("sglext") is not None and "routed_experts" in mapping(value["sglext"], "sglext", what):
         ext = value["sglext"]
-        routes = ext["routed_experts"]
-        if isinstance(routes, list) and routes and isinstance(routes[0], str):  # one string per choice
-            routes = pick(routes, choice, "sglext.routed_experts", what)
-        return ext, require_present(routes, what, _ABORTED_HINT)
+        return ext, require_present(
+            _response_level(ext["routed_experts"], choice, num_choices, what), what, _ABORTED_HINT
+        )
     raise MissingRoutesError(
         f"{what}: the response has no routed_experts (looked in meta_info, choices[{choice}].sgl_ext and "
         "sglext); start SGLang with --enable-return-routed-experts and send return_routed_experts: true"
     )
 
 
+def _response_level(routes: Any, choice: int, num_choices: int | None, what: str) -> Any:
+    """The asked choice's routes from a response-level `sglext.routed_experts`, or a named refusal."""
+    if isinstance(routes, list) and routes and all(isinstance(r, str) or r is None for r in routes):
+        if num_choices is not None and len(routes) != num_choices:
+            raise AmbiguousChoiceError(
+                f"{what}: sglext.routed_experts lists {len(routes)} payloads for {num_choices} choices; which "
+                "belongs to which cannot be told. Send n=1 requests, or read each choice's sgl_ext"
+            )
+        return pick(routes, choice, "sglext.routed_experts", what)
+    if choice != 0:
+        raise AmbiguousChoiceError(
+            f"{what}: choice={choice} asked, but the routes sit in the response-level sglext.routed_experts, "
+            f"which SGLang fills from the first choice only ({num_choices or 'unknown number of'} choices here): "
+            "they are choice 0's. Send one request per sample (n=1), or use a build that puts sgl_ext on each choice"
+        )
+    return routes
+
+
 def _to_array(
-    routes: Any, dtype: str | np.dtype[Any] | None, num_layers: int, top_k: int, what: str, max_bytes: int
+    routes: Any, dtype: Any, expect: Expectation, what: str, max_bytes: int, where: str | int | None
 ) -> np.ndarray:
+    num_layers, top_k = expect.num_layers, expect.top_k
+    assert num_layers is not None and top_k is not None  # decode_sglang passes both
     if isinstance(routes, (str, bytes, bytearray)):
         wire_dtype = np.dtype(np.int32) if dtype is None else dtype_named(dtype, what)
-        return raw_to_array(b64_to_bytes(routes, what, max_bytes), wire_dtype, num_layers, top_k, what)
+        data = b64_to_bytes(routes, what, max_bytes)
+        if len(data) % (num_layers * top_k * wire_dtype.itemsize) and len(data) % wire_dtype.itemsize == 0:
+            head = (
+                f"{location(where)}: {len(data)} bytes of {wire_dtype} do not split into rows of "
+                f"num_layers({num_layers}) x top_k({top_k})"
+            )
+            raise_wrong_split(len(data) // wire_dtype.itemsize, expect, num_layers, top_k, where, head)
+        return raw_to_array(data, wire_dtype, num_layers, top_k, what)
     if is_array_like(routes) or isinstance(routes, list):
         array = to_numpy(routes) if is_array_like(routes) else lists_to_array(routes, what)
-        if array.ndim == 3 or (array.size == 0 and array.ndim == 1):
-            return array.reshape(-1, num_layers, top_k) if array.ndim == 1 else array
+        if array.ndim == 3:
+            return array
+        if array.size == 0 and array.ndim == 1:
+            return array.reshape(0, num_layers, top_k)
         if array.ndim in (1, 2) and array.size % (num_layers * top_k) == 0:
             return array.reshape(-1, num_layers, top_k)
+        if array.ndim in (1, 2):
+            head = (
+                f"{location(where)}: {array.size} ids do not split into rows of "
+                f"num_layers({num_layers}) x top_k({top_k})"
+            )
+            raise_wrong_split(array.size, expect, num_layers, top_k, where, head)
         raise TraceShapeError(
-            f"{what}: array of shape {array.shape} cannot be viewed as (tokens, {num_layers}, {top_k}); "
+            f"{what}: array of shape {array.shape[:6]} cannot be viewed as (tokens, {num_layers}, {top_k}); "
             "check num_layers (every hidden layer) and top_k"
         )
     if isinstance(routes, dict):
         raise PayloadEncodingError(
-            f"{what}: got a dict ({'empty' if not routes else sorted(routes)[:5]}); with "
+            f"{what}: got a dict ({'empty' if not routes else sorted(map(str, routes))[:5]}); with "
             "skip_tokenizer_init=True SGLang puts a raw tensor in meta_info, which a JSON gateway "
             "serialises as {} and loses. Read the tensor in-process, or let SGLang base64-encode it"
         )

@@ -18,6 +18,14 @@ from typing import Any
 import numpy as np
 
 from routereplay.engines.assembler import Expectation, assemble
+from routereplay.engines.limits import (
+    DEFAULT_LIMITS,
+    WireLimits,
+    checked_bool,
+    checked_int,
+    checked_optional_int,
+    checked_sequence_name,
+)
 from routereplay.engines.payload import (
     DEFAULT_MAX_BYTES,
     b64_to_bytes,
@@ -26,7 +34,7 @@ from routereplay.engines.payload import (
     is_array_like,
     lists_to_array,
     load_npy,
-    pick,
+    pick_choice,
     require_present,
     to_numpy,
 )
@@ -56,27 +64,18 @@ def decode_vllm(
     policy_version: int | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     validate: bool = True,
+    limits: WireLimits = DEFAULT_LIMITS,
 ) -> RouteTrace:
     """Decode one vLLM completion's routed experts into a validated `RouteTrace`.
 
     `value` is any real wire form: an ndarray/tensor, a base64 `.npy` string (>= 0.22), nested
     lists (0.21; `prompt_value` then holds the prompt rows), or a whole response (dict from the
     OpenAI-compatible server, or `RequestOutput` / `CompletionOutput` objects) from which
-    `choices[choice]` (`outputs[choice]`) is read. `prompt_start` is the request's
-    `routed_experts_prompt_start`: row 0 is token `prompt_start`. With `num_tokens` (prompt +
-    generated tokens) the row count must be `num_tokens - 1 - prompt_start`.
+    `choices[choice]` (`outputs[choice]`) is read. Pass the parsed JSON, not the response text.
+    `prompt_start` is the request's `routed_experts_prompt_start`: row 0 is token `prompt_start`.
+    With `num_tokens` (prompt + generated tokens) the row count must be `num_tokens - 1 -
+    prompt_start`. `limits` bounds every declared axis before anything is allocated.
     """
-    where = f"choice {choice}" if sequence is None else sequence
-    value, prompt_value = _locate(value, prompt_value, choice, where)
-    routes = _to_array(value, f"{location(where)} routed_experts", max_bytes)
-    if prompt_value is not None:
-        prompt = _to_array(prompt_value, f"{location(where)} prompt_routed_experts", max_bytes)
-        if prompt.size and routes.size and prompt.shape[1:] != routes.shape[1:]:
-            raise TraceShapeError(
-                f"{location(where)}: prompt routes have (layers, top_k) {prompt.shape[1:]} but "
-                f"generated routes have {routes.shape[1:]}; both must come from the same model"
-            )
-        routes = np.concatenate([_as_3d(prompt, routes), _as_3d(routes, prompt)], axis=0)
     expect = Expectation(
         num_experts=num_experts,
         layers=layers,
@@ -84,8 +83,24 @@ def decode_vllm(
         num_layers=num_layers,
         top_k=top_k,
         start=prompt_start,
+        start_name="prompt_start",
         num_tokens=num_tokens,
+        limits=limits,
     )
+    choice = checked_int(choice, "choice")
+    max_bytes = checked_int(max_bytes, "max_bytes")
+    policy_version = checked_optional_int(policy_version, "policy_version")
+    validate = checked_bool(validate, "validate")
+    sequence = checked_sequence_name(sequence)
+    where = f"choice {choice}" if sequence is None else sequence
+    value, prompt_value = _locate(value, prompt_value, choice, where)
+    what = f"{location(where)} routed_experts"
+    routes = _to_array(value, what, max_bytes, limits)
+    if prompt_value is not None:
+        prompt = _to_array(prompt_value, f"{location(where)} prompt_routed_experts", max_bytes, limits)
+        routes = _join(prompt, routes, expect, where)
+    else:
+        routes = _shape_empty(routes, expect, what)
     return assemble(
         routes, expect, source=Source.VLLM, sequence=where, policy_version=policy_version, validate=validate
     )
@@ -103,7 +118,7 @@ def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tup
     if choices is not None:
         if prompt_value is None:
             prompt_value = get_field(response, "prompt_routed_experts", None)
-        response = pick(choices, choice, "choices", f"{location(where)} response")
+        response = pick_choice(choices, choice, f"{location(where)} response")
     if not has_field(response, "routed_experts"):
         raise MissingRoutesError(
             f"{location(where)}: the response has no 'routed_experts' field; start vLLM (>= 0.22 for "
@@ -114,26 +129,59 @@ def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tup
     return routes, prompt_value
 
 
-def _to_array(value: Any, what: str, max_bytes: int) -> np.ndarray:
+def _to_array(value: Any, what: str, max_bytes: int, limits: WireLimits) -> np.ndarray:
     if is_array_like(value):
         return to_numpy(value)
     if isinstance(value, (str, bytes, bytearray)):
-        return load_npy(b64_to_bytes(value, what, max_bytes), what)
+        return load_npy(b64_to_bytes(value, what, max_bytes), what, limits)
     if isinstance(value, (list, tuple)):
         return lists_to_array(value, what)
     if isinstance(value, dict):
         raise PayloadEncodingError(
-            f"{what}: got a dict {sorted(value)[:5]}; expected base64 .npy text, nested lists or an array. "
-            "A tensor that was JSON-serialised by a gateway arrives as {{}}: return it with np.save"
+            f"{what}: got a dict {sorted(map(str, value))[:5]}; expected base64 .npy text, nested lists or an "
+            "array. A tensor that was JSON-serialised by a gateway arrives as {}: return it with np.save"
         )
     raise PayloadEncodingError(f"{what}: unsupported payload type {type(value).__name__}")
 
 
-def _as_3d(array: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """An empty list decodes to shape (0,); give it the (0, L, K) shape of its partner."""
-    if array.size == 0 and array.ndim != 3 and other.ndim == 3:
-        return array.reshape(0, *other.shape[1:])
-    return array
+def _is_no_rows(array: np.ndarray) -> bool:
+    """`[]` on the wire: no rows, and no word on (layers, top_k)."""
+    return array.ndim == 1 and array.size == 0
+
+
+def _shape_empty(array: np.ndarray, expect: Expectation, what: str) -> np.ndarray:
+    """Give `[]` the (0, L, K) shape the caller's num_layers / layers and top_k describe."""
+    if not _is_no_rows(array):
+        return array
+    width = expect.num_layers if expect.num_layers is not None else (len(expect.layers) if expect.layers else None)
+    if width is None or expect.top_k is None:
+        raise TraceShapeError(
+            f"{what}: empty list with no shape; pass num_layers (or layers) and top_k to shape a trace of 0 rows"
+        )
+    return array.reshape(0, width, expect.top_k)
+
+
+def _join(prompt: np.ndarray, generated: np.ndarray, expect: Expectation, where: str | int) -> np.ndarray:
+    """vLLM 0.21's prompt rows + generated rows as one (T, L, K) array; `[]` is a part with no rows."""
+    parts = {"prompt_routed_experts": prompt, "routed_experts": generated}
+    for name, part in parts.items():
+        if not _is_no_rows(part) and part.ndim != 3:
+            raise TraceShapeError(
+                f"{location(where)}: {name} has shape {part.shape[:6]}; each row must hold L lists of K ids "
+                "([T][L][K]); an empty part is [] (no rows), not [[]]"
+            )
+    if _is_no_rows(prompt) and _is_no_rows(generated):
+        return _shape_empty(generated, expect, f"{location(where)} prompt_routed_experts + routed_experts")
+    if _is_no_rows(prompt):
+        return generated
+    if _is_no_rows(generated):
+        return prompt
+    if prompt.shape[1:] != generated.shape[1:]:
+        raise TraceShapeError(
+            f"{location(where)}: prompt routes have (layers, top_k) {prompt.shape[1:]} but "
+            f"generated routes have {generated.shape[1:]}; both must come from the same model"
+        )
+    return np.concatenate([prompt, generated], axis=0)
 
 
 __all__ = ["decode_vllm"]
