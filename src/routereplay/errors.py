@@ -174,6 +174,49 @@ class StageLayerError(LayoutError):
     """A layer was asked of a pipeline stage that does not own it, or is not a replayed MoE layer."""
 
 
+# --- remote inference servers (engines/remote.py, engines/http.py) -----------------------------
+
+
+class EngineRequestError(RouteReplayError):
+    """An HTTP request to an inference server failed (after retries, when the failure is transient)."""
+
+    def __init__(self, message: str, *, url: str = "", status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.url, self.status, self.body = url, status, body
+
+
+class EngineTimeoutError(EngineRequestError):
+    """Every attempt of a request timed out (raise `timeout=`, or check that the server is alive)."""
+
+
+class DeadlineExceededError(EngineTimeoutError):
+    """No attempt finished (connect, headers, whole body) within the client's `deadline` seconds."""
+
+    def __init__(self, message: str, *, url: str, deadline: float, elapsed: float, received: int) -> None:
+        super().__init__(message, url=url)
+        self.deadline, self.elapsed, self.received = deadline, elapsed, received
+
+
+class ResponseTooLargeError(EngineRequestError, ValueError):
+    """A response body (declared or streamed) is larger than the client's `max_response_bytes`."""
+
+    def __init__(self, message: str, *, url: str, limit: int, size: int) -> None:
+        super().__init__(message, url=url)
+        self.limit, self.size = limit, size
+
+
+class ResponseFieldError(PayloadError):
+    """A field of an engine's response has the wrong type or an impossible value (token ids, log-probs)."""
+
+
+class EngineModelError(ConfigError):
+    """The server serves a different model than the client was configured for."""
+
+
+class ModelMismatchError(EngineModelError):
+    """A response's `"model"` names another model than the one the client asked for."""
+
+
 def location(
     sequence: str | int | None = None,
     *,

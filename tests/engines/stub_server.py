@@ -8,7 +8,8 @@ Wire forms (as the engines build them):
   /get_model_info (or only /model_info).
 Routes have num_tokens - 1 rows over every hidden layer, dense layers zero-filled, distinct ids per
 row. Tokens, log-probs and routes come from numpy seeded by the request (seed and prompt). Every
-generated response is kept in `served` so tests can compare against ground truth.
+generated response is kept in `served` so tests can compare against ground truth. `mutate(path,
+response)` rewrites each generation response before it is sent (malformed-field tests).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,6 +48,7 @@ class StubConfig:
     always_status: int | None = None
     malformed: bool = False
     delay: float = 0.0  # seconds before answering a generation request
+    mutate: Callable[[str, Any], Any] | None = None  # rewrites a generation response (path, JSON) before sending
 
 
 @dataclass
@@ -147,10 +149,14 @@ class _Handler(BaseHTTPRequestHandler):
                 message = f"The model `{body.get('model')}` does not exist."
                 return self._json(404, {"error": {"message": message, "type": "NotFoundError", "code": 404}})
             prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
-            return self._json(200, self._vllm(prompts, body))
+            return self._answer(self._vllm(prompts, body))
         batched = isinstance(body["input_ids"][0], list)
         answers = [self._sglang(p, body) for p in (body["input_ids"] if batched else [body["input_ids"]])]
-        return self._json(200, answers if batched else answers[0])
+        return self._answer(answers if batched else answers[0])
+
+    def _answer(self, payload: Any) -> None:
+        mutate = self.stub.config.mutate
+        return self._json(200, payload if mutate is None else mutate(self.path, payload))
 
     # --- generation -----------------------------------------------------------------------------
     def _generate(self, prompt: list[int], max_new: int, seed: int, stop_ids: list[int]) -> Served:

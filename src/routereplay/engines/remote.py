@@ -9,82 +9,77 @@ request (run `concurrency` at a time) with its own seed `params.seed + index`, s
 - SGLang: POST /generate with `input_ids`, `return_logprob: true`, `return_routed_experts: true`;
   reads `output_ids`, `meta_info.output_token_logprobs` ([logprob, token_id, text] triples) and
   `meta_info.routed_experts`.
-Both servers must run with --enable-return-routed-experts. Connection errors, timeouts, 429 and 5xx
-are retried with exponential backoff; other 4xx are not. httpx is imported only when a request is
-made (`pip install 'routereplay[serve]'`).
+Both servers must run with --enable-return-routed-experts. Requests go through `BoundedHTTP`
+(engines/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect to last byte),
+`max_response_bytes` and `retries` / `backoff` are keyword arguments of both clients. Token ids
+must be ints in [0, 2**31), log-probs real numbers (not NaN, not +inf), one per token
+(`ResponseFieldError`); a response whose `"model"` is not the client's `model` is refused
+(`ModelMismatchError`). httpx is needed only when a request is made (`pip install 'routereplay[serve]'`).
 """
 
 from __future__ import annotations
 
-import json
-import time
+import math
+import reprlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from routereplay.engines.hf import Rollout, SamplingParams
+from routereplay.engines.http import (
+    DEFAULT_BACKOFF,
+    DEFAULT_DEADLINE,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT,
+    EXCERPT_CHARS,
+    BoundedHTTP,
+    HTTPPolicy,
+)
 from routereplay.engines.sglang import decode_sglang
 from routereplay.engines.vllm import decode_vllm
-from routereplay.errors import ConfigError, MissingRoutesError, PayloadEncodingError, PayloadError, RouteReplayError
+from routereplay.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    EngineModelError,
+    EngineRequestError,
+    EngineTimeoutError,
+    MissingRoutesError,
+    ModelMismatchError,
+    PayloadError,
+    ResponseFieldError,
+    ResponseTooLargeError,
+)
 from routereplay.trace import RouteTrace
 
-if TYPE_CHECKING:
-    import httpx
-
-_EXCERPT = 300  # characters of a response body quoted in errors
+MAX_TOKEN_ID = 2**31  # token ids are ints in [0, MAX_TOKEN_ID): what a trainer's int32/int64 ids hold
 
 
-class EngineRequestError(RouteReplayError):
-    """An HTTP request to an inference server failed (after retries, when the failure is transient)."""
-
-    def __init__(self, message: str, *, url: str = "", status: int | None = None, body: str = "") -> None:
-        super().__init__(message)
-        self.url, self.status, self.body = url, status, body
-
-
-class EngineTimeoutError(EngineRequestError):
-    """Every attempt of a request timed out (raise `timeout=`, or check that the server is alive)."""
-
-
-class EngineModelError(ConfigError):
-    """The server serves a different model than the client was configured for."""
-
-
-def _import_httpx() -> Any:
-    try:
-        import httpx
-    except ImportError as exc:
-        raise ImportError("remote engine clients need httpx: pip install 'routereplay[serve]'") from exc
-    return httpx
+def _short(value: Any) -> str:
+    """A bounded excerpt of any parsed JSON value (depth, items and characters capped)."""
+    excerpt = reprlib.Repr()
+    excerpt.maxlevel, excerpt.maxlist, excerpt.maxdict = 2, 4, 4
+    excerpt.maxstring = excerpt.maxlong = excerpt.maxother = 40
+    return excerpt.repr(value)
 
 
 class _RemoteEngine(ABC):
-    """Shared HTTP plumbing: retries, JSON parsing, concurrency, EOS cut."""
+    """Shared plumbing: the bounded HTTP policy, concurrency, response checks, EOS cut."""
 
     name = "remote"
     generate_path = "/"
 
     def __init__(
-        self,
-        url: str,
-        model: str | None,
-        timeout: float,
-        retries: int,
-        backoff: float,
-        concurrency: int,
-        policy_version: int | None,
+        self, url: str, model: str | None, policy: HTTPPolicy, concurrency: int, policy_version: int | None
     ) -> None:
-        if not url.startswith(("http://", "https://")):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ConfigError(f"url={url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
-        if timeout <= 0 or retries < 1 or backoff < 0 or concurrency < 1:
-            raise ConfigError(
-                f"timeout={timeout} must be > 0, retries={retries} (total attempts per request) >= 1, "
-                f"backoff={backoff} >= 0 and concurrency={concurrency} >= 1"
-            )
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError(f"concurrency={concurrency!r} must be an int >= 1")
         self.url = url.rstrip("/")
         self.model = model
-        self.timeout, self.retries, self.backoff, self.concurrency = timeout, retries, backoff, concurrency
+        self.policy, self.concurrency = policy, concurrency
         self.policy_version = policy_version  # set it after each weight sync, like HFEngine.sync_weights
 
     def generate(
@@ -96,13 +91,13 @@ class _RemoteEngine(ABC):
         """Sample one response per prompt; `progress(done, total)` is called as requests finish."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
-        httpx = _import_httpx()
         results: dict[int, Rollout] = {}
-        with httpx.Client(timeout=self.timeout) as client:
-            pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts)))
+        workers = min(self.concurrency, len(prompts))
+        with self._http(workers) as http:
+            pool = ThreadPoolExecutor(max_workers=workers)
             try:
                 futures = {
-                    pool.submit(self._rollout, client, i, [int(t) for t in p], params): i for i, p in enumerate(prompts)
+                    pool.submit(self._rollout, http, i, [int(t) for t in p], params): i for i, p in enumerate(prompts)
                 }
                 for future in as_completed(futures):
                     results[futures[future]] = future.result()
@@ -112,17 +107,35 @@ class _RemoteEngine(ABC):
                 pool.shutdown(wait=True, cancel_futures=True)
         return [results[i] for i in range(len(prompts))]
 
-    def _rollout(self, client: httpx.Client, index: int, prompt: list[int], params: SamplingParams) -> Rollout:
-        data = self._call(client, "POST", self.generate_path, self._body(prompt, params, params.seed + index))
+    def _http(self, connections: int = 1) -> BoundedHTTP:
+        return BoundedHTTP(self.policy, server=self.name, max_connections=connections, tls=self.url.startswith("https"))
+
+    def _rollout(self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams) -> Rollout:
+        data = http.call("POST", self.url + self.generate_path, self._body(prompt, params, params.seed + index))
         where = f"{self.name} {self.url}, sequence {index}"
         if not isinstance(data, dict):
             raise PayloadError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        self._check_model(data, where)
         try:
             response_ids, logprobs = self._tokens(data, where)
             trace = self._decode(data, num_tokens=len(prompt) + len(response_ids), sequence=index)
         except MissingRoutesError as exc:
             raise MissingRoutesError(f"{self.name} server {self.url}: {exc}") from None
         return _cut_at_eos(prompt, response_ids, logprobs, trace, params.eos_token_id)
+
+    def _check_model(self, data: dict[str, Any], where: str) -> None:
+        """Refuse a response whose `"model"` names another model than the client asked for."""
+        served = data.get("model")
+        if served is None or self.model is None:
+            return
+        if not isinstance(served, str):
+            raise ResponseFieldError(f'{where}: "model" must be a string, got {_short(served)}')
+        if served != self.model:
+            raise ModelMismatchError(
+                f"{where}: the response comes from model {served!r}, not model={self.model!r} that the client "
+                f"asked for; point the client at a server of {self.model!r}, or pass model={served!r} if that is "
+                "the same model under another name (vLLM answers with its first --served-model-name)"
+            )
 
     @abstractmethod
     def _body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
@@ -136,43 +149,13 @@ class _RemoteEngine(ABC):
     def _decode(self, data: dict[str, Any], *, num_tokens: int, sequence: int) -> RouteTrace:
         """The response's routes as a validated trace (server-specific decoder)."""
 
-    def _call(self, client: httpx.Client, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """One request with retries on connection errors, timeouts, 429 and 5xx; returns parsed JSON."""
-        httpx = _import_httpx()
-        url = self.url + path
-        failure, status, text, timed_out = "", None, "", False
-        for attempt in range(self.retries):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                response = client.request(method, url, json=body)
-            except httpx.TransportError as exc:  # connection errors and timeouts
-                timed_out, status, text = isinstance(exc, httpx.TimeoutException), None, ""
-                failure = f"timed out after {self.timeout}s" if timed_out else f"{type(exc).__name__}: {exc}"
-                continue
-            status, text, timed_out = response.status_code, response.text, False
-            if status < 400:
-                return _parse_json(text, url, status)
-            failure = f"HTTP {status}: {text[:_EXCERPT]!r}"
-            if status != 429 and status < 500:
-                raise EngineRequestError(
-                    f"{method} {url} failed with {failure} (not retried)", url=url, status=status, body=text
-                )
-        error = EngineTimeoutError if timed_out else EngineRequestError
-        raise error(
-            f"{method} {url} failed after {self.retries} attempts; last: {failure}. Check that the {self.name} "
-            "server is up and healthy, or raise retries=/timeout=",
-            url=url,
-            status=status,
-            body=text,
-        )
-
 
 class VLLMClient(_RemoteEngine):
     """Rollouts from a vLLM (>= 0.22) OpenAI-compatible server started with --enable-return-routed-experts.
 
     `num_experts`, `moe_layers` (which of the payload's all-hidden-layer axis to keep), `layers` and
-    `top_k` are passed to `decode_vllm`. `retries` is the total number of attempts per request.
+    `top_k` are passed to `decode_vllm`. `timeout`, `deadline`, `max_response_bytes`, `retries` (total
+    attempts per request) and `backoff` bound each request (`HTTPPolicy`, engines/http.py).
     """
 
     name = "vLLM"
@@ -187,24 +170,30 @@ class VLLMClient(_RemoteEngine):
         moe_layers: Sequence[int] | None = None,
         layers: Sequence[int] | None = None,
         top_k: int | None = None,
-        timeout: float = 60.0,
-        retries: int = 3,
-        backoff: float = 0.5,
+        timeout: float = DEFAULT_TIMEOUT,
+        deadline: float = DEFAULT_DEADLINE,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = DEFAULT_BACKOFF,
         concurrency: int = 8,
         policy_version: int | None = None,
     ) -> None:
-        super().__init__(url, model, timeout, retries, backoff, concurrency, policy_version)
+        policy = HTTPPolicy(
+            timeout=timeout, deadline=deadline, max_response_bytes=max_response_bytes, retries=retries, backoff=backoff
+        )
+        super().__init__(url, model, policy, concurrency, policy_version)
         self.num_experts, self.top_k = num_experts, top_k
         self.moe_layers = None if moe_layers is None else tuple(moe_layers)
         self.layers = None if layers is None else tuple(layers)
 
     def check_server(self) -> list[str]:
         """GET /v1/models; raise `EngineModelError` unless `model` is served. Returns the served names."""
-        with _import_httpx().Client(timeout=self.timeout) as client:
-            data = self._call(client, "GET", "/v1/models")
-        served = (
-            [str(m.get("id")) for m in data.get("data", []) if isinstance(m, dict)] if isinstance(data, dict) else []
-        )
+        with self._http() as http:
+            data = http.call("GET", self.url + "/v1/models")
+        models = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(models, list):
+            raise ResponseFieldError(f'vLLM server {self.url}: /v1/models has no "data" list ({_short(data)})')
+        served = [str(m.get("id"))[:EXCERPT_CHARS] for m in models if isinstance(m, dict)]
         if self.model not in served:
             raise EngineModelError(
                 f"vLLM server {self.url} serves {served}, not model={self.model!r}; pass one of those names "
@@ -212,13 +201,13 @@ class VLLMClient(_RemoteEngine):
             )
         return served
 
-    def _rollout(self, client: httpx.Client, index: int, prompt: list[int], params: SamplingParams) -> Rollout:
+    def _rollout(self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams) -> Rollout:
         try:
-            return super()._rollout(client, index, prompt, params)
+            return super()._rollout(http, index, prompt, params)
         except EngineRequestError as exc:
             if exc.status == 404 and "model" in exc.body.lower():
                 raise EngineModelError(
-                    f"vLLM server {self.url} does not serve model={self.model!r} ({exc.body[:_EXCERPT]!r}); "
+                    f"vLLM server {self.url} does not serve model={self.model!r} ({exc.body[:EXCERPT_CHARS]!r}); "
                     "call check_server() to list the served names"
                 ) from exc
             raise
@@ -242,14 +231,21 @@ class VLLMClient(_RemoteEngine):
     def _tokens(self, data: dict[str, Any], where: str) -> tuple[list[int], list[float]]:
         choices = data.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-            raise PayloadError(f"{where}: expected exactly one choice, got {str(choices)[:_EXCERPT]}")
+            raise PayloadError(f"{where}: expected exactly one choice, got {_short(choices)}")
         token_ids = choices[0].get("token_ids")
         if token_ids is None:
             raise PayloadError(
                 f"{where}: the choice has no token_ids; vLLM >= 0.10.2 returns them for return_token_ids"
             )
-        logprobs = (choices[0].get("logprobs") or {}).get("token_logprobs")
-        return _checked(token_ids, logprobs, where, "choices[0].logprobs.token_logprobs")
+        logprobs = choices[0].get("logprobs")
+        if not isinstance(logprobs, dict):
+            raise ResponseFieldError(
+                f"{where}: choices[0].logprobs must be an object with token_logprobs (the request asks for "
+                f"logprobs=1), got {_short(logprobs)}"
+            )
+        ids = _token_ids(token_ids, where, "choices[0].token_ids")
+        values = _logprobs(logprobs.get("token_logprobs"), where, "choices[0].logprobs.token_logprobs", len(ids))
+        return ids, values
 
     def _decode(self, data: dict[str, Any], *, num_tokens: int, sequence: int) -> RouteTrace:
         return decode_vllm(
@@ -268,7 +264,8 @@ class SGLangClient(_RemoteEngine):
     """Rollouts from an SGLang server (native /generate) started with --enable-return-routed-experts.
 
     `num_layers` is the payload's layer count (every hidden layer); `moe_layers` keeps the MoE ones.
-    `model` is optional and only checked by `check_server()`. `retries` is the total attempts per request.
+    `model` is optional: `check_server()` compares it, and so does every response that names a model.
+    `timeout`, `deadline`, `max_response_bytes`, `retries` and `backoff` as for `VLLMClient`.
     """
 
     name = "SGLang"
@@ -283,28 +280,33 @@ class SGLangClient(_RemoteEngine):
         top_k: int,
         num_experts: int,
         moe_layers: Sequence[int] | None = None,
-        timeout: float = 60.0,
-        retries: int = 3,
-        backoff: float = 0.5,
+        timeout: float = DEFAULT_TIMEOUT,
+        deadline: float = DEFAULT_DEADLINE,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        retries: int = DEFAULT_RETRIES,
+        backoff: float = DEFAULT_BACKOFF,
         concurrency: int = 8,
         policy_version: int | None = None,
     ) -> None:
-        super().__init__(url, model, timeout, retries, backoff, concurrency, policy_version)
+        policy = HTTPPolicy(
+            timeout=timeout, deadline=deadline, max_response_bytes=max_response_bytes, retries=retries, backoff=backoff
+        )
+        super().__init__(url, model, policy, concurrency, policy_version)
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
         self.moe_layers = None if moe_layers is None else tuple(moe_layers)
 
     def check_server(self) -> dict[str, Any]:
         """GET /get_model_info (or /model_info); raise `EngineModelError` if `model` is set and not served."""
-        with _import_httpx().Client(timeout=self.timeout) as client:
+        with self._http() as http:
             try:
-                info = self._call(client, "GET", "/get_model_info")
+                info = http.call("GET", self.url + "/get_model_info")
             except EngineRequestError as exc:
                 if exc.status != 404:
                     raise
-                info = self._call(client, "GET", "/model_info")
+                info = http.call("GET", self.url + "/model_info")
         if not isinstance(info, dict):
             raise PayloadError(f"SGLang server {self.url}: model info is {type(info).__name__}, expected an object")
-        served = [str(info[k]) for k in ("model_path", "served_model_name") if info.get(k) is not None]
+        served = [str(info[k])[:EXCERPT_CHARS] for k in ("model_path", "served_model_name") if info.get(k) is not None]
         if self.model is not None and self.model not in served:
             raise EngineModelError(
                 f"SGLang server {self.url} serves {served}, not model={self.model!r}; pass model= as the server's "
@@ -330,16 +332,16 @@ class SGLangClient(_RemoteEngine):
         }
 
     def _tokens(self, data: dict[str, Any], where: str) -> tuple[list[int], list[float]]:
+        field = "meta_info.output_token_logprobs"
         meta = data.get("meta_info")
         triples = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
-        if not isinstance(triples, list) or not all(isinstance(t, (list, tuple)) and len(t) >= 2 for t in triples):
-            raise PayloadError(f"{where}: meta_info.output_token_logprobs must be [logprob, token_id, text] triples")
+        if not isinstance(triples, list) or not all(isinstance(t, list) and len(t) >= 2 for t in triples):
+            raise PayloadError(f"{where}: {field} must be [logprob, token_id, text] triples, got {_short(triples)}")
+        ids = _token_ids([t[1] for t in triples], where, f"the token ids of {field}")
         output_ids = data.get("output_ids")
-        if output_ids is None:
-            output_ids = [t[1] for t in triples]
-        elif list(output_ids) != [t[1] for t in triples]:
-            raise PayloadError(f"{where}: output_ids and the token ids of output_token_logprobs disagree")
-        return _checked(output_ids, [t[0] for t in triples], where, "meta_info.output_token_logprobs")
+        if output_ids is not None and _token_ids(output_ids, where, "output_ids") != ids:
+            raise PayloadError(f"{where}: output_ids and the token ids of {field} disagree")
+        return ids, _logprobs([t[0] for t in triples], where, f"the log-probs of {field}", len(ids))
 
     def _decode(self, data: dict[str, Any], *, num_tokens: int, sequence: int) -> RouteTrace:
         return decode_sglang(
@@ -354,25 +356,34 @@ class SGLangClient(_RemoteEngine):
         )
 
 
-def _parse_json(text: str, url: str, status: int) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise PayloadEncodingError(
-            f"{url} answered HTTP {status} with a body that is not valid JSON ({exc}): {text[:_EXCERPT]!r}; "
-            "a truncated response or a proxy error page"
-        ) from None
+def _token_ids(values: Any, where: str, field: str) -> list[int]:
+    """`values` as token ids: a list of ints (not bools, not floats) in [0, MAX_TOKEN_ID)."""
+    if not isinstance(values, list):
+        raise ResponseFieldError(f"{where}: {field} must be a list of token ids, got {_short(values)}")
+    for position, value in enumerate(values):
+        if type(value) is not int or not 0 <= value < MAX_TOKEN_ID:
+            raise ResponseFieldError(
+                f"{where}: {field}[{position}] = {_short(value)} is not a token id (an int in [0, 2**31)); "
+                "the server sent a malformed response (a proxy rewriting it, or another API's answer?)"
+            )
+    return values
 
 
-def _checked(token_ids: Any, logprobs: Any, where: str, field: str) -> tuple[list[int], list[float]]:
-    if not isinstance(token_ids, list) or not isinstance(logprobs, list) or len(token_ids) != len(logprobs):
-        raise PayloadError(
-            f"{where}: {field} must give one log-prob per response token ({len(token_ids or [])} tokens, "
-            f"{len(logprobs) if isinstance(logprobs, list) else logprobs!r} log-probs)"
+def _logprobs(values: Any, where: str, field: str, num_tokens: int) -> list[float]:
+    """`values` as one log-prob per response token: real numbers, not NaN, not +inf."""
+    if not isinstance(values, list) or len(values) != num_tokens:
+        count = len(values) if isinstance(values, list) else _short(values)
+        raise ResponseFieldError(
+            f"{where}: {field} must give one log-prob per response token ({num_tokens} tokens, {count} log-probs)"
         )
-    if any(lp is None for lp in logprobs):
-        raise PayloadError(f"{where}: {field} holds null log-probs for response tokens")
-    return [int(t) for t in token_ids], [float(lp) for lp in logprobs]
+    for position, value in enumerate(values):
+        if value is None:
+            raise ResponseFieldError(f"{where}: {field} holds null log-probs for response tokens")
+        if type(value) not in (int, float) or math.isnan(value) or value == math.inf:
+            raise ResponseFieldError(
+                f"{where}: {field}[{position}] = {_short(value)} is not a log-prob (a real number, not NaN or +inf)"
+            )
+    return [float(v) for v in values]
 
 
 def _cut_at_eos(
@@ -387,4 +398,14 @@ def _cut_at_eos(
     return Rollout(prompt, response_ids[:length], logprobs[:length], trace, finished)
 
 
-__all__ = ["EngineModelError", "EngineRequestError", "EngineTimeoutError", "SGLangClient", "VLLMClient"]
+__all__ = [
+    "DeadlineExceededError",
+    "EngineModelError",
+    "EngineRequestError",
+    "EngineTimeoutError",
+    "ModelMismatchError",
+    "ResponseFieldError",
+    "ResponseTooLargeError",
+    "SGLangClient",
+    "VLLMClient",
+]
