@@ -7,7 +7,18 @@ import platform
 from importlib import metadata
 from typing import Any
 
-PACKAGES = ("routereplay", "numpy", "torch", "transformers", "megatron-core", "httpx", "zstandard", "rich")
+PACKAGES = (
+    "routereplay",
+    "numpy",
+    "torch",
+    "transformers",
+    "megatron-core",
+    "httpx",
+    "zstandard",
+    "matplotlib",  # report plots (demo --report, train --plot)
+    "rich",
+)
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the user's thread choice (routereplay.threads)
 
 
 def processor_name() -> str:
@@ -23,7 +34,8 @@ def processor_name() -> str:
 
 
 def collect() -> dict[str, Any]:
-    """Python, platform, CPU, package versions (None = not installed), torch threads and CUDA."""
+    """Python, platform, CPU, package versions (None = not installed), torch threads, the thread variables,
+    the load average (a busy machine explains slow runs) and CUDA."""
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -39,10 +51,12 @@ def collect() -> dict[str, Any]:
     import torch
 
     info["torch_threads"] = torch.get_num_threads()
+    info["thread_variables"] = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)
+    info["load_average"] = ", ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else None
     info["cuda_available"] = bool(torch.cuda.is_available())
     if info["cuda_available"]:
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info
 
 
-__all__ = ["collect", "processor_name"]
+__all__ = ["PACKAGES", "THREAD_VARIABLES", "collect", "processor_name"]
