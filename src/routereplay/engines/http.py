@@ -4,7 +4,9 @@ A plain HTTP client applies its timeout to each socket operation and reads any b
 server that sends one byte just before each timeout keeps a request alive for ever, and one huge
 response takes all the memory. `BoundedHTTP` runs each attempt (connect, send, wait for the
 headers, read the body) under the limits of an `HTTPPolicy`:
-- `deadline`: seconds one attempt may take in all, from connect to the last body byte. Every socket
+- `deadline`: seconds one attempt may take in all, from connect to the last body byte (default
+  `DEADLINE_PER_TIMEOUT` x `timeout`: the wait for the answer, then as long again to receive it,
+  so `timeout=1` ends a trickled attempt after 2 s, `timeout=60` after 120 s). Every socket
   operation waits at most min(`timeout`, time left), and none starts once the deadline has passed,
   so a server trickling its headers or its body is cut off at the deadline (`DeadlineExceededError`).
   Each retry gets a fresh deadline: a call lasts at most `retries` x `deadline` plus the backoff
@@ -46,7 +48,7 @@ from routereplay.errors import (
 from routereplay.jsondocument import JsonLimits, load_json
 
 DEFAULT_TIMEOUT = 60.0  # seconds of silence: connect, or between two reads
-DEFAULT_DEADLINE = 300.0  # seconds per attempt, connect to last body byte
+DEADLINE_PER_TIMEOUT = 2.0  # default deadline (seconds per attempt, connect to last byte) = this x timeout
 DEFAULT_MAX_RESPONSE_BYTES = 256 << 20  # 256 MiB: SGLang int32 routes of ~100k tokens x 61 layers x top-8
 DEFAULT_RETRIES = 3  # attempts in all
 DEFAULT_BACKOFF = 0.5  # seconds before the 2nd attempt, doubling after
@@ -63,16 +65,17 @@ class HTTPPolicy:
     """Limits and retries of one client's requests (see the module docstring for each field)."""
 
     timeout: float = DEFAULT_TIMEOUT
-    deadline: float = DEFAULT_DEADLINE
+    deadline: float | None = None  # None: DEADLINE_PER_TIMEOUT x timeout (resolved on construction)
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     retries: int = DEFAULT_RETRIES
     backoff: float = DEFAULT_BACKOFF
 
     def __post_init__(self) -> None:
+        if self.deadline is None and _seconds(self.timeout):
+            object.__setattr__(self, "deadline", DEADLINE_PER_TIMEOUT * self.timeout)
         for name, minimum in (("timeout", 0.0), ("deadline", 0.0), ("backoff", None)):
             value = getattr(self, name)
-            bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            if bad or (value <= minimum if minimum is not None else value < 0):
+            if not _seconds(value) or (value <= minimum if minimum is not None else value < 0):
                 bound = "> 0" if minimum is not None else ">= 0"
                 raise ConfigError(f"{name}={value!r} must be a finite number of seconds {bound}")
         for name, least, meaning in (
@@ -82,6 +85,17 @@ class HTTPPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ConfigError(f"{name}={value!r} ({meaning}) must be an int >= {least}")
+
+    @property
+    def attempt_seconds(self) -> float:
+        """The resolved `deadline`: seconds one attempt may take, connect to last body byte."""
+        assert self.deadline is not None  # resolved in __post_init__
+        return self.deadline
+
+
+def _seconds(value: object) -> bool:
+    """Whether `value` is a finite real number (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 class BoundedHTTP:
@@ -159,11 +173,11 @@ class BoundedHTTP:
         headers = [(b"Accept", b"application/json"), (b"Accept-Encoding", b"identity")]
         if content is not None:
             headers.append((b"Content-Type", b"application/json"))
-        seconds = min(policy.timeout, policy.deadline)
+        seconds = min(policy.timeout, policy.attempt_seconds)
         timeouts = {"connect": seconds, "read": seconds, "write": seconds, "pool": seconds}
         body = bytearray()
         start = time.monotonic()
-        with self._clock.attempt(start + policy.deadline):
+        with self._clock.attempt(start + policy.attempt_seconds):
             try:
                 with self._pool.stream(
                     method, url, headers=headers, content=content, extensions={"timeout": timeouts}
@@ -185,10 +199,10 @@ class BoundedHTTP:
                 elapsed = time.monotonic() - start
                 if self._clock.deadline_bound():
                     raise DeadlineExceededError(
-                        f"no complete response within deadline={policy.deadline}s ({elapsed:.2f}s elapsed, "
+                        f"no complete response within deadline={policy.attempt_seconds}s ({elapsed:.2f}s elapsed, "
                         f"{len(body)} body bytes received): the server is too slow or trickling bytes",
                         url=url,
-                        deadline=policy.deadline,
+                        deadline=policy.attempt_seconds,
                         elapsed=elapsed,
                         received=len(body),
                     ) from exc

@@ -10,7 +10,8 @@ request (run `concurrency` at a time) with its own seed `params.seed + index`, s
   reads `output_ids`, `meta_info.output_token_logprobs` ([logprob, token_id, text] triples) and
   `meta_info.routed_experts`.
 Both servers must run with --enable-return-routed-experts. Requests go through `BoundedHTTP`
-(engines/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect to last byte),
+(engines/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect to last byte;
+default 2 x timeout),
 `max_response_bytes` and `retries` / `backoff` are keyword arguments of both clients. Token ids
 must be ints in [0, 2**31), log-probs real numbers (not NaN, not +inf), one per token
 (`ResponseFieldError`); a response whose `"model"` is not the client's `model` is refused
@@ -29,7 +30,6 @@ from typing import Any
 from routereplay.engines.hf import Rollout, SamplingParams
 from routereplay.engines.http import (
     DEFAULT_BACKOFF,
-    DEFAULT_DEADLINE,
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
@@ -171,7 +171,7 @@ class VLLMClient(_RemoteEngine):
         layers: Sequence[int] | None = None,
         top_k: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
-        deadline: float = DEFAULT_DEADLINE,
+        deadline: float | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         retries: int = DEFAULT_RETRIES,
         backoff: float = DEFAULT_BACKOFF,
@@ -281,7 +281,7 @@ class SGLangClient(_RemoteEngine):
         num_experts: int,
         moe_layers: Sequence[int] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
-        deadline: float = DEFAULT_DEADLINE,
+        deadline: float | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
         retries: int = DEFAULT_RETRIES,
         backoff: float = DEFAULT_BACKOFF,
