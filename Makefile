@@ -10,6 +10,12 @@ TORCH  := torch==2.13.0
 # the HF runtime is tested against this transformers release (the `hf` extra allows any 5.x)
 TRANSFORMERS := transformers==5.23.0
 STAMP  := $(VENV)/.installed
+# make examples writes here (git-ignored, per checkout), never to a path shared with other users
+EXAMPLES_OUT := build/examples
+# pytest-xdist workers (auto: one per core); tests/conftest.py gives each worker
+# max(1, cores // workers) torch/OpenMP threads, so workers x threads never exceeds the cores.
+# On a busy machine: make test TEST_WORKERS=1
+TEST_WORKERS ?= auto
 
 .PHONY: demo examples test lint bench clean
 
@@ -35,11 +41,12 @@ examples: $(STAMP)
 	@$(BIN)/routereplay inspect $(EXAMPLES)/moonlight_vllm.json --num-experts 64 --layers-shown 2 \
 		|| echo "(exit status $$?: refused, as it should be)"
 	@echo "== store it compactly: codec file vs the wire payload =="
-	$(BIN)/routereplay convert $(EXAMPLES)/qwen3_30b_a3b_sglang.json /tmp/routereplay-demo.rrt --force \
+	@mkdir -p $(EXAMPLES_OUT)
+	$(BIN)/routereplay convert $(EXAMPLES)/qwen3_30b_a3b_sglang.json $(EXAMPLES_OUT)/qwen3_30b_a3b.rrt --force \
 		--num-layers 48 --top-k 8 --num-experts 128
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
