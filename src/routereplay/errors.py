@@ -44,6 +44,11 @@ class DtypeError(PayloadError):
     """Routes must be integers; a float, bool or object array is refused."""
 
 
+class JsonDocumentError(PayloadEncodingError):
+    """A JSON document is invalid (says line/column/character), too large, nested too deep, or holds a
+    too-long or non-finite number (`routereplay.jsondocument.JsonLimits`)."""
+
+
 class PayloadLimitError(PayloadSizeError):
     """A declared shape exceeds a `WireLimits` bound (rows, layers, top-k, dimensions): refused unallocated."""
 
@@ -111,6 +116,11 @@ class CodecVersionError(CodecError):
 
 class ChecksumError(CodecError):
     """The stored checksum does not match the bytes: the blob was corrupted or tampered with."""
+
+
+class StoreHeaderError(CodecFormatError):
+    """A route store file's JSON header is invalid, nested too deep, holds a too-long or non-finite
+    number, or has fields of the wrong type (even under a valid CRC)."""
 
 
 # --- the replay runtime ------------------------------------------------------------------------

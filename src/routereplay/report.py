@@ -55,6 +55,8 @@ PERCENT_METRICS = frozenset(
 )
 # Metrics that are small and span orders of magnitude.
 SCIENTIFIC_METRICS = frozenset({"k3_kl", "chi2"})
+# Counts (some arrive as floats, e.g. `tokens`): shown as whole numbers.
+COUNT_METRICS = frozenset({"compared_rows", "unrouted_rows", "tokens", "fallback_rows"})
 
 # Results-table rows, in order: (key, label, what it measures). Unknown scalar keys follow these.
 METRIC_ROWS: tuple[tuple[str, str, str], ...] = (
@@ -76,7 +78,24 @@ METRIC_ROWS: tuple[tuple[str, str, str], ...] = (
     ),
     ("update_drift", "Drift old pass → updates (GRPO)", "routing change between the old-log-prob pass and the updates"),
     ("fallback_rows", "Fallback rows", "(token, layer) rows without engine routes (-1), routed live and counted"),
+    (
+        "compared_rows",
+        "Compared rows",
+        "(token, layer) rows where both engine and trainer have a route: the denominator of routing disagreement",
+    ),
+    (
+        "unrouted_rows",
+        "Unrouted rows",
+        "(token, layer) rows of compared tokens that one side left unrouted (-1), so not compared",
+    ),
+    ("tokens", "Tokens", "response tokens behind the log-prob metrics (k3 KL, F(2), |d|, ...)"),
 )
+
+# Config fields whose None means a default, not a missing value: what the report says instead of "None".
+CONFIG_DEFAULTS = {
+    "model": "built-in demo model (see arch)",
+    "threads": "default: OMP_NUM_THREADS if set, else 1",
+}
 
 LN2 = math.log(2.0)
 DLOGP_FLOOR = 1e-7  # |d| below this (including exact zeros) is drawn at this value on the log axis
@@ -109,6 +128,8 @@ def format_metric(name: str, value: float | None) -> str:
         return "n/a"
     if isinstance(value, (bool, np.bool_)):
         return str(bool(value))
+    if name in COUNT_METRICS and float(value).is_integer():
+        return f"{int(value):,}"
     if isinstance(value, (int, np.integer)) and name not in PERCENT_METRICS:
         return str(int(value))
     value = float(value)
@@ -296,14 +317,18 @@ def plot_dlogp_hist(result: Mapping[str, Any], path: Path) -> Path | None:
     upper = max(largest * 1.5, LN2 * 2.0)
     bins = np.logspace(math.log10(DLOGP_FLOOR), math.log10(upper), 61).tolist()
     all_modes = _ordered_modes(result["modes"])
-    fig = _new_figure(7.2, 4.0)
+    fig = _new_figure(7.2, 4.6)
     ax = fig.add_subplot()
-    for mode in modes_M:
+    for names in _identical_groups(abs_by_mode):
+        mode = names[0]
         abs_N = abs_by_mode[mode]
         abs_N = abs_N[np.isfinite(abs_N)]
         f2 = float(np.mean(abs_N > LN2)) if abs_N.size else 0.0
         median = float(np.median(abs_N)) if abs_N.size else 0.0
-        label = f"{mode}  (n={abs_N.size:,}, median {median:.2g}, F(2) {format_metric('extreme_frac_2', f2)})"
+        same = f" = {' = '.join(names[1:])}, identical data" if len(names) > 1 else ""
+        label = (
+            f"{mode}{same}  (n={abs_N.size:,}, median {median:.2g}, F(2) {format_metric('extreme_frac_2', f2)})"
+        )
         shown_N = np.clip(abs_N, DLOGP_FLOOR, None)
         weights_N = np.full(shown_N.shape, 100.0 / max(shown_N.size, 1))
         color = _mode_color(mode, all_modes)
@@ -326,8 +351,22 @@ def plot_dlogp_hist(result: Mapping[str, Any], path: Path) -> Path | None:
     ax.set_ylabel("tokens (%)")
     ax.set_title("Log-prob mismatch between trainer and engine")
     _style_axes(ax)
-    ax.legend(frameon=False, fontsize=8.5, loc="upper left")
+    fig.legend(frameon=False, fontsize=8.5, loc="outside lower center")  # below the axes: never over the bars
     return _save_figure(fig, path)
+
+
+def _identical_groups(arrays: Mapping[str, np.ndarray]) -> list[list[str]]:
+    """Modes grouped by identical data, in order: one curve drawn on another would hide it (the demo's
+    R2 old-log-prob pass routes like `off`, so their |d| are the same numbers)."""
+    groups: list[list[str]] = []
+    for name, values in arrays.items():
+        for group in groups:
+            if np.array_equal(arrays[group[0]], values, equal_nan=True):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
 
 
 def plot_kl(result: Mapping[str, Any], path: Path) -> Path | None:
@@ -442,7 +481,8 @@ CAPTIONS = {
     ),
     "dlogp_hist.png": (
         "Distribution of |d| = |logp_train − logp_infer| over response tokens (log x axis). Mass to the right "
-        "of the dashed ln 2 line is F(2): tokens whose probability ratio lies outside [½, 2]."
+        "of the dashed ln 2 line is F(2): tokens whose probability ratio lies outside [½, 2]. Modes with identical "
+        "data share one curve (R2 scores like off: its old-log-prob pass routes the trainer's own way)."
     ),
     "kl.png": (
         "k3 KL and F(2) per mode, with each mode's ratio to no replay (off). A ratio below 1 means replay "
@@ -514,7 +554,8 @@ def render_html(result: Mapping[str, Any], images: Sequence[str]) -> str:
         "outside [½, 2]. Lower is better for both: a large mismatch biases the policy-gradient importance "
         "weights."
     )
-    facts = [_facts_table("Config", config), _facts_table("Model", model)]
+    shown_config = {key: CONFIG_DEFAULTS.get(key, "not set") if v is None else v for key, v in config.items()}
+    facts = [_facts_table("Config", shown_config), _facts_table("Model", model)]
     if result.get("rollouts"):
         facts.append(_facts_table("Rollouts", result["rollouts"]))
     figures = "".join(

@@ -14,6 +14,16 @@ merged by absolute token position from every engine call that returned routes:
 
 `trace(sample_id)` covers rows [0, N - 1): the last token is never fed back, so never routed.
 
+Threads: every method holds the store's lock (a `threading.RLock`), so `add_turn` from rollout
+threads and `to_bytes` / `save` / `trace` / `stats` from another thread are safe together; `save`
+serialises under the lock and writes the file outside it. The dict `metadata(sample_id)` returns is
+the stored one: edit it from one thread at a time. Pickling and `copy.deepcopy` leave the lock out
+and give the copy a new one.
+
+Limits: `from_bytes` / `load` parse the JSON header within `routereplay.jsondocument.JsonLimits`
+(256 MiB, 64 levels deep, 100-digit numbers, finite numbers only); `save` refuses metadata that
+`load` would refuse.
+
 File format (`save` / `load`), little-endian, one file per batch, written atomically:
 
     0   4    magic b"RRST"
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from routereplay import codec
+from routereplay.atomicfile import atomic_write
 from routereplay.enums import CodecMode
 from routereplay.errors import (
     ChecksumError,
@@ -50,15 +62,17 @@ from routereplay.errors import (
     ConfigError,
     LayerCountError,
     RowCountError,
+    StoreHeaderError,
     TopKMismatchError,
 )
+from routereplay.jsondocument import JsonLimits, load_json
 from routereplay.trace import UNROUTED_SOURCE, MergePolicy, RouteTrace, Segment, canonical_dtype
-from routereplay.tracefile import atomic_write
 
 MAGIC = b"RRST"
 VERSION = 1
 _FIXED = struct.Struct("<4sB3xQQ")  # magic, version, reserved, header length, data length
 _CRC = struct.Struct("<I")
+HEADER_DEPTH = 3  # levels of the header around a sample's metadata: {"samples": [{"metadata": ...}]}
 
 SampleId = str | int
 
@@ -68,7 +82,9 @@ class MisalignedRoutesError(RowCountError):
 
 
 class DuplicatedPrefixError(RowCountError):
-    """The routes hold a prefix twice (the verl #6029 partial-rollout concatenation bug)."""
+    """The routes hold a prefix twice (the verl #6029 partial-rollout concatenation bug): an exact
+    repeat, or an excess of rows equal to the rows the store already holds for the sample (the
+    prefix re-sent after a weight update routes differently), or token ids that repeat the prefix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +113,7 @@ class RouteStore:
     """Samples keyed by id (str or int): token ids, merged routes and a metadata dict each.
 
     The model geometry (num_experts, layers, top_k) is given here or taken from the first trace;
-    every later trace must match it.
+    every later trace must match it. Safe to use from several threads (see the module docstring).
     """
 
     def __init__(
@@ -108,8 +124,19 @@ class RouteStore:
             raise ConfigError("give all of num_experts, layers and top_k, or none (taken from the first trace)")
         self._geometry: tuple[int, tuple[int, ...], int] | None = None
         if num_experts is not None and layers is not None and top_k is not None:
-            self._geometry = (int(num_experts), tuple(int(x) for x in layers), int(top_k))
+            self._geometry = _check_geometry_args(num_experts, layers, top_k)
         self._samples: dict[SampleId, _Sample] = {}
+        self._lock = threading.RLock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     # --- adding -------------------------------------------------------------------------------
     def add_turn(
@@ -132,6 +159,25 @@ class RouteStore:
         """
         sample_id = _check_id(sample_id)
         tokens = _as_tokens(token_ids, sample_id)
+        if policy_version is not None and not (_is_int(policy_version) and policy_version >= 0):
+            raise ConfigError(f"sample {sample_id!r}: policy_version={policy_version!r} must be a non-negative int")
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise ConfigError(f"sample {sample_id!r}: metadata must be a mapping (dict) or None, got {metadata!r}")
+        if trace is not None and not isinstance(trace, RouteTrace):
+            raise ConfigError(f"sample {sample_id!r}: trace must be a RouteTrace or None, got {type(trace).__name__}")
+        with self._lock:
+            self._add_turn(sample_id, tokens, trace, policy, policy_version, metadata, validate)
+
+    def _add_turn(
+        self,
+        sample_id: SampleId,
+        tokens: np.ndarray,
+        trace: RouteTrace | None,
+        policy: MergePolicy | str,
+        policy_version: int | None,
+        metadata: Mapping[str, Any] | None,
+        validate: bool,
+    ) -> None:
         sample = self._samples.get(sample_id)
         if sample is not None:
             _check_prefix(sample.tokens, tokens, sample_id)
@@ -141,11 +187,11 @@ class RouteStore:
             raise ConfigError(f"policy={policy!r} is not a merge policy; use 'keep' or 'replace'") from None
         if trace is not None:
             self._check_geometry(trace, sample_id)
-            _check_rows(trace, len(tokens), sample_id)
+            _check_rows(trace, len(tokens), sample_id, sample)
             if validate:
                 trace.validate(sample_id)
             if policy_version is not None:
-                segments = tuple(replace(s, policy_version=policy_version) for s in trace.segments)
+                segments = tuple(replace(s, policy_version=int(policy_version)) for s in trace.segments)
                 trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments)
             if self._geometry is None:
                 self._geometry = (trace.num_experts, trace.layers, trace.top_k)
@@ -165,29 +211,42 @@ class RouteStore:
 
     # --- reading ------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._samples)
+        with self._lock:
+            return len(self._samples)
 
     def __contains__(self, sample_id: object) -> bool:
-        return sample_id in self._samples
+        with self._lock:
+            try:
+                return sample_id in self._samples
+            except TypeError:  # unhashable: never a sample id
+                return False
 
     def __iter__(self) -> Iterator[SampleId]:
-        """Sample ids in insertion order."""
-        return iter(list(self._samples))
+        """Sample ids in insertion order (a snapshot: adding while iterating is safe)."""
+        with self._lock:
+            return iter(list(self._samples))
 
     @property
     def geometry(self) -> tuple[int, tuple[int, ...], int] | None:
         """(num_experts, layers, top_k), or None before the first trace."""
-        return self._geometry
+        with self._lock:
+            return self._geometry
 
     def tokens(self, sample_id: SampleId) -> list[int]:
-        return self._get(sample_id).tokens.tolist()
+        with self._lock:
+            return self._get(sample_id).tokens.tolist()
 
     def metadata(self, sample_id: SampleId) -> dict[str, Any]:
         """The sample's metadata dict itself (edits are kept; it must stay JSON for `save`)."""
-        return self._get(sample_id).metadata
+        with self._lock:
+            return self._get(sample_id).metadata
 
     def trace(self, sample_id: SampleId) -> RouteTrace:
         """The routes of rows [0, N - 1), -1 where no engine call routed the token (under a "none" segment)."""
+        with self._lock:
+            return self._trace(sample_id)
+
+    def _trace(self, sample_id: SampleId) -> RouteTrace:
         sample = self._get(sample_id)
         if self._geometry is None:
             raise ConfigError(
@@ -203,6 +262,12 @@ class RouteStore:
     def stale_fraction(self, sample_id: SampleId | None, current_version: int) -> float:
         """Fraction of routed rows produced under a policy version older than `current_version`, over one
         sample or (None) all. Rows of unknown version count as stale: they cannot be shown current."""
+        if not _is_int(current_version):
+            raise ConfigError(f"current_version={current_version!r} must be an int (the trainer's policy version)")
+        with self._lock:
+            return self._stale_fraction(sample_id, current_version)
+
+    def _stale_fraction(self, sample_id: SampleId | None, current_version: int) -> float:
         samples = self._samples.values() if sample_id is None else [self._get(sample_id)]
         stale = routed = 0
         for trace in (sample.trace for sample in samples if sample.trace is not None):
@@ -215,6 +280,10 @@ class RouteStore:
         return stale / routed if routed else 0.0
 
     def stats(self) -> StoreStats:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> StoreStats:
         samples = self._samples.values()
         by_source: Counter[str] = Counter()
         for sample in samples:
@@ -232,17 +301,23 @@ class RouteStore:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RouteStore):
             return NotImplemented
-        return (
-            self._geometry == other._geometry
-            and list(self._samples) == list(other._samples)
-            and all(_same_sample(a, other._samples[key]) for key, a in self._samples.items())
-        )
+        first, second = sorted((self, other), key=id)  # one lock order, so a == b and b == a cannot deadlock
+        with first._lock, second._lock:
+            return (
+                self._geometry == other._geometry
+                and list(self._samples) == list(other._samples)
+                and all(_same_sample(a, other._samples[key]) for key, a in self._samples.items())
+            )
 
     __hash__ = None  # type: ignore[assignment]
 
     # --- persistence --------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """The whole store in the versioned container format (see the module docstring)."""
+        with self._lock:
+            return self._to_bytes()
+
+    def _to_bytes(self) -> bytes:
         entries, chunks = [], []
         for sample_id, sample in self._samples.items():
             blob = b"" if sample.trace is None else codec.encode(sample.trace, mode=CodecMode.ORDERED)
@@ -271,15 +346,30 @@ class RouteStore:
         return len(data)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> RouteStore:
-        """Parse `to_bytes` output; corruption raises `CodecFormatError`, `CodecVersionError` or `ChecksumError`."""
-        header, body = _check_envelope(bytes(data))
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, limits: JsonLimits | None = None) -> RouteStore:
+        """Parse `to_bytes` output; corruption raises `CodecFormatError` (`StoreHeaderError` for the JSON
+        header), `CodecVersionError` or `ChecksumError`. The header is parsed within `limits`."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ConfigError(f"from_bytes needs bytes, got {type(data).__name__}")
+        if limits is not None and not isinstance(limits, JsonLimits):
+            raise ConfigError(f"limits must be a JsonLimits or None, got {type(limits).__name__}")
+        header, body = _check_envelope(bytes(data), limits)
         try:
             geometry = header["geometry"]
+            if geometry is not None and not isinstance(geometry, dict):
+                raise TypeError(f"geometry is a {type(geometry).__name__}, not an object")
             store = cls() if geometry is None else cls(**geometry)
+            samples = header["samples"]
+            if not isinstance(samples, list):
+                raise TypeError(f"samples is a {type(samples).__name__}, not a list")
             position = 0
-            for entry in header["samples"]:
+            for entry in samples:
+                if not isinstance(entry, dict):
+                    raise TypeError(f"a sample entry is a {type(entry).__name__}, not an object")
                 sample_id, count, size = entry["id"], entry["tokens"], entry["routes"]
+                conflicting = entry["conflicting_rows"]
+                if not _is_int(conflicting) or conflicting < 0:
+                    raise ValueError(f"sample {sample_id!r} has conflicting_rows={conflicting!r}")
                 if sample_id in store:
                     raise ValueError(f"sample id {sample_id!r} appears twice")
                 if not isinstance(count, int) or count < 1 or position + 8 * count > len(body):
@@ -295,18 +385,19 @@ class RouteStore:
                     if trace.num_tokens == 0:
                         raise ValueError(f"sample {sample_id!r} has an empty routes blob")
                 store.add_turn(sample_id, tokens, trace, metadata=entry["metadata"])
-                store._samples[sample_id].conflicting_rows = int(entry["conflicting_rows"])
+                store._samples[sample_id].conflicting_rows = conflicting
             if position != len(body):
                 raise ValueError(f"{len(body) - position} stray bytes at the end of the data section")
         except CodecError:
             raise
         except (KeyError, TypeError, ValueError) as error:  # ConfigError / RowCountError are ValueErrors
-            raise CodecFormatError(f"route store file is malformed: {error!s}; re-save the store") from error
+            what = f"missing field {error!s}" if isinstance(error, KeyError) else str(error)
+            raise StoreHeaderError(f"route store file is malformed: {what}; re-save the store") from error
         return store
 
     @classmethod
-    def load(cls, path: str | Path) -> RouteStore:
-        return cls.from_bytes(Path(path).read_bytes())
+    def load(cls, path: str | Path, *, limits: JsonLimits | None = None) -> RouteStore:
+        return cls.from_bytes(Path(path).read_bytes(), limits=limits)
 
     # --- internals ----------------------------------------------------------------------------
     def _get(self, sample_id: SampleId) -> _Sample:
@@ -373,13 +464,21 @@ def _check_prefix(old: np.ndarray, new: np.ndarray, sample_id: SampleId) -> None
         )
 
 
-def _check_rows(trace: RouteTrace, num_tokens: int, sample_id: SampleId) -> None:
-    """Rows must stop at num_tokens - 1; an excess that repeats a prefix is the duplicated-prefix bug."""
+def _check_rows(trace: RouteTrace, num_tokens: int, sample_id: SampleId, sample: _Sample | None = None) -> None:
+    """Rows must stop at num_tokens - 1. An excess is the duplicated-prefix bug (verl #6029) when the
+    first rows repeat the next ones exactly, when the excess equals the rows the store already holds
+    for the sample (a resumed rollout's re-sent prefix, routed again under new weights, so not an
+    exact repeat), or when the trace's token ids repeat the prefix."""
     limit = num_tokens - 1
     if trace.stop <= limit:
         return
     extra = trace.num_tokens - max(limit - trace.start, 0)
     head = trace.experts[:extra]
+    fix = (
+        f"keep one copy: drop the first {extra} rows (or send only the rows from the resume point with their "
+        "start offset), or add the re-sent full sequence as its own add_turn call: it merges by offset, and "
+        "policy='replace' takes the newer routes"
+    )
     if (
         0 < extra <= trace.num_tokens - extra
         and (head >= 0).any()
@@ -388,8 +487,29 @@ def _check_rows(trace: RouteTrace, num_tokens: int, sample_id: SampleId) -> None
         raise DuplicatedPrefixError(
             f"sample {sample_id!r}: routes have {trace.num_tokens} rows from token {trace.start} but {num_tokens} "
             f"token ids allow {limit - trace.start}, and the first {extra} rows repeat the next {extra}: a prefix's "
-            "routes were concatenated twice (the verl #6029 partial-rollout merge bug). keep one copy: drop the "
-            f"first {extra} rows, or add the re-sent full sequence as its own turn (it merges by offset)"
+            f"routes were concatenated twice (the verl #6029 partial-rollout merge bug). {fix}"
+        )
+    held = set() if sample is None else {len(sample.tokens) - 1, len(sample.tokens)}
+    if sample is not None and sample.trace is not None:
+        held.add(sample.trace.stop - trace.start)
+    ids = getattr(trace, "token_ids", None)
+    repeated_ids = (
+        ids is not None
+        and 0 < extra <= trace.num_tokens - extra
+        and bool((ids[:extra] >= 0).all())
+        and bool(np.array_equal(ids[:extra], ids[extra : 2 * extra]))
+    )
+    if trace.start == 0 and (extra in held or repeated_ids):
+        why = (
+            f"the trace's token ids repeat its first {extra} tokens"
+            if repeated_ids
+            else f"the {extra} extra rows are exactly the rows the store already holds for this sample"
+        )
+        raise DuplicatedPrefixError(
+            f"sample {sample_id!r}: routes have {trace.num_tokens} rows from token 0 but {num_tokens} token ids "
+            f"allow {limit}, and {why}: the prefix was sent again and its routes concatenated before the new "
+            "ones (the verl #6029 bug of a resumed / partial rollout after a weight update: the re-sent prefix "
+            f"was routed by the new weights, so its rows differ from the first copy). {fix}"
         )
     raise RowCountError(
         f"sample {sample_id!r}: routes cover token positions [{trace.start}, {trace.stop}) but the sample has "
@@ -410,12 +530,20 @@ def _conflicts(old: RouteTrace, new: RouteTrace) -> int:
 
 
 def _check_json(metadata: dict[str, Any], sample_id: SampleId) -> None:
+    """Refuse metadata that `load` would refuse or change (the header limits apply to it too)."""
+    defaults = JsonLimits()
+    limits = JsonLimits(
+        max_bytes=defaults.max_bytes,
+        max_depth=defaults.max_depth - HEADER_DEPTH,
+        max_number_digits=defaults.max_number_digits,
+    )
     try:
-        exact = json.loads(json.dumps(metadata, allow_nan=False)) == metadata
-    except (TypeError, ValueError) as error:
+        text = json.dumps(metadata, allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError) as error:
         raise ConfigError(
             f"sample {sample_id!r}: metadata is not JSON ({error}); store plain str/int/float/list/dict"
         ) from None
+    exact = load_json(text, what=f"sample {sample_id!r} metadata", error=ConfigError, limits=limits) == metadata
     if not exact:
         raise ConfigError(
             f"sample {sample_id!r}: metadata {metadata!r} changes through JSON (tuples, non-str keys); store lists "
@@ -423,7 +551,7 @@ def _check_json(metadata: dict[str, Any], sample_id: SampleId) -> None:
         )
 
 
-def _check_envelope(data: bytes) -> tuple[dict[str, Any], bytes]:
+def _check_envelope(data: bytes, limits: JsonLimits | None) -> tuple[dict[str, Any], bytes]:
     if data[:4] != MAGIC:
         raise CodecFormatError(f"bad magic {data[:4]!r} at byte offset 0 (expected {MAGIC!r}): not a route store file")
     if len(data) < _FIXED.size + _CRC.size:
@@ -446,13 +574,28 @@ def _check_envelope(data: bytes) -> tuple[dict[str, Any], bytes]:
             "tampered with; re-save the store"
         )
     header_end = _FIXED.size + header_size
-    try:
-        header = json.loads(data[_FIXED.size : header_end])
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CodecFormatError(f"route store header is not JSON ({error}): corrupt file") from error
+    header = load_json(
+        data[_FIXED.size : header_end], what="route store header (corrupt file)", error=StoreHeaderError, limits=limits
+    )
     if not isinstance(header, dict):
-        raise CodecFormatError("route store header is not a JSON object: corrupt file")
+        raise StoreHeaderError("route store header is not a JSON object: corrupt file")
     return header, data[header_end : header_end + data_size]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_geometry_args(num_experts: Any, layers: Any, top_k: Any) -> tuple[int, tuple[int, ...], int]:
+    if not (_is_int(num_experts) and num_experts >= 1):
+        raise ConfigError(f"num_experts={num_experts!r} must be a positive int")
+    if not (_is_int(top_k) and 1 <= top_k <= num_experts):
+        raise ConfigError(f"top_k={top_k!r} must be an int in [1, num_experts={num_experts}]")
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, np.ndarray)):
+        raise ConfigError(f"layers={layers!r} must be a sequence of global layer numbers")
+    if not all(_is_int(x) and x >= 0 for x in layers) or len(set(layers)) != len(layers) or not len(layers):
+        raise ConfigError(f"layers={list(layers)!r} must be distinct non-negative global layer numbers (at least one)")
+    return int(num_experts), tuple(int(x) for x in layers), int(top_k)
 
 
 def _same_sample(a: _Sample, b: _Sample) -> bool:

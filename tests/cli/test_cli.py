@@ -96,12 +96,13 @@ def test_convert_round_trip_through_every_format(
     assert record["output_bytes"] == rrt.stat().st_size and record["rows"] == 27
     trace = decode(rrt.read_bytes())
     assert trace.layers == (1, 2, 3) and np.array_equal(trace.experts, routes[:, 1:])
-    for fmt, extra in (("sglang", ["--num-layers", "3", "--top-k", "2"]), ("megatron", []), ("vllm", [])):
+    for fmt, extra in (("sglang", ["--num-layers", "4", "--top-k", "2"]), ("megatron", []), ("vllm", [])):
         out = tmp_path / f"t.{fmt}.json"
         assert main(["convert", str(rrt), str(out), "--to", fmt]) == EXIT_OK
         back = tmp_path / f"back.{fmt}.rrt"
         assert main(["convert", str(out), str(back), "--num-experts", "16", *extra]) == EXIT_OK
         assert np.array_equal(decode(back.read_bytes()).experts, np.sort(routes[:, 1:], axis=2)), "set mode sorts rows"
+        assert decode(back.read_bytes()).layers == (1, 2, 3), "layer numbers survive (issue 11 item 27)"
     npy = tmp_path / "t.npy"
     assert main(["convert", str(rrt), str(npy)]) == EXIT_OK
     assert np.array_equal(np.load(npy), routes[:, 1:])

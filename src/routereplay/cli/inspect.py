@@ -60,7 +60,12 @@ def _render(path: str, fmt: str, summary: Any, layers_shown: int) -> None:
     )
     facts.add_column(style="cyan")
     facts.add_column()
-    facts.add_row("rows (tokens)", f"{summary.num_tokens}  (token positions {summary.start}..{summary.stop})")
+    facts.add_row(
+        "rows (tokens)",
+        f"{summary.num_tokens}  (token positions {summary.start}..{summary.stop - 1})"
+        if summary.num_tokens
+        else f"0  (no rows from token position {summary.start})",
+    )
     facts.add_row("layers", f"{summary.num_layers}  [{compact_ranges(summary.layers)}]")
     facts.add_row("top-k / experts", f"{summary.top_k} of {summary.num_experts}  ({summary.dtype})")
     total = summary.routed_rows + summary.unrouted_rows
