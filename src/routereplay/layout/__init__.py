@@ -8,8 +8,10 @@ torch and returns the same type, and has an inverse:
 - Ulysses SP, TP-SP scatter, CP zigzag (padded and packed), contiguous splits, sequence-first order
 - PP / VPP stage slicing by global layer number, all-layer vs MoE-only payloads: `LayerMap`,
   `PipelineLayout`
+- plans (`layout.plan`): run a chain on `token_index(B, S)`, then move the routes once with `gather`
 """
 
+from routereplay.layout import plan
 from routereplay.layout.packing import Packed, pack, unpack
 from routereplay.layout.padding import Side, attention_mask_of, pad, unpad
 from routereplay.layout.parallel import (
@@ -29,6 +31,7 @@ from routereplay.layout.parallel import (
     zigzag_unshard,
 )
 from routereplay.layout.pipeline import LayerKind, LayerMap, PipelineLayout
+from routereplay.layout.plan import gather, token_index
 from routereplay.layout.ragged import Ragged, cu_seqlens_of, from_traces, to_traces
 
 __all__ = [
@@ -45,15 +48,18 @@ __all__ = [
     "from_router_order",
     "from_sequence_first",
     "from_traces",
+    "gather",
     "pack",
     "packed_zigzag_index",
     "packed_zigzag_shard",
     "packed_zigzag_unshard",
     "pad",
+    "plan",
     "sequence_parallel_scatter",
     "to_router_order",
     "to_sequence_first",
     "to_traces",
+    "token_index",
     "ulysses_shard",
     "ulysses_unshard",
     "unpack",
