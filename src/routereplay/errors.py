@@ -227,6 +227,13 @@ class ModelMismatchError(EngineModelError):
     """A response's `"model"` names another model than the one the client asked for."""
 
 
+# --- optional dependencies -------------------------------------------------------------------------
+
+
+class MissingDependencyError(RouteReplayError, ImportError):
+    """An optional package a command needs is not installed; the message names the extra to install."""
+
+
 def location(
     sequence: str | int | None = None,
     *,

@@ -210,8 +210,10 @@ def test_bench_layout_small_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_layout_rejects_a_bad_size(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "layout", "--sp", "0"]) == EXIT_ERROR
-    assert "layout bench: sp must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "layout", "--sp", "0"])
+    assert exit_info.value.code == EXIT_ERROR
+    assert "argument --sp: must be an integer >= 1, got '0'" in capsys.readouterr().err
 
 
 def test_bench_store_small_json(capsys: pytest.CaptureFixture[str]) -> None:

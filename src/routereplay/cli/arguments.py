@@ -1,28 +1,93 @@
-"""Argument groups shared by several subcommands, and parsers for their value syntaxes."""
+"""Argument groups shared by several subcommands, and the parsers (argparse types) of their values.
+
+Every numeric flag of every subcommand is checked when the command line is parsed, before any work
+starts: argparse then prints `argument --num-experts: must be an integer >= 1, got '0'` and exits 2.
+The bounds are keyword arguments of the type factories, with the module constants below as defaults.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
+from collections.abc import Callable
 
 from routereplay.tracefile import FileFormat, PayloadHints
 
+MAX_INT_FLAG = 2**31 - 1  # sizes, counts and offsets: larger is a typo, and would not fit an int32 tensor
+MAX_SEED = 2**32 - 1  # numpy's and torch's seed range
+MAX_LAYER_NUMBER = 65535  # global layer numbers in --moe-layers: far above any model's depth
+_NUMBER = re.compile(r"[0-9]{1,9}")
 
-def layer_list(text: str) -> list[int]:
-    """Parse "1-47", "1,3,5" or "0,2-4" into a list of global layer numbers."""
+
+def bounded_int(minimum: int, maximum: int = MAX_INT_FLAG) -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be an integer <= {maximum}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def bounded_float(minimum: float, maximum: float = math.inf, *, open_minimum: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in [minimum, maximum] (or (minimum, maximum] when `open_minimum`)."""
+    low = "(" if open_minimum else "["
+    high = f"{maximum:g}]" if math.isfinite(maximum) else "inf)"
+    interval = f"{low}{minimum:g}, {high}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number in {interval}, got {text!r}") from None
+        too_low = value <= minimum if open_minimum else value < minimum
+        if not math.isfinite(value) or too_low or value > maximum:
+            raise argparse.ArgumentTypeError(f"must be a finite number in {interval}, got {text!r}")
+        return value
+
+    parse.__name__ = f"number in {interval}"
+    return parse
+
+
+positive_int = bounded_int(1)
+non_negative_int = bounded_int(0)
+seed_int = bounded_int(0, MAX_SEED)
+positive_float = bounded_float(0.0, open_minimum=True)
+non_negative_float = bounded_float(0.0)
+probability = bounded_float(0.0, 1.0, open_minimum=True)  # top-p: (0, 1]
+
+
+def layer_list(text: str, *, max_layer: int = MAX_LAYER_NUMBER) -> list[int]:
+    """Parse "1-47", "1,3,5" or "0,2-4" into ascending global layer numbers (no repeats, <= max_layer)."""
     layers: list[int] = []
-    try:
-        for part in text.split(","):
-            if "-" in part:
-                low, high = (int(x) for x in part.split("-", 1))
-                if high < low:
-                    raise ValueError(part)
-                layers.extend(range(low, high + 1))
-            elif part.strip():
-                layers.append(int(part))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad layer list {text!r}; use e.g. 1-47 or 0,2,4-6") from None
-    if not layers or min(layers) < 0:
-        raise argparse.ArgumentTypeError(f"layer list {text!r} must name non-negative layers")
+    for part in text.split(","):
+        part = part.strip()
+        low_text, dash, high_text = (piece.strip() for piece in part.partition("-"))
+        if not _NUMBER.fullmatch(low_text) or (dash and not _NUMBER.fullmatch(high_text)):
+            raise argparse.ArgumentTypeError(
+                f"bad layer list {text!r} (part {part!r}); use non-negative layer numbers, e.g. 1-47 or 0,2,4-6"
+            )
+        low = int(low_text)
+        high = int(high_text) if dash else low
+        if high < low:
+            raise argparse.ArgumentTypeError(f"layer range {part!r} in {text!r} runs backwards; write {high}-{low}")
+        if high > max_layer:
+            raise argparse.ArgumentTypeError(f"layer {high} in {text!r} is above the largest layer number {max_layer}")
+        if layers and low <= layers[-1]:
+            raise argparse.ArgumentTypeError(
+                f"layer list {text!r} is not ascending: {part!r} comes after layer {layers[-1]}; list each layer "
+                "once, in increasing order"
+            )
+        layers.extend(range(low, high + 1))
     return layers
 
 
@@ -34,19 +99,27 @@ def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--engine", choices=[f.value for f in FileFormat], help="input format (default: recognised from the bytes)"
     )
-    group.add_argument("--num-experts", type=int, help="routed experts per MoE layer (n_routed_experts / num_experts)")
-    group.add_argument("--num-layers", type=int, help="layers in the payload: every hidden layer (SGLang: required)")
-    group.add_argument("--top-k", type=int, help="experts per token (num_experts_per_tok; SGLang: required)")
+    group.add_argument(
+        "--num-experts", type=positive_int, help="routed experts per MoE layer (n_routed_experts / num_experts)"
+    )
+    group.add_argument(
+        "--num-layers", type=positive_int, help="layers in the payload: every hidden layer (SGLang: required)"
+    )
+    group.add_argument("--top-k", type=positive_int, help="experts per token (num_experts_per_tok; SGLang: required)")
     group.add_argument(
         "--moe-layers",
         type=layer_list,
-        help="global numbers of the MoE layers to keep from an all-layer payload, e.g. 1-47",
+        help="global numbers of the MoE layers to keep from an all-layer payload, ascending, e.g. 1-47 or 0,2-4",
     )
     group.add_argument(
-        "--num-tokens", type=int, help="prompt + generated tokens: checks rows == num_tokens - 1 - start"
+        "--num-tokens", type=positive_int, help="prompt + generated tokens: checks rows == num_tokens - 1 - start"
     )
-    group.add_argument("--start", type=int, default=0, help="token position of row 0 (prompt_start / start_len)")
-    group.add_argument("--index", type=int, default=0, help="choice / request index inside a response (default 0)")
+    group.add_argument(
+        "--start", type=non_negative_int, default=0, help="token position of row 0 (prompt_start / start_len)"
+    )
+    group.add_argument(
+        "--index", type=non_negative_int, default=0, help="choice / request index inside a response (default 0)"
+    )
 
 
 def payload_hints(args: argparse.Namespace) -> PayloadHints:
@@ -65,4 +138,20 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-__all__ = ["add_json_argument", "add_payload_arguments", "layer_list", "payload_hints"]
+__all__ = [
+    "MAX_INT_FLAG",
+    "MAX_LAYER_NUMBER",
+    "MAX_SEED",
+    "add_json_argument",
+    "add_payload_arguments",
+    "bounded_float",
+    "bounded_int",
+    "layer_list",
+    "non_negative_float",
+    "non_negative_int",
+    "payload_hints",
+    "positive_float",
+    "positive_int",
+    "probability",
+    "seed_int",
+]

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from routereplay.cli.arguments import add_json_argument
+from routereplay.cli.arguments import add_json_argument, non_negative_int, positive_int, seed_int
 from routereplay.cli.threads import add_threads_argument
 
 SUITES = ("codec", "layout", "store", "replay", "engine")  # what `bench all` runs
@@ -41,28 +41,32 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("suite", choices=(*SUITES, *SEPARATE_SUITES, "all"), help="which benchmark to run")
     sizes = parser.add_argument_group("sizes (defaults are the figures quoted in BENCHMARKS.md)")
-    sizes.add_argument("--tokens", type=int, default=32768, help="codec: tokens T (default 32768)")
-    sizes.add_argument("--layers", type=int, default=48, help="codec, layout, store: MoE layers L (default 48)")
-    sizes.add_argument("--top-k", type=int, default=8, help="top-k K (default 8)")
-    sizes.add_argument("--experts", type=int, default=128, help="experts E (default 128)")
-    sizes.add_argument("--batch", type=int, default=8, help="replay: batch rows (default 8)")
-    sizes.add_argument("--seq", type=int, help="replay: tokens per row (256); layout: padded length (4096)")
-    sizes.add_argument("--sequences", type=int, default=64, help="layout: sequences in the batch (default 64)")
-    sizes.add_argument("--sp", type=int, default=4, help="layout: Ulysses sequence-parallel size (default 4)")
-    sizes.add_argument("--samples", type=int, default=512, help="store: samples in the batch (default 512)")
-    sizes.add_argument("--max-len", type=int, default=8192, help="store: longest sample in tokens (default 8192)")
+    sizes.add_argument("--tokens", type=positive_int, default=32768, help="codec: tokens T (default 32768)")
+    sizes.add_argument(
+        "--layers", type=positive_int, default=48, help="codec, layout, store: MoE layers L (default 48)"
+    )
+    sizes.add_argument("--top-k", type=positive_int, default=8, help="top-k K (default 8)")
+    sizes.add_argument("--experts", type=positive_int, default=128, help="experts E (default 128)")
+    sizes.add_argument("--batch", type=positive_int, default=8, help="replay: batch rows (default 8)")
+    sizes.add_argument("--seq", type=positive_int, help="replay: tokens per row (256); layout: padded length (4096)")
+    sizes.add_argument("--sequences", type=positive_int, default=64, help="layout: sequences in the batch (default 64)")
+    sizes.add_argument("--sp", type=positive_int, default=4, help="layout: Ulysses sequence-parallel size (default 4)")
+    sizes.add_argument("--samples", type=positive_int, default=512, help="store: samples in the batch (default 512)")
+    sizes.add_argument(
+        "--max-len", type=positive_int, default=8192, help="store: longest sample in tokens (default 8192)"
+    )
     sizes.add_argument(
         "--shape", choices=("tiny", "qwen3-30b-a3b"), default="tiny", help="replay: model layer shapes (default tiny)"
     )
-    sizes.add_argument("--replay-layers", type=int, default=8, help="replay: decoder layers (default 8)")
+    sizes.add_argument("--replay-layers", type=positive_int, default=8, help="replay: decoder layers (default 8)")
     sizes.add_argument("--device", default="cpu", help="replay, layout: torch device, e.g. cuda (default cpu)")
     sizes.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="replay: dtype")
-    sizes.add_argument("--repeats", type=int, help="timed repeats per measurement (default: per suite)")
-    sizes.add_argument("--seed", type=int, default=0, help="seed of the random routes and inputs")
+    sizes.add_argument("--repeats", type=positive_int, help="timed repeats per measurement (default: per suite)")
+    sizes.add_argument("--seed", type=seed_int, default=0, help="seed of the random routes and inputs")
     sizes.add_argument("--quick", action="store_true", help="small sizes for a smoke run (figures not comparable)")
     load = parser.add_argument_group("load")
     load.add_argument(
-        "--busy", type=int, default=2, help="load: busy processes started for the loaded half (default 2)"
+        "--busy", type=non_negative_int, default=2, help="load: busy processes started for the loaded half (default 2)"
     )
     add_threads_argument(load)
     out = parser.add_argument_group("output")
@@ -137,10 +141,8 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from routereplay.bench import record
+    from routereplay.cli.progress import phase_progress
     from routereplay.errors import ConfigError
 
     names = SUITES if args.suite == "all" else (args.suite,)
@@ -149,20 +151,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     results: dict[str, dict[str, Any]] = {}
-    with Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as progress:
-        task = progress.add_task("bench", total=None)
+    with phase_progress() as progress:
         for name, (module, config) in suites.items():
+            phase = f"bench {name}"
 
-            def report(step: str, name: str = name) -> None:
-                progress.update(task, description=f"{name}: {step}")
+            def report(step: str, phase: str = phase) -> None:
+                progress(phase, 0, None, step)
 
+            progress(phase, 0, None)
             results[name] = module.run(config, report)
+            progress.end(phase)
     if args.quick:
         record.ungrade(results, "--quick sizes are not comparable with the targets")
     if args.suite == "all":

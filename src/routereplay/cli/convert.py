@@ -45,16 +45,23 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from routereplay.cli.extras import require
+    from routereplay.cli.failure import naming, read_trace_file
     from routereplay.errors import ConfigError
-    from routereplay.tracefile import FileFormat, format_for_path, read_trace, write_trace
+    from routereplay.tracefile import FileFormat, format_for_path, write_trace
 
     target = FileFormat(args.to) if args.to else format_for_path(args.output)
     if target is None:
         raise ConfigError(f"cannot tell the output format from {args.output!r}; pass --to rrt|npy|vllm|sglang|megatron")
+    if Path(args.output).is_dir():
+        raise ConfigError(f"{args.output} is a directory; name the output file, e.g. {Path(args.output) / 'out.rrt'}")
     if Path(args.output).exists() and not args.force:
         raise ConfigError(f"{args.output} exists; pass --force to overwrite it")
-    trace, source = read_trace(args.input, payload_hints(args), engine=args.engine)
-    written = write_trace(trace, args.output, target, mode=args.mode, compress=args.zstd)
+    if args.zstd:
+        require("convert", {"zstandard": "--zstd"})
+    trace, source = read_trace_file(args, args.input, payload_hints(args), validate=True)
+    with naming(args.output):
+        written = write_trace(trace, args.output, target, mode=args.mode, compress=args.zstd)
     if target is FileFormat.NPY:
         print(
             f"note: .npy keeps only the ids; layers {list(trace.layers)[:4]}..., start {trace.start} and provenance "

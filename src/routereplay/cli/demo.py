@@ -12,7 +12,14 @@ import argparse
 import json
 from typing import Any
 
-from routereplay.cli.arguments import add_json_argument
+from routereplay.cli.arguments import (
+    add_json_argument,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+    seed_int,
+)
 from routereplay.cli.threads import add_threads_argument
 
 HELP = "show routing disagreement and log-prob mismatch between engine and trainer, without and with R3"
@@ -40,16 +47,21 @@ def add_parser(subparsers: Any) -> None:
         "--arch", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe", help="demo model architecture"
     )
     model.add_argument("--model", help="a local HF MoE checkpoint folder (with tokenizer) instead of the demo model")
-    model.add_argument("--train-steps", type=int, default=800, help="training steps of the demo model (default 800)")
     model.add_argument(
-        "--rl-steps", type=int, default=3, help="GRPO steps per mode (off, R2, R3) for the per-step comparison; 0 skips"
+        "--train-steps", type=positive_int, default=800, help="training steps of the demo model (default 800)"
+    )
+    model.add_argument(
+        "--rl-steps",
+        type=non_negative_int,
+        default=3,
+        help="GRPO steps per mode (off, R2, R3) for the per-step comparison; 0 skips",
     )
     rollout = parser.add_argument_group("rollouts")
-    rollout.add_argument("--prompts", type=int, default=2048, help="number of addition prompts (default 2048)")
-    rollout.add_argument("--max-new-tokens", type=int, default=5, help="tokens sampled per prompt (default 5)")
-    rollout.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    rollout.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
-    rollout.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling")
+    rollout.add_argument("--prompts", type=positive_int, default=2048, help="number of addition prompts (default 2048)")
+    rollout.add_argument("--max-new-tokens", type=positive_int, default=5, help="tokens sampled per prompt (default 5)")
+    rollout.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature (default 1.0)")
+    rollout.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling (default 1.0: off)")
+    rollout.add_argument("--seed", type=seed_int, default=0, help="seed of prompts and sampling")
     rollout.add_argument(
         "--engine-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="engine precision"
     )
@@ -62,15 +74,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from routereplay.cli.extras import require
+
+    needs = {"transformers": "the demo model and engine"}
+    if not args.no_report:
+        needs["matplotlib"] = f"the report's plots (--report {args.report}; or pass --no-report)"
+    require("demo", needs)  # before minutes of training, not after
+
     import transformers
 
     from routereplay.cli.progress import phase_progress
-    from routereplay.errors import ConfigError
     from routereplay.rl.demo import DemoConfig, run_demo, summary
 
-    transformers.utils.logging.disable_progress_bar()  # this command draws its own progress bars
-    if args.prompts < 1 or args.max_new_tokens < 1 or args.train_steps < 1 or args.rl_steps < 0:
-        raise ConfigError("--prompts, --max-new-tokens and --train-steps must be >= 1, --rl-steps >= 0")
+    transformers.utils.logging.disable_progress_bar()  # this command draws its own progress
     config = DemoConfig(
         arch=args.arch,
         model=args.model,
@@ -86,16 +102,18 @@ def run(args: argparse.Namespace) -> int:
     )
     with phase_progress() as report:
         result = run_demo(config, report)
-    paths = []
-    if not args.no_report:
-        from routereplay.report import write_report
-
-        paths = write_report(result, args.report)
+    # the numbers first: a report that cannot be written (disk full) must not lose minutes of work
     if args.json:
-        print(json.dumps(summary(result), indent=2))
+        print(json.dumps(summary(result), indent=2), flush=True)
     else:
         _render(result)
-        if paths:
+    if not args.no_report:
+        from routereplay.cli.failure import naming
+        from routereplay.report import write_report
+
+        with naming(args.report):
+            paths = write_report(result, args.report)
+        if not args.json:
             print(f"report: {args.report}/report.html ({len(paths)} files)")
     return 0
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from routereplay.cli.arguments import add_json_argument, add_payload_arguments, payload_hints
+from routereplay.cli.arguments import add_json_argument, add_payload_arguments, non_negative_int, payload_hints
+from routereplay.cli.failure import ExitCode, exit_code, os_error_line, read_trace_file
+from routereplay.errors import RouteReplayError
 
 HELP = "show a trace file's shape, coverage, per-layer expert load and validation verdict"
 
@@ -16,8 +19,15 @@ def add_parser(subparsers: Any) -> None:
         "inspect",
         help=HELP,
         description=(
-            f"{HELP[0].upper()}{HELP[1:]}. FILE is a codec file (.rrt), a .npy array, or an engine "
-            "response saved as JSON (vLLM, SGLang, Megatron). Exit status: 0 valid, 1 invalid, 2 unreadable."
+            f"{HELP[0].upper()}{HELP[1:]}.\nFILE is a codec file (.rrt), a .npy array, or an engine "
+            "response saved as JSON (vLLM, SGLang, Megatron).\n\n"
+            "exit status:\n"
+            "  0  valid\n"
+            "  1  invalid: the file was read, but its routes fail validation (row or layer count, top-k,\n"
+            "     expert ids out of range, duplicate or partial rows, all-zero layers)\n"
+            "  2  unreadable: missing, a directory, not a recognised format, a corrupt codec file, model\n"
+            "     flags missing, or a bad flag\n"
+            "With --json a verdict (readable, valid, error_type, error) is printed on stdout in every case."
         ),
         epilog=(
             "examples:\n  routereplay inspect routes.rrt\n"
@@ -28,23 +38,65 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("file", help="trace file: .rrt, .npy or a JSON engine response")
     add_payload_arguments(parser)
-    parser.add_argument("--layers-shown", type=int, default=64, help="at most this many per-layer rows in the table")
+    parser.add_argument(
+        "--layers-shown", type=non_negative_int, default=64, help="at most this many per-layer rows in the table"
+    )
     add_json_argument(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 valid, 1 invalid (read, but the routes fail validation), 2 unreadable; --json always prints a verdict."""
     from routereplay.summary import summarize
-    from routereplay.tracefile import read_trace
 
-    trace, found = read_trace(args.file, payload_hints(args), engine=args.engine, validate=False)
+    try:
+        trace, found = read_trace_file(args, args.file, payload_hints(args), validate=False)
+    except (RouteReplayError, OSError) as exc:
+        return _refused(args, exc)
     summary = summarize(trace, sequence=args.file)
     if args.json:
-        record: dict[str, Any] = {"file": args.file, "format": str(found), **summary.to_dict()}
+        record: dict[str, Any] = {"file": args.file, "format": str(found), "readable": True, **summary.to_dict()}
         print(json.dumps(record, indent=2))
     else:
         _render(args.file, str(found), summary, args.layers_shown)
-    return 0 if summary.valid else 1
+    return ExitCode.OK if summary.valid else ExitCode.INVALID
+
+
+def _refused(args: argparse.Namespace, exc: RouteReplayError | OSError) -> int:
+    """The verdict on a file whose decoding failed: invalid routes (1) or an unreadable file (2)."""
+    code = exit_code(exc)
+    message = os_error_line(exc) if isinstance(exc, OSError) else str(exc)
+    if args.json:
+        verdict = {
+            "file": args.file,
+            "format": _format_of(args.file, args.engine) if code is ExitCode.INVALID else args.engine,
+            "readable": code is ExitCode.INVALID,
+            "valid": False,
+            "error_type": type(exc).__name__,
+            "error": message,
+        }
+        print(json.dumps(verdict, indent=2))
+    if code is ExitCode.INVALID:
+        if not args.json:
+            print(f"{args.file}: INVALID {type(exc).__name__}: {message}")
+        return code
+    cause = message if isinstance(exc, OSError) else f"{type(exc).__name__}: {message}"
+    print(f"routereplay inspect: {args.file} is unreadable: {cause}", file=sys.stderr)
+    return code
+
+
+def _format_of(path: str, engine: str | None) -> str | None:
+    """The format of a file that was read (its routes failed validation): --engine, else the sniffed one."""
+    from pathlib import Path
+
+    from routereplay.tracefile import sniff
+
+    if engine is not None:
+        return engine
+    try:
+        return str(sniff(Path(path).read_bytes())[0])
+    except (RouteReplayError, OSError):
+        return None
 
 
 def _render(path: str, fmt: str, summary: Any, layers_shown: int) -> None:

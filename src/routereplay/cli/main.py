@@ -1,8 +1,9 @@
 """`routereplay` entry point: builds the parser from one module per subcommand and dispatches.
 
 Every subcommand module exposes `add_parser(subparsers)` (which sets `func` on its parser) and keeps
-its heavy imports inside `run`. Library errors print as one clear line and exit 2; a failed
-validation verdict exits 1; success exits 0.
+its heavy imports inside `run`. Library errors and OS errors (missing file, a directory, permission
+denied, disk full) print as one line naming the path and the cause, and exit 2; a failed validation
+verdict exits 1; success exits 0 (`cli/failure.py` documents the statuses).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from collections.abc import Sequence
 
 from routereplay import __version__
 from routereplay.cli import bench, convert, demo, env, inspect, train
+from routereplay.cli.failure import ExitCode, os_error_line
 from routereplay.errors import RouteReplayError
 
-EXIT_OK, EXIT_INVALID, EXIT_ERROR = 0, 1, 2
+EXIT_OK, EXIT_INVALID, EXIT_ERROR = ExitCode.OK, ExitCode.INVALID, ExitCode.ERROR
 COMMANDS = (demo, train, inspect, convert, bench, env)
 
 
@@ -46,9 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RouteReplayError as exc:
         print(f"routereplay {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except OSError as exc:  # disk full, permission denied, a directory where a file was meant: no traceback
+        print(f"routereplay {args.command}: {os_error_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"routereplay {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 def entry() -> None:

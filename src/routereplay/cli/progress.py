@@ -1,30 +1,164 @@
-"""Progress bars for long CLI work: one bar per named phase, drawn on stderr and cleared after."""
+"""Progress of long CLI work on stderr: rich bars on a terminal, plain rate-limited lines elsewhere.
+
+When stderr is a terminal, each named phase gets a live bar (cleared when the command ends). When it
+is not (a CI log, `nohup`, a pipe, a file), bars would print nothing until the end, so each phase
+prints plain lines instead: one when it starts, at most one every `interval_s` seconds while it runs
+(done/total, elapsed, estimated time left), and one when it reaches its total. A phase still short
+of its total when the work ends says where it stopped, so a log never ends silently mid-phase.
+
+Work reports through one callable, `report(phase, done, total)`; `total=None` means the phase has no
+known length (benchmark steps): then `step` names what runs now, and `report.end(phase)` ends it.
+"""
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TextIO
 
 Report = Callable[[str, int, int], None]  # (phase, done, total)
+PLAIN_INTERVAL_S = 30.0  # plain lines: at most one progress line per phase in this many seconds
+
+
+class Sink(Protocol):
+    def __call__(self, phase: str, done: int, total: int | None, step: str | None = None) -> None: ...
+
+    def end(self, phase: str) -> None:
+        """Mark a phase without a total as finished."""
+
+
+@dataclass(slots=True)
+class _Phase:
+    started: float
+    printed: float
+    done: int = 0
+    total: int | None = None
+    step: str | None = None
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class LineProgress:
+    """Plain progress lines on `stream`: start, at most one per `interval_s` per phase, and end."""
+
+    stream: TextIO
+    interval_s: float = PLAIN_INTERVAL_S
+    clock: Callable[[], float] = time.monotonic
+    phases: dict[str, _Phase] = field(default_factory=dict)
+
+    def __call__(self, phase: str, done: int, total: int | None, step: str | None = None) -> None:
+        now = self.clock()
+        state = self.phases.get(phase)
+        if state is None:
+            state = self.phases[phase] = _Phase(started=now, printed=now, done=done, total=total, step=step)
+            self._print(phase, state, now, "started")
+        state.done, state.total, state.step = done, total, step
+        if state.finished:
+            return
+        if total is not None and done >= total:
+            state.finished = True
+            self._print(phase, state, now, "done")
+        elif now - state.printed >= self.interval_s:
+            self._print(phase, state, now, None)
+
+    def end(self, phase: str) -> None:
+        state = self.phases.get(phase)
+        if state is not None and not state.finished:
+            state.finished = True
+            self._print(phase, state, self.clock(), "done")
+
+    def close(self, finished: bool = True) -> None:
+        """End every open phase with a line: `done` for phases without a total, else where it stopped."""
+        now = self.clock()
+        for phase, state in self.phases.items():
+            if state.finished:
+                continue
+            state.finished = True
+            if state.total is None and finished:
+                self._print(phase, state, now, "done")
+            else:
+                self._print(phase, state, now, "stopped")
+
+    def _print(self, phase: str, state: _Phase, now: float, event: str | None) -> None:
+        state.printed = now
+        elapsed = now - state.started
+        parts = [f"{phase}:"]
+        if event is not None:
+            parts.append(event)
+        if state.total is not None:
+            percent = f" ({state.done / state.total:.0%})" if state.total else ""
+            parts.append(f"{state.done}/{state.total}{percent}")
+        elif state.step and event != "done":
+            parts.append(state.step)
+        if event != "started":
+            parts.append(f"{_duration(elapsed)} elapsed")
+        if event is None and state.total and 0 < state.done < state.total:
+            parts.append(f"~{_duration(elapsed / state.done * (state.total - state.done))} left")
+        print(" ".join(parts), file=self.stream, flush=True)
+
+
+@dataclass(slots=True)
+class BarProgress:
+    """Rich live bars, one per phase (a spinner for phases without a total)."""
+
+    progress: Any
+    tasks: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, phase: str, done: int, total: int | None, step: str | None = None) -> None:
+        description = f"{phase}: {step}" if step else phase
+        if phase not in self.tasks:
+            self.tasks[phase] = self.progress.add_task(description, total=total)
+        self.progress.update(self.tasks[phase], completed=done, total=total, description=description)
+
+    def end(self, phase: str) -> None:
+        if phase in self.tasks:
+            self.progress.update(self.tasks[phase], total=1, completed=1, description=phase)
 
 
 @contextmanager
-def phase_progress() -> Iterator[Report]:
-    """Yields `report(phase, done, total)`; each new phase name gets its own bar."""
+def phase_progress(
+    *, stream: TextIO | None = None, tty: bool | None = None, interval_s: float = PLAIN_INTERVAL_S
+) -> Iterator[Sink]:
+    """Yields `report(phase, done, total, step=None)`: bars when `stream` (stderr) is a terminal, else lines."""
+    stream = stream if stream is not None else sys.stderr
+    if tty is None:
+        tty = _is_terminal(stream)
+    if not tty:
+        lines = LineProgress(stream, interval_s=interval_s)
+        try:
+            yield lines
+        except BaseException:
+            lines.close(finished=False)
+            raise
+        lines.close()
+        return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-        tasks: dict[str, Any] = {}
-
-        def report(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(phase, total=total)
-            progress.update(tasks[phase], completed=done, total=total)
-
-        yield report
+    with Progress(*columns, console=Console(file=stream), transient=True) as progress:
+        yield BarProgress(progress)
 
 
-__all__ = ["Report", "phase_progress"]
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or file-less stream
+        return False
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+__all__ = ["PLAIN_INTERVAL_S", "BarProgress", "LineProgress", "Report", "Sink", "phase_progress"]

@@ -14,7 +14,13 @@ import argparse
 import json
 from typing import Any
 
-from routereplay.cli.arguments import add_json_argument
+from routereplay.cli.arguments import (
+    add_json_argument,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 from routereplay.cli.threads import add_threads_argument
 
 
@@ -35,27 +41,31 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--mode", default="off", help="off, R2 or R3 (R2 and R3 together are refused)")
-    parser.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=4, help="training steps (default 4)")
     group = parser.add_argument_group("model and engine")
     group.add_argument(
         "--arch", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe", help="demo model architecture"
     )
     group.add_argument("--model", help="a local HF MoE checkpoint folder (with tokenizer) instead of the demo model")
-    group.add_argument("--train-steps", type=int, default=800, help="supervised steps of the demo model (default 800)")
+    group.add_argument(
+        "--train-steps", type=positive_int, default=800, help="supervised steps of the demo model (default 800)"
+    )
     group.add_argument("--engine", choices=["hf", "vllm", "sglang"], default="hf", help="rollout engine (default hf)")
     group.add_argument("--url", help="server URL for --engine vllm|sglang")
     group.add_argument("--served-model", help="model name the remote server serves (default: --model's folder name)")
     rl = parser.add_argument_group("GRPO")
-    rl.add_argument("--prompts-per-step", type=int, default=32, help="prompts per step (default 32)")
-    rl.add_argument("--group-size", type=int, default=4, help="samples per prompt (default 4)")
-    rl.add_argument("--mini-steps", type=int, default=4, help="policy-update mini-steps per batch (default 4)")
-    rl.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default 3e-4)")
-    rl.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to a frozen reference (default 0: off)")
+    rl.add_argument("--prompts-per-step", type=positive_int, default=32, help="prompts per step (default 32)")
+    rl.add_argument("--group-size", type=positive_int, default=4, help="samples per prompt (default 4)")
+    rl.add_argument("--mini-steps", type=positive_int, default=4, help="policy-update mini-steps per batch (default 4)")
+    rl.add_argument("--lr", type=positive_float, default=3e-4, help="AdamW learning rate (default 3e-4)")
+    rl.add_argument(
+        "--kl-coef", type=non_negative_float, default=0.0, help="k3 KL to a frozen reference (default 0: off)"
+    )
     rl.add_argument(
         "--reference-routing", choices=["natural", "replay"], default="natural", help="how the reference model routes"
     )
-    rl.add_argument("--max-new-tokens", type=int, default=5, help="tokens sampled per prompt (default 5)")
-    rl.add_argument("--seed", type=int, default=0, help="seed of prompts and sampling")
+    rl.add_argument("--max-new-tokens", type=positive_int, default=5, help="tokens sampled per prompt (default 5)")
+    rl.add_argument("--seed", type=seed_int, default=0, help="seed of prompts and sampling")
     out = parser.add_argument_group("output")
     out.add_argument("--log", help="append one JSON record per step to this JSONL file")
     out.add_argument("--plot", help="write a per-step plot (PNG) here")
@@ -66,6 +76,17 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from routereplay.cli.extras import require
+
+    needs = {"transformers": "the model and the trainer"}
+    if args.plot:
+        needs["matplotlib"] = f"--plot {args.plot}"
+    if args.tensorboard:
+        needs["tensorboard"] = f"--tensorboard {args.tensorboard}"
+    if args.engine != "hf":
+        needs["httpx"] = f"--engine {args.engine} (the remote client)"
+    require("train", needs)  # before training the demo model, not after
+
     import transformers
 
     from routereplay.cli.progress import phase_progress
@@ -106,14 +127,17 @@ def run(args: argparse.Namespace) -> int:
         task = AdditionTask(tokenizer)
         engine = _engine(args, model)
         trainer = GRPOTrainer(model, task, engine, config, log_path=args.log, tensorboard_dir=args.tensorboard)
-        report(f"GRPO ({config.mode})", 0, config.steps)
-        history = trainer.train(report)
+        phase = f"GRPO steps ({config.mode})"
+        report(phase, 0, config.steps)
+        history = trainer.train(lambda _phase, done, total: report(phase, done, total))  # one bar, up to its total
     if args.plot:
         from pathlib import Path
 
+        from routereplay.cli.failure import naming
         from routereplay.report import plot_steps
 
-        plot_steps({"modes": {config.mode: {}}, "steps": step_rows(history)}, Path(args.plot))
+        with naming(args.plot):
+            plot_steps({"modes": {config.mode: {}}, "steps": step_rows(history)}, Path(args.plot))
     if args.json:
         print(json.dumps(history, indent=2))
     else:

@@ -26,7 +26,8 @@ from routereplay.rl.tasks import AdditionTask
 from routereplay.runtime import attach
 from routereplay.threads import ThreadPolicy
 
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
+Progress = Callable[[str, int, int], None]  # (phase, done, total); every phase is reported up to its total
+SCORING = "scoring (trainer, off then R3)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +58,7 @@ def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
     if config.model is not None:
         report("loading --model", 0, 1)
         model, tokenizer = load_checkpoint(config.model)
+        report("loading --model", 1, 1)
         source = f"--model {config.model}"
     else:
         model, tokenizer, source = load_or_train(
@@ -77,6 +79,7 @@ def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
         eos_token_id=task.eos_token_id,
         pad_token_id=task.pad_token_id,
     )
+    report("sampling (engine)", 0, config.max_new_tokens)
     rollouts = engine.generate(
         task.prompt_ids(problems), params, progress=lambda done, total: report("sampling (engine)", done, total)
     )
@@ -85,7 +88,7 @@ def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
     modes: dict[str, dict[str, Any]] = {}
     deltas: dict[str, list[float]] = {}
     for index, (mode, replay) in enumerate((("off", False), ("R3", True))):
-        report(f"scoring (trainer, {mode})", index, 2)
+        report(SCORING, index, 2)  # one phase for both modes, so its bar reaches 2/2
         replayer.stats.reset()
         scored = score(
             model, rollouts, task.pad_token_id, replayer=replayer, replay=replay, temperature=config.temperature
@@ -97,7 +100,7 @@ def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
         mismatch = logprob_mismatch(scored.logprobs_BS, infer_BS, scored.response_BS, tau=2.0)
         modes[mode] = {**routing, **mismatch, "fallback_rows": replayer.stats.fallback_rows}
         deltas[mode] = (scored.logprobs_BS - infer_BS)[scored.response_BS].tolist()
-    report("scoring (trainer, R3)", 2, 2)
+    report(SCORING, 2, 2)
     replayer.detach()
     steps: list[dict[str, Any]] = []
     if config.rl_steps:
@@ -147,6 +150,7 @@ def _rl_comparison(
         grpo = GRPOConfig(mode=mode, steps=config.rl_steps, max_new_tokens=config.max_new_tokens, seed=config.seed)
         trainer = GRPOTrainer(policy, task, engine, grpo)
         phase = f"GRPO steps ({mode})"
+        report(phase, 0, config.rl_steps)
         trainer.train(lambda _phase, done, total: report(phase, done, total))  # noqa: B023 - called inside the loop
         for record in trainer.history:
             updates = record["rollout_disagreement_per_mini_step"]
