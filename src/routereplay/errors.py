@@ -169,6 +169,14 @@ class MicroBatchCountError(ReplayStateError):
     """A replay schedule was not consumed exactly once per micro-batch (a leftover or missing entry)."""
 
 
+class LayerRenumberedError(ReplayStateError):
+    """A bound router's `layer_number` changed after attach; it would replay another layer's routes."""
+
+
+class NativeReplayConflictError(ReplayStateError):
+    """Megatron's own `RouterReplay` has an action set on a router that a routereplay context drives."""
+
+
 # --- training layouts: padding, packing, parallel shards, pipeline stages ----------------------
 
 

@@ -1,10 +1,8 @@
-"""Megatron-core adapter on real megatron-core 0.16 modules, on CPU.
+"""Megatron-core adapter on real megatron-core modules (0.16 or 0.19, whichever is installed), on CPU.
 
-`TopKRouter.forward` cannot run on CPU (its gating moves the weights to CUDA), so these tests drive
-`router.routing(logits)`, where the top-k selection and every weight computation happen, with
-logits from the router's own weight (`h @ router.weight.T`, what gating computes). Models are real
-`TransformerBlock`s built from Megatron's GPT specs on a one-rank gloo world (dense-first: layer 0
-dense, layers 1-3 MoE), plus an MTP block. The GPU test at the end runs `router(x)` itself.
+The models and the `router.routing(logits)` driver are in `megatron_models.py`; the GPU tests at
+the end run `router(x)` itself. Differential tests against Megatron's own `RouterReplay` and the
+0.16/0.19 differences are in `test_megatron_native.py`.
 """
 
 from __future__ import annotations
@@ -36,104 +34,34 @@ from routereplay.errors import (
     TopKMismatchError,
     UnsupportedRouterError,
 )
+from tests.runtime.megatron_models import (
+    MIX,
+    MOE_LAYERS,
+    B,
+    E,
+    H,
+    K,
+    N,
+    S,
+    build_block,
+    chosen_sets,
+    graph_modules_field,
+    hidden,
+    make_config,
+    mtp_inner_layer,
+    one_rank_world,
+    random_routes,
+    routers_of,
+    run,
+    standalone_router,
+)
 
 pytestmark = pytest.mark.megatron
-
-H, E, K, S, B = 16, 8, 2, 5, 2  # hidden, experts, top-k, sequence, batch: N = S * B = 10 tokens per micro-batch
-N = S * B
-MOE_LAYERS = (1, 2, 3)  # 0-based; layer 0 is dense
 
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A one-rank gloo world with Megatron's parallel state, so real blocks can be built on CPU."""
-    from megatron.core import parallel_state
-
-    owned = not torch.distributed.is_initialized()
-    if owned:
-        store = tmp_path_factory.mktemp("gloo") / "store"
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    if owned:
-        torch.distributed.destroy_process_group()
-
-
-def make_config(**overrides: Any) -> Any:
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    fields: dict[str, Any] = dict(
-        num_layers=4,
-        hidden_size=H,
-        num_attention_heads=2,
-        ffn_hidden_size=32,
-        moe_ffn_hidden_size=32,
-        num_moe_experts=E,
-        moe_router_topk=K,
-        moe_router_load_balancing_type="none",
-        moe_layer_freq=[0, 1, 1, 1],
-        use_cpu_initialization=True,
-        cuda_graph_scope=[],
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
-def build_block(config: Any = None, seed: int = 0) -> nn.Module:
-    """A real dense-first TransformerBlock (Megatron's local GPT spec, no Transformer Engine)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
-    config = config or make_config()
-    torch.manual_seed(seed)
-    return TransformerBlock(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0))
-
-
-def standalone_router(config: Any, layer: int | None) -> nn.Module:
-    """A TopKRouter numbered as MoELayer numbers it (1-based), or not at all."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    router = TopKRouter(config, ProcessGroupCollection(tp=None, cp=None, tp_cp=None, tp_dp_cp=None))
-    if layer is not None:
-        router.set_layer_number(layer + 1)
-    return router
-
-
-def routers_of(model: nn.Module) -> dict[int, nn.Module]:
-    """The model's routers by 0-based layer (Megatron's 1-based layer_number - 1), test-side."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return {m.layer_number - 1: m for m in model.modules() if isinstance(m, TopKRouter)}
-
-
-MIX = {layer: torch.randn(E, H, generator=torch.Generator().manual_seed(layer)) for layer in range(4)}
-
-
-def run(routers: dict[int, nn.Module], x_SBH: torch.Tensor) -> tuple[torch.Tensor, dict[int, tuple[Any, Any]]]:
-    """One micro-batch through the MoE layers in order: logits from the router weight, routing, mix."""
-    h_SBH, outputs = x_SBH, {}
-    for layer, router in sorted(routers.items()):
-        logits_SBE = h_SBH @ router.weight.t()
-        probs_NE, map_NE = router.routing(logits_SBE)
-        outputs[layer] = (probs_NE, map_NE)
-        h_SBH = h_SBH + (probs_NE @ MIX[layer]).view_as(h_SBH)
-    return h_SBH, outputs
-
-
-def hidden(seed: int, requires_grad: bool = False) -> torch.Tensor:
-    return torch.randn(S, B, H, generator=torch.Generator().manual_seed(seed)).requires_grad_(requires_grad)
-
-
-def random_routes(layers: int, seed: int, rows: int = N) -> torch.Tensor:
-    """(rows, layers, K) distinct expert ids per row."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(rows * layers)]).view(rows, layers, K)
-
-
-def chosen_sets(map_NE: torch.Tensor) -> list[set[int]]:
-    return [set(row.nonzero().flatten().tolist()) for row in map_NE]
+    yield from one_rank_world(tmp_path_factory)
 
 
 # --- binding ------------------------------------------------------------------------------------
@@ -195,12 +123,12 @@ def test_mtp_router_left_natural_and_reported() -> None:
     mtp = MultiTokenPredictionBlock(config, get_gpt_mtp_block_spec(config, spec.layer_specs[-1], False))
     model = nn.ModuleDict({"decoder": build_block(config), "mtp": mtp})
     mtp_router = next(r for r in routers_of(mtp).values())
-    assert mtp_router.layer_number == 5  # num_layers + 1: past the decoder
+    # 0.16: num_layers + 1, past the decoder; 0.19: numbered 1 again, flagged is_mtp_layer
+    assert mtp_router.layer_number == 5 or mtp_router.is_mtp_layer
     mr = attach_megatron(model)
     assert mr.layers == MOE_LAYERS
-    assert [(r.name, r.natural_ok) for r in mr.refused] == [
-        ("chunk 0: mtp.layers.0.transformer_layer.mlp.router", True)
-    ]
+    inner = next(name for name, m in model.named_modules() if m is mtp_inner_layer(mtp))
+    assert [(r.name, r.natural_ok) for r in mr.refused] == [(f"chunk 0: {inner}.mlp.router", True)]
     assert mtp_router.router_replay is None
     assert "left natural: chunk 0: mtp.layers.0" in mr.describe() and "MTP layer" in mr.describe()
 
@@ -261,7 +189,8 @@ def test_cuda_graphs_that_do_not_capture_the_router_are_accepted() -> None:
     from routereplay.runtime.megatron import attach_megatron
 
     block = build_block()
-    block.config.cuda_graph_impl, block.config.cuda_graph_scope = "transformer_engine", ["attn"]
+    block.config.cuda_graph_impl = "transformer_engine"
+    setattr(block.config, graph_modules_field(), ["attn"])
     assert attach_megatron(block).layers == MOE_LAYERS
 
 

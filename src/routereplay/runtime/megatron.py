@@ -1,18 +1,24 @@
 """`attach_megatron(model) -> MegatronReplayer`: record and replay the routing of a Megatron-core MoE model.
 
-How it hooks in. Megatron 0.16's `TopKRouter.routing` passes `self.router_replay` to
+How it hooks in. In megatron-core 0.16 to 0.19 `TopKRouter.routing` passes `self.router_replay` to
 `topk_routing_with_score_function`, which, when that attribute is not None, delegates the top-k
 selection to `router_replay.get_replay_topk(scores, topk, num_groups, group_topk, default)` and
-then computes everything else itself (softmax after or before the top-k, sigmoid with or without
-expert bias, normalisation, scaling factor, the dense probs and the routing map). The replayer puts
-its own small object into that slot of each bound router instance (`router.router_replay`, an
-instance attribute), so the forced experts go through Megatron's own weight math and gradients
-reach the logits. It does not use Megatron's `RouterReplay` actions or its class-level registry
-(positional and ever-growing, verl #7340), and it does not need `moe_enable_routing_replay=True`:
-when that flag is on, the native instance is set aside while attached and put back by `detach()`.
-Our object also serves what `RouterReplay` cannot: -1 rows fall back to the live top-k for those
-tokens only (counted), rows/top-k/ids/duplicates are checked instead of silently accepted, and
-recompute reuses routes by per-router cursor, scoped to one context.
+then computes everything else itself (softmax after or before the top-k, sigmoid or 0.19's
+sqrtsoftplus with or without expert bias, normalisation, scaling factor, the dense probs and the
+routing map). The replayer puts its own small object into that slot of each bound router instance
+(`router.router_replay`, an instance attribute), so the forced experts go through Megatron's own
+weight math and gradients reach the logits. It does not use Megatron's `RouterReplay` actions or its
+class-level registry (positional and ever-growing, verl #7340), and it does not need
+`moe_enable_routing_replay=True`. When that flag is on, the native instance stays reachable: calls
+made outside a routereplay context go to it (so Megatron's own RECORD, e.g. 0.19's inference routing
+metadata with its CUDA-graph static buffers, keeps working while attached), a context refuses to run
+while it has an action set, and `detach()` puts it back. 0.19's `set_layer_number` writes
+`router_replay.layer_number`; the slot object passes it on, and a router renumbered after attach is
+refused inside a context. Our object also serves what `RouterReplay` cannot: -1 rows fall back to
+the live top-k for those tokens only (counted), rows/top-k/ids/duplicates are checked instead of
+silently accepted, and recompute reuses routes by per-router cursor, scoped to one context. The
+live top-k runs in the caller's grad mode, as Megatron's own call does (0.19 sorts it only with
+grad enabled), so a record is bit-identical to Megatron's RECORD, order included.
 
 Token order. Megatron is sequence-first: the router flattens hidden [S, B, H] to S * B tokens, and
 after sequence/context parallelism and packing it sees only its local shard. `replay()` takes, per
@@ -56,9 +62,10 @@ from routereplay.errors import (
     BatchShapeError,
     ConfigError,
     DtypeError,
-    MicroBatchCountError,
+    KernelBypassError,
+    LayerRenumberedError,
+    NativeReplayConflictError,
     NoRoutersError,
-    RecomputeError,
     ReplayStateError,
     TopKMismatchError,
     UnsupportedRouterError,
@@ -71,6 +78,7 @@ from routereplay.runtime.megatron_binding import (
     moe_layers_of,
     resolve_payload_layers,
 )
+from routereplay.runtime.megatron_schedule import MegatronRecording, Schedule
 from routereplay.runtime.replayer import Binding, ReplayStats
 from routereplay.trace import RouteTrace
 
@@ -80,12 +88,29 @@ RoutesInput = torch.Tensor | np.ndarray
 
 
 class _RouterHook:
-    """Sits in `router.router_replay` while attached; `topk_routing_with_score_function` calls it."""
+    """Sits in `router.router_replay` while attached; `topk_routing_with_score_function` calls it.
 
-    __slots__ = ("original", "replayer", "site")
+    `original` is what the slot held: None, or Megatron's own `RouterReplay` (with
+    `moe_enable_routing_replay=True`), which still serves every call made outside a context.
+    """
+
+    __slots__ = ("_layer_number", "original", "replayer", "site")
 
     def __init__(self, replayer: MegatronReplayer, site: MegatronSite, original: Any) -> None:
         self.replayer, self.site, self.original = replayer, site, original
+        self._layer_number: int | None = site.router.layer_number
+
+    @property
+    def layer_number(self) -> int | None:
+        return self._layer_number
+
+    @layer_number.setter
+    def layer_number(self, value: int | None) -> None:
+        # 0.19's Router.set_layer_number writes `router.router_replay.layer_number`: pass it on to the
+        # native instance it stands in for; `_select` refuses to replay a renumbered router
+        self._layer_number = value
+        if self.original is not None and hasattr(self.original, "layer_number"):
+            self.original.layer_number = value
 
     def get_replay_topk(
         self,
@@ -96,109 +121,15 @@ class _RouterHook:
         default_compute_topk: DefaultTopK | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert default_compute_topk is not None, "Megatron always passes its default top-k"
-        return self.replayer._select(self.site, scores, topk, num_groups, group_topk, default_compute_topk)
+        return self.replayer._select(
+            self.site, scores, topk, num_groups, group_topk, default_compute_topk, self.original
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.original, memo)  # a copy of an attached model is not attached
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (copy.copy, (self.original,))  # a pickled model holds the original slot, not the replayer
-
-
-class _Schedule:
-    """State of one record or replay context: routes per micro-batch, what each router used."""
-
-    def __init__(
-        self, mode: ReplayMode, layers: tuple[int, ...], routes: list[dict[int, tuple[torch.Tensor, int]]] | None
-    ) -> None:
-        self.mode, self.routes = mode, routes
-        self.used: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}  # per forward call
-        self.recomputed: dict[int, int] = dict.fromkeys(layers, 0)
-        self.forwards = 0
-
-    def forced(self, site: MegatronSite, rows: int) -> tuple[torch.Tensor, int]:
-        assert self.routes is not None
-        n = len(self.used[site.layer])
-        if n >= len(self.routes):
-            raise MicroBatchCountError(
-                f"layer {site.layer} ({site.name}) routes a micro-batch {n + 1} but the schedule holds "
-                f"{len(self.routes)}; give one routes tensor per micro-batch of this forward_backward call"
-            )
-        forced_NK, fallbacks = self.routes[n][site.layer]
-        if forced_NK.shape[0] != rows:
-            raise BatchShapeError(
-                f"micro-batch {n}, layer {site.layer} ({site.name}): the router sees {rows} tokens (its local shard "
-                f"after SP/CP/packing, S * B order) but the routes have {forced_NK.shape[0]} rows; align them "
-                "with routereplay.layout first"
-            )
-        return forced_NK, fallbacks
-
-    def recompute(self, site: MegatronSite, rows: int) -> torch.Tensor:
-        used, n = self.used[site.layer], self.recomputed[site.layer]
-        if n >= len(used):
-            raise RecomputeError(
-                f"layer {site.layer} ({site.name}): backward recompute #{n + 1} but only {len(used)} forward(s) "
-                "routed in this context; it would route differently from its forward"
-            )
-        chosen_NK = used[n]
-        if chosen_NK.shape[0] != rows:
-            raise RecomputeError(
-                f"layer {site.layer} ({site.name}): recompute {n} sees {rows} tokens but its forward routed "
-                f"{chosen_NK.shape[0]}; recomputes must follow forwards in order (no partial checkpointing)"
-            )
-        self.recomputed[site.layer] = n + 1
-        return chosen_NK
-
-    def check_complete(self) -> None:
-        """On a clean exit: every micro-batch consumed once per router, recompute all-or-none."""
-        counts = {layer: len(used) for layer, used in self.used.items()}
-        expected = len(self.routes) if self.routes is not None else max(counts.values(), default=0)
-        short = {layer: count for layer, count in counts.items() if count != expected}
-        if short:
-            raise MicroBatchCountError(
-                f"routers routed a different number of micro-batches than the schedule's {expected}: "
-                f"{_layer_counts(short)}; leftover routes would leak into the next pass. Run every micro-batch "
-                "of the schedule inside one context, and only those"
-            )
-        partial = {layer: n for layer, n in self.recomputed.items() if n not in (0, counts[layer])}
-        if partial:
-            raise RecomputeError(
-                f"routers were recomputed for only some of their {expected} forwards: {_layer_counts(partial)}; "
-                "forward-only and checkpointed micro-batches must not share a context"
-            )
-
-
-class MegatronRecording:
-    """What a context routed: `.microbatches` (one (N, L, K) tensor each), `.layers`, `.stats`.
-
-    Under `record()` the routers' own choices; under `replay()` the routes actually used (forced
-    ids, and the live choice on -1 rows). Rows are in router order (S * B of the local shard).
-    """
-
-    def __init__(self, schedule: _Schedule, layers: tuple[int, ...], num_experts: int, stats: ReplayStats) -> None:
-        self._schedule, self.layers, self.num_experts, self._stats = schedule, layers, num_experts, stats
-
-    @property
-    def stats(self) -> ReplayStats:
-        """The replayer's counters (cumulative; `.reset()` them between passes)."""
-        return self._stats
-
-    @property
-    def microbatches(self) -> list[torch.Tensor]:
-        used = self._schedule.used
-        counts = {layer: len(used[layer]) for layer in self.layers}
-        if len(set(counts.values())) > 1:
-            raise MicroBatchCountError(f"routers routed different numbers of micro-batches: {_layer_counts(counts)}")
-        total = counts[self.layers[0]] if self.layers else 0
-        return [torch.stack([used[layer][n] for layer in self.layers], dim=1) for n in range(total)]
-
-    @property
-    def routes(self) -> torch.Tensor:
-        """The (N, L, K) routes of the context's only micro-batch."""
-        batches = self.microbatches
-        if len(batches) != 1:
-            raise ReplayStateError(f"the context routed {len(batches)} micro-batches; read .microbatches")
-        return batches[0]
 
 
 class MegatronReplayer:
@@ -235,7 +166,7 @@ class MegatronReplayer:
         self.moe_layers = moe_layers_of(config)
         self.stats = ReplayStats()
         self.mode = ReplayMode.OFF
-        self._schedule: _Schedule | None = None
+        self._schedule: Schedule | None = None
         self._pending = False  # a context closed; a backward recompute now would route naturally
         self._hooks: list[_RouterHook] = []
         for site in sites:
@@ -247,7 +178,7 @@ class MegatronReplayer:
     @contextmanager
     def record(self) -> Iterator[MegatronRecording]:
         """Routers run naturally; each forward's choice is kept (and reused by its recompute)."""
-        with self._session(_Schedule(ReplayMode.RECORD, self.layers, None)) as recording:
+        with self._session(Schedule(ReplayMode.RECORD, self.layers, None)) as recording:
             yield recording
 
     @contextmanager
@@ -266,7 +197,7 @@ class MegatronReplayer:
         if not items:
             raise ConfigError("replay() got no micro-batches; pass one routes tensor per micro-batch")
         routes = [self._prepare(i, item, payload_layers) for i, item in enumerate(items)]
-        with self._session(_Schedule(ReplayMode.REPLAY, self.layers, routes)) as recording:
+        with self._session(Schedule(ReplayMode.REPLAY, self.layers, routes)) as recording:
             yield recording
 
     def detach(self) -> None:
@@ -289,7 +220,7 @@ class MegatronReplayer:
 
     # -- internals ---------------------------------------------------------------------------------
     @contextmanager
-    def _session(self, schedule: _Schedule) -> Iterator[MegatronRecording]:
+    def _session(self, schedule: Schedule) -> Iterator[MegatronRecording]:
         if not self._hooks:
             raise ReplayStateError("this MegatronReplayer is detached; attach_megatron(model) again")
         if self._schedule is not None:
@@ -342,6 +273,7 @@ class MegatronReplayer:
         num_groups: int | None,
         group_topk: int | None,
         default: DefaultTopK,
+        native: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         schedule, backward = self._schedule, in_backward()
         if schedule is None:
@@ -352,7 +284,17 @@ class MegatronReplayer:
                 )
             if not backward:
                 self._pending = False  # a natural forward starts a natural pass
+            if native is not None:  # Megatron's own RouterReplay keeps its actions (0.19 inference recording)
+                return native.get_replay_topk(scores_NE, topk, num_groups, group_topk, default)
             return default(scores_NE, topk, num_groups=num_groups, group_topk=group_topk)
+        self._check_slot(site, native)
+        if scores_NE.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise KernelBypassError(
+                f"layer {site.layer} ({site.name}) is being captured into a CUDA graph inside a {schedule.mode} "
+                "context (0.19: inference_cuda_graph_scope, or cuda_graph_impl='local'); each replay of the graph "
+                "would reuse this call's routes. Capture graphs with no routereplay context open, or set "
+                "inference_cuda_graph_scope='none' / cuda_graph_impl='none'"
+            )
         stats, rows = self.stats, scores_NE.shape[0]
         stats.router_calls += 1
         if backward:
@@ -382,11 +324,30 @@ class MegatronReplayer:
         return scores_NE.gather(1, chosen_NK), chosen_NK
 
     @staticmethod
+    def _check_slot(site: MegatronSite, native: Any) -> None:
+        """Inside a context: the router still has its bound layer, and Megatron's own replay is idle."""
+        number = site.router.layer_number
+        if number != site.layer + 1:
+            raise LayerRenumberedError(
+                f"{site.name} was bound as 0-based layer {site.layer} but its layer_number is now {number!r} "
+                "(set_layer_number after attach); it would replay another layer's routes. detach() and "
+                "attach_megatron(model) again after renumbering"
+            )
+        action = getattr(native, "router_replay_action", None)
+        if action is not None:
+            raise NativeReplayConflictError(
+                f"{site.name}: Megatron's own RouterReplay action is {getattr(action, 'name', action)} while a "
+                "routereplay context drives this router; clear it (RouterReplay.clear_global_router_replay_action())"
+                " or run Megatron's replay outside the context"
+            )
+
+    @staticmethod
     def _live(
         scores_NE: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None, default: DefaultTopK
     ) -> torch.Tensor:
-        with torch.no_grad():
-            return default(scores_NE, topk, num_groups=num_groups, group_topk=group_topk)[1].to(torch.long)
+        # detached scores (nothing saved for autograd, so a checkpoint recompute saves what its forward
+        # saved) but the caller's grad mode, as Megatron's own call: 0.19 sorts the top-k only with grad on
+        return default(scores_NE.detach(), topk, num_groups=num_groups, group_topk=group_topk)[1].to(torch.long)
 
 
 def attach_megatron(model: nn.Module | Sequence[nn.Module], *, strict: bool = True) -> MegatronReplayer:
@@ -395,10 +356,6 @@ def attach_megatron(model: nn.Module | Sequence[nn.Module], *, strict: bool = Tr
     `strict=False` binds the routers it can and leaves the others natural (listed in `.refused`).
     """
     return MegatronReplayer(model, strict=strict)
-
-
-def _layer_counts(counts: dict[int, int]) -> str:
-    return ", ".join(f"layer {layer}: {n}" for layer, n in sorted(counts.items()))
 
 
 __all__ = ["MegatronRecording", "MegatronReplayer", "attach_megatron"]

@@ -8,15 +8,20 @@ ever built, so a rebuilt decoder leaves orphans that silently swallow replay dat
 Layer numbers. Megatron's `TransformerLayer` numbers layers from 1 and adds the pipeline offset
 (`layer_number + get_transformer_layer_offset(...)`), then `MoELayer.set_layer_number` copies it to
 `router.layer_number`. routereplay names layers by the 0-based global decoder layer everywhere, so
-a bound router's layer is `router.layer_number - 1`. MTP layers (DeepSeek-V3 style) build their
-inner transformer layer with number `num_layers + k` (k = 1..mtp_num_layers); their routers are
-detected (an ancestor `MultiTokenPredictionLayer`, or a number past the decoder) and left natural.
+a bound router's layer is `router.layer_number - 1`. MTP layers (DeepSeek-V3 style) are left
+natural; megatron-core 0.16 numbers their inner layer `num_layers + k` (k = 1..mtp_num_layers),
+0.19 numbers it 1, 2, ... again (colliding with the decoder's) and flags the router
+`is_mtp_layer=True`. Either is detected: the flag, an ancestor `MultiTokenPredictionLayer`, or a
+number past the decoder.
 
-Config paths where Megatron selects experts without consulting `router.router_replay` are refused at
-attach time: `moe_router_fusion` (the TE fused kernel returns before it), sinkhorn balancing, forced
-random logits, capacity dropping after the selection, CUDA graphs that capture the router, and
-partial activation checkpointing (recompute then differs per micro-batch, so a recompute cannot be
-matched to its forward).
+Config paths where Megatron selects experts without consulting `router.router_replay`, or weights
+them with logits replay cannot vouch for, are refused at attach time: `moe_router_fusion` (the TE
+fused kernel returns before it), sinkhorn and quantile balancing (0.19: `precomputed_indices`),
+forced random or biased logits, capacity dropping after the selection, CUDA graphs that capture the
+router in training (0.16 `cuda_graph_scope`, 0.19 `cuda_graph_modules`, `cuda_graph_impl=
+"full_iteration"`), and partial activation checkpointing (recompute then differs per micro-batch, so
+a recompute cannot be matched to its forward). Version differences are feature-detected (which
+config fields and router attributes exist), never read from a version string.
 
 Legend: L = layers of a payload.
 """
@@ -38,7 +43,12 @@ from routereplay.errors import (
 )
 from routereplay.runtime.discovery import Refusal
 
-ROUTER_CAPTURING_GRAPH_SCOPES = frozenset({"full", "full_iteration", "moe", "moe_router", "moe_preprocess"})
+# capture regions that include TopKRouter.routing (0.16 CudaGraphScope, 0.19 CudaGraphModule names)
+ROUTER_CAPTURING_GRAPH_SCOPES = frozenset(
+    {"full", "full_iteration", "full_iteration_inference", "moe", "moe_router", "moe_preprocess"}
+)
+# Megatron's routing types whose expert choice never goes through router_replay
+BYPASSING_ROUTING_TYPES = frozenset({"sinkhorn", "quantile_balancing"})
 
 
 @dataclass(slots=True)
@@ -73,8 +83,16 @@ def find_routers(chunks: Sequence[nn.Module]) -> tuple[list[MegatronSite], list[
             if not isinstance(module, TopKRouter):
                 refused.append(Refusal(name, family, "not a TopKRouter: its selection never consults router_replay"))
                 continue
-            if type(module).routing is not TopKRouter.routing:
-                refused.append(Refusal(name, family, "overrides TopKRouter.routing(); replay cannot vouch for it"))
+            overridden = [m for m in ("routing", "forward") if getattr(type(module), m) is not getattr(TopKRouter, m)]
+            if overridden:  # e.g. 0.19's InferenceTopKRouter: a torch.compile'd, CUDA-graphed routing path
+                refused.append(
+                    Refusal(
+                        name,
+                        family,
+                        f"overrides TopKRouter.{'() and .'.join(overridden)}(), a routing path replay cannot vouch "
+                        "for; build the model with TopKRouter for record/replay",
+                    )
+                )
                 continue
             number = module.layer_number
             if not isinstance(number, int) or number < 1:
@@ -89,13 +107,15 @@ def find_routers(chunks: Sequence[nn.Module]) -> tuple[list[MegatronSite], list[
                 continue
             layer = number - 1
             num_layers = int(module.config.num_layers)
-            if any(path.startswith(f"{prefix}.") for prefix in mtp_prefixes) or layer >= num_layers:
+            in_mtp = any(path.startswith(f"{prefix}.") for prefix in mtp_prefixes)
+            if getattr(module, "is_mtp_layer", False) or in_mtp or layer >= num_layers:
                 refused.append(
                     Refusal(
                         name,
                         family,
-                        f"MTP layer (Megatron layer_number {number} > num_layers {num_layers}): its router "
-                        "serves the draft head and stays natural; traces cover decoder layers only",
+                        f"MTP layer (Megatron layer_number {number}, is_mtp_layer="
+                        f"{getattr(module, 'is_mtp_layer', None)}, num_layers {num_layers}): its router serves "
+                        "the draft head and stays natural; traces cover decoder layers only",
                         natural_ok=True,
                     )
                 )
@@ -130,18 +150,25 @@ def check_config(config: Any, where: str) -> None:
     if graph_scope is not None:
         raise KernelBypassError(
             f"{where}: CUDA graphs ({graph_scope}) capture the router, so replayed routes would be ignored; exclude "
-            "the router from cuda_graph_scope (e.g. ['attn']) or set cuda_graph_impl='none'"
+            "the router (cuda_graph_modules, or cuda_graph_scope before 0.19, = ['attn']) or set cuda_graph_impl='none'"
         )
     balancing = config.moe_router_load_balancing_type
-    if balancing == "sinkhorn" or (isinstance(balancing, list) and "sinkhorn" in balancing):
+    types = balancing if isinstance(balancing, (list, tuple)) else [balancing]
+    bypassing = sorted(BYPASSING_ROUTING_TYPES.intersection(types))
+    if bypassing:
         raise UnsupportedRouterError(
-            f"{where}: moe_router_load_balancing_type='sinkhorn' selects experts with sinkhorn, outside "
+            f"{where}: moe_router_load_balancing_type={bypassing[0]!r} selects experts itself, outside "
             "router_replay; use 'none' or an aux-loss type"
         )
     if getattr(config, "moe_router_force_load_balancing", False):
         raise UnsupportedRouterError(
             f"{where}: moe_router_force_load_balancing=True replaces the logits with random numbers (a benchmark "
             "mode); the replayed experts would get meaningless weights"
+        )
+    if getattr(config, "moe_router_force_biased", None) is not None:
+        raise UnsupportedRouterError(
+            f"{where}: moe_router_force_biased={config.moe_router_force_biased} adds a random bias to the logits "
+            "(a benchmark mode); the replayed experts would get weights from biased logits. Unset it for replay"
         )
     if config.moe_expert_capacity_factor is not None:
         raise UnsupportedRouterError(
@@ -156,16 +183,23 @@ def check_config(config: Any, where: str) -> None:
 
 
 def _router_graph_scope(config: Any) -> str | None:
-    impl = getattr(config, "cuda_graph_impl", "none")
-    on = impl not in (None, "none") or getattr(config, "enable_cuda_graph", False)
-    on = on or getattr(config, "external_cuda_graph", False)
+    """How training CUDA graphs capture the router, or None. 0.16: `cuda_graph_scope`; 0.19:
+    `cuda_graph_modules` (`cuda_graph_scope` is migrated into it and reset to None) and
+    `cuda_graph_impl="full_iteration"`. Inference graphs (0.19 `inference_cuda_graph_scope`, always on
+    under impl "local") are caught when they capture a router inside a context (see megatron.py)."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "full_iteration":
+        return "impl=full_iteration (the whole forward-backward)"
+    on = impl != "none" or getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False)
     if not on:
         return None
-    scope = getattr(config, "cuda_graph_scope", [])
-    scopes = scope if isinstance(scope, (list, tuple)) else [scope]
+    scope = getattr(config, "cuda_graph_modules", None)
+    if scope is None:
+        scope = getattr(config, "cuda_graph_scope", None)
+    scopes = [] if scope is None else list(scope) if isinstance(scope, (list, tuple)) else [scope]
     names = [str(getattr(s, "name", s)) for s in scopes]
     if not names or any(n in ROUTER_CAPTURING_GRAPH_SCOPES for n in names):
-        return f"impl={impl}, scope={names or 'whole layer'}"
+        return f"impl={impl}, modules={names or 'whole layer'}"
     return None
 
 
