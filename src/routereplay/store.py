@@ -489,9 +489,10 @@ def _check_rows(trace: RouteTrace, num_tokens: int, sample_id: SampleId, sample:
             f"token ids allow {limit - trace.start}, and the first {extra} rows repeat the next {extra}: a prefix's "
             f"routes were concatenated twice (the verl #6029 partial-rollout merge bug). {fix}"
         )
-    held = set() if sample is None else {len(sample.tokens) - 1, len(sample.tokens)}
+    held = set() if sample is None else {len(sample.tokens) - 1}  # rows the stored tokens span
     if sample is not None and sample.trace is not None:
-        held.add(sample.trace.stop - trace.start)
+        held.add(sample.trace.stop)
+    held.discard(1)  # one extra row is the off-by-one "row for the last token", not a re-sent prefix
     ids = getattr(trace, "token_ids", None)
     repeated_ids = (
         ids is not None
