@@ -62,6 +62,16 @@ def run(args: argparse.Namespace) -> int:
     trace, source = read_trace_file(args, args.input, payload_hints(args), validate=True)
     with naming(args.output):
         written = write_trace(trace, args.output, target, mode=args.mode, compress=args.zstd)
+    if args.zstd and target is FileFormat.CODEC:
+        from routereplay.codec import encode
+
+        plain = len(encode(trace, mode=args.mode, compress=False))
+        if written > plain:
+            print(
+                f"note: --zstd made {args.output} larger ({written} B against {plain} B without it): the codec's "
+                "bit-packed ids are already close to their entropy; leave out --zstd for traces like this one",
+                file=sys.stderr,
+            )
     if target is FileFormat.NPY:
         print(
             f"note: .npy keeps only the ids; layers {list(trace.layers)[:4]}..., start {trace.start} and provenance "
