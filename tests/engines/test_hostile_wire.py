@@ -56,7 +56,7 @@ def peak_bytes(call: Any) -> tuple[int, BaseException | None]:
     try:
         call()
         raised: BaseException | None = None
-    except BaseException as exc:  # noqa: BLE001 - the caller asserts on the type
+    except BaseException as exc:  # the caller asserts on the type
         raised = exc
     finally:
         peak = tracemalloc.get_traced_memory()[1]
@@ -78,7 +78,7 @@ def test_sglang_response_level_routes_are_refused_for_another_choice(rng: np.ran
         "choices": [{"index": 0, "message": {"content": "a"}}, {"index": 1, "message": {"content": "b"}}],
         "sglext": {"routed_experts": sglang_b64(first)},
     }
-    shape = {"num_layers": 4, "top_k": 2, "num_experts": 16, "num_tokens": 7}
+    shape: dict[str, Any] = {"num_layers": 4, "top_k": 2, "num_experts": 16, "num_tokens": 7}
     with pytest.raises(AmbiguousChoiceError, match=r"choice=1 asked.*first choice only \(2 choices here\)"):
         decode_sglang(response, choice=1, **shape)
     assert np.array_equal(decode_sglang(response, choice=0, **shape).experts, first)
@@ -87,7 +87,7 @@ def test_sglang_response_level_routes_are_refused_for_another_choice(rng: np.ran
 def test_sglang_per_choice_form_and_mismatched_list(rng: np.random.Generator) -> None:
     """Silent misroute (issue 11 item 1): the per-choice sgl_ext answers for its own choice only."""
     a, b = distinct_routes(rng, 5, 4, 2, 16), distinct_routes(rng, 5, 4, 2, 16)
-    shape = {"num_layers": 4, "top_k": 2, "num_experts": 16}
+    shape: dict[str, Any] = {"num_layers": 4, "top_k": 2, "num_experts": 16}
     per_choice = {"choices": [{"sgl_ext": {"routed_experts": sglang_b64(x)}} for x in (a, b)]}
     assert np.array_equal(decode_sglang(per_choice, choice=1, **shape).experts, b)
     short_list = {"choices": [{}, {}, {}], "sglext": {"routed_experts": [sglang_b64(a), sglang_b64(b)]}}
@@ -305,7 +305,9 @@ def test_megatron_ndarray_wrapper_is_decoded(rng: np.random.Generator, tmp_path:
         (["ndarray", [[[1, 2]]]], PayloadEncodingError, "malformed"),
     ],
 )
-def test_malformed_megatron_ndarray_wrappers_are_named(wrapper: list[Any], error: type[Exception], message: str) -> None:
+def test_malformed_megatron_ndarray_wrappers_are_named(
+    wrapper: list[Any], error: type[Exception], message: str
+) -> None:
     """Error that is not a RouteReplayError (issue 11 item 19): dtype whitelist and wrapper shape."""
     with pytest.raises(error, match=message):
         decode_megatron({"moe_topk_indices": wrapper}, num_experts=8)

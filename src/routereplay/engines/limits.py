@@ -27,6 +27,7 @@ from routereplay.errors import ConfigError, PayloadLimitError, TraceShapeError
 DEFAULT_MAX_ROWS = 1 << 24  # 16.7 M token positions in one sequence
 DEFAULT_MAX_LAYERS = 1024  # real MoE models: < 100 hidden layers
 DEFAULT_MAX_TOP_K = 1024  # real MoE models: top-k <= 16 (K <= E always)
+MAX_INT_ARGUMENT = (1 << 63) - 1  # every count, offset and index argument fits int64
 ROUTE_NDIM = 3  # routes are (T, L, K); a payload declaring more dims is refused unread
 
 # integer dtypes an engine may name for its routes (SGLang routed_experts_dtype, Megatron's
@@ -97,11 +98,13 @@ def is_int(value: Any) -> bool:
 
 
 def checked_int(value: Any, name: str, *, minimum: int = 0) -> int:
-    """`value` as an int >= minimum, or a ConfigError naming the argument and what it got."""
+    """`value` as an int in [minimum, 2**63), or a ConfigError naming the argument and what it got."""
     if not is_int(value):
         raise ConfigError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {_brief(value)}")
     if value < minimum:
         raise ConfigError(f"{name}={_brief(value)} must be >= {minimum}")
+    if value > MAX_INT_ARGUMENT:
+        raise ConfigError(f"{name}={_brief(value)} does not fit in int64; no count or offset is that large")
     return int(value)
 
 
@@ -155,6 +158,7 @@ __all__ = [
     "DEFAULT_MAX_LAYERS",
     "DEFAULT_MAX_ROWS",
     "DEFAULT_MAX_TOP_K",
+    "MAX_INT_ARGUMENT",
     "WIRE_INT_DTYPES",
     "WireLimits",
     "checked_bool",

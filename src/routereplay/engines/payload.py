@@ -64,8 +64,9 @@ def pick_choice(choices: Any, choice: int, what: str) -> Any:
     found = pick(choices, choice, "choices", what)
     index = get_field(found, "index", None)
     if index is not None and (not is_int(index) or int(index) != choice):
+        shown = int(index) if is_int(index) and abs(int(index)) < 1 << 63 else f"of type {type(index).__name__}"
         raise AmbiguousChoiceError(
-            f"{what}: choices[{choice}] carries index {str(index)[:20]}, so the list was reordered or filtered; "
+            f"{what}: choices[{choice}] carries index {shown}, so the list was reordered or filtered; "
             "pass the choice's position in the list you received, or the untouched response"
         )
     return found

@@ -25,6 +25,7 @@ import numpy as np
 from routereplay.engines.assembler import Expectation, assemble, raise_wrong_split
 from routereplay.engines.limits import (
     DEFAULT_LIMITS,
+    MAX_INT_ARGUMENT,
     WireLimits,
     checked_bool,
     checked_int,
@@ -119,7 +120,12 @@ def decode_sglang(
             get_field(meta, "prompt_tokens", None),
             get_field(meta, "completion_tokens", None),
         )
-        if is_int(prompt_tokens) and is_int(completion_tokens) and prompt_tokens >= 0 and completion_tokens >= 0:
+        if (
+            is_int(prompt_tokens)
+            and is_int(completion_tokens)
+            and 0 <= prompt_tokens < MAX_INT_ARGUMENT // 2
+            and 0 <= completion_tokens < MAX_INT_ARGUMENT // 2
+        ):
             total = int(prompt_tokens) + int(completion_tokens)
             if total >= 1:
                 expect = replace(
