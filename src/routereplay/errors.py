@@ -158,6 +158,22 @@ class RecomputeError(ReplayStateError):
     """An activation-checkpoint recompute found no routes to reuse, so it would route differently."""
 
 
+class AlignmentError(BatchShapeError):
+    """Replay routes are not aligned with the batch's tokens (padding side, coverage, token ids)."""
+
+
+class PaddingMismatchError(AlignmentError):
+    """Routes laid out for another padding: routed rows on padding, or -1 rows on attended tokens."""
+
+
+class TokenMismatchError(AlignmentError):
+    """The batch's token ids differ from the ids a trace routed (an extra or stripped BOS, re-tokenisation)."""
+
+
+class ForeignThreadError(ReplayStateError):
+    """A thread tried to open a context on a Replayer whose context another thread holds."""
+
+
 # --- the Megatron-core adapter ------------------------------------------------------------------
 
 

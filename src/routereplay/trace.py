@@ -4,7 +4,9 @@ Legend: T = rows (tokens fed as input), L = MoE layers, K = top-k, E = experts.
 `experts_TLK[t, l]` is the set of K expert ids that the router of global layer `layers[l]` chose
 when token `start + t` was the input position; `-1` everywhere in that (t, l) row means "no route"
 (never routed, padding, a cached prefix the engine did not report). Engines return
-`num_tokens - 1` rows: the last sampled token is never fed back.
+`num_tokens - 1` rows: the last sampled token is never fed back. `token_ids_T[t]` (optional) is the
+token id at position `start + t`, the input whose routes row `t` holds (-1 = id unknown); replay
+checks it against the batch it is applied to.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from routereplay.errors import (
     ExpertIdRangeError,
     LayerCountError,
     PartialRowError,
+    TokenMismatchError,
     TopKMismatchError,
     TraceShapeError,
     ZeroLayerError,
@@ -80,17 +83,20 @@ class RouteTrace:
 
     Construct with `RouteTrace(experts=..., num_experts=..., layers=...)`; `layers` defaults to
     0..L-1, `start` (token position of row 0) to 0, and `segments` to one segment of unknown
-    provenance covering every row. Construction checks dtype and shape cheaply; call `validate()`
+    provenance covering every row. `token_ids` (optional, one id per row, -1 = unknown) names the
+    tokens the rows route, so replay can refuse a batch whose tokens differ (a shifted BOS).
+    Construction checks dtype and shape cheaply; call `validate()`
     for the full content checks (ids in range, no duplicates, no partial rows, no all-zero layer).
     """
 
-    __slots__ = ("experts", "layers", "num_experts", "segments", "start")
+    __slots__ = ("experts", "layers", "num_experts", "segments", "start", "token_ids")
 
     experts: np.ndarray
     num_experts: int
     layers: tuple[int, ...]
     start: int
     segments: tuple[Segment, ...]
+    token_ids: np.ndarray | None  # (T,) int64: token id at position start + t, -1 = unknown; None = not known
 
     def __init__(
         self,
@@ -99,6 +105,7 @@ class RouteTrace:
         layers: Sequence[int] | None = None,
         start: int = 0,
         segments: Sequence[Segment] = (),
+        token_ids: Any = None,
     ) -> None:
         if not isinstance(num_experts, (int, np.integer)) or isinstance(num_experts, bool) or num_experts < 1:
             raise ConfigError(f"num_experts={num_experts!r} must be a positive int")
@@ -120,6 +127,7 @@ class RouteTrace:
             segments = (Segment(self.start, self.start + num_rows),)
         self.segments = tuple(segments)
         _check_segments(self.segments, self.start, self.start + num_rows)
+        self.token_ids = None if token_ids is None else _as_token_ids(token_ids, num_rows)
 
     # --- shape ---------------------------------------------------------------------------------
     @property
@@ -259,7 +267,8 @@ class RouteTrace:
             if max(s.begin, begin) < min(s.end, end)
         )
         rows = self.experts[begin - self.start : end - self.start].copy()
-        return RouteTrace(rows, self.num_experts, self.layers, begin, segments)
+        ids = None if self.token_ids is None else self.token_ids[begin - self.start : end - self.start].copy()
+        return RouteTrace(rows, self.num_experts, self.layers, begin, segments, ids)
 
     def select_layers(self, layers: Sequence[int]) -> RouteTrace:
         """A copy holding only the given global layer numbers, in the given order."""
@@ -268,16 +277,28 @@ class RouteTrace:
         if missing:
             raise ConfigError(f"layers {missing} are not in this trace (it has {list(self.layers)})")
         rows = self.experts[:, [index[x] for x in layers]].copy()
-        return RouteTrace(rows, self.num_experts, tuple(layers), self.start, self.segments)
+        return RouteTrace(rows, self.num_experts, tuple(layers), self.start, self.segments, self.token_ids)
 
     def sorted_rows(self) -> RouteTrace:
         """A copy with each row's ids in ascending order (the canonical form of a route set)."""
-        return RouteTrace(np.sort(self.experts, axis=2), self.num_experts, self.layers, self.start, self.segments)
+        return RouteTrace(
+            np.sort(self.experts, axis=2), self.num_experts, self.layers, self.start, self.segments, self.token_ids
+        )
 
     def with_provenance(self, source: Source | str, policy_version: int | None = None) -> RouteTrace:
         """A shallow copy whose rows are all attributed to one engine and policy version."""
         segments = (Segment(self.start, self.stop, source, policy_version),) if self.num_tokens else ()
-        return RouteTrace(self.experts, self.num_experts, self.layers, self.start, segments)
+        return RouteTrace(self.experts, self.num_experts, self.layers, self.start, segments, self.token_ids)
+
+    def with_token_ids(self, token_ids: Any) -> RouteTrace:
+        """A shallow copy that names the token of every row (`token_ids[t]` at position start + t; -1 = unknown).
+
+        A sequence of `num_tokens + 1` ids (prompt + response, whose last token has no row) is cut to
+        `num_tokens`."""
+        ids = np.asarray(token_ids)
+        if ids.ndim == 1 and ids.shape[0] == self.num_tokens + 1:
+            ids = ids[:-1]
+        return RouteTrace(self.experts, self.num_experts, self.layers, self.start, self.segments, ids)
 
     def merge(self, other: RouteTrace, *, policy: MergePolicy | str = MergePolicy.KEEP) -> RouteTrace:
         """Merge another trace of the same sequence by absolute token position, into a new trace.
@@ -288,6 +309,8 @@ class RouteTrace:
         row or a position the other trace does not cover; where both route a token, `keep` takes this
         trace's row (the routes used when the token was sampled) and `replace` takes `other`'s.
         Provenance follows the rows; adjacent segments of equal source and version are coalesced.
+        Token ids follow the rows too (-1 where neither trace knows one); two traces that name
+        different tokens at one position are not the same sequence: `TokenMismatchError`.
         """
         try:
             policy = MergePolicy(policy)
@@ -304,7 +327,8 @@ class RouteTrace:
             )
         if not (self.num_tokens and other.num_tokens):
             kept = self if self.num_tokens or not other.num_tokens else other
-            return RouteTrace(kept.experts.copy(), kept.num_experts, kept.layers, kept.start, kept.segments)
+            ids = None if kept.token_ids is None else kept.token_ids.copy()
+            return RouteTrace(kept.experts.copy(), kept.num_experts, kept.layers, kept.start, kept.segments, ids)
         first, second = (self, other) if policy is MergePolicy.KEEP else (other, self)
         start = min(self.start, other.start)
         span = max(self.stop, other.stop) - start
@@ -338,7 +362,8 @@ class RouteTrace:
                 segments[-1] = replace(segments[-1], end=start + end)
             else:
                 segments.append(Segment(start + begin, start + end, source, version))
-        return RouteTrace(experts, self.num_experts, self.layers, start, segments)
+        token_ids = _merged_token_ids(first, second, start, span, use_first_T, use_second_T)
+        return RouteTrace(experts, self.num_experts, self.layers, start, segments, token_ids)
 
     def to_torch(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The ids as a (T, L, K) tensor (shares memory on CPU unless `dtype` differs)."""
@@ -368,6 +393,7 @@ class RouteTrace:
             and self.segments == other.segments
             and self.experts.shape == other.experts.shape
             and bool(np.array_equal(self.experts, other.experts))
+            and _same_token_ids(self.token_ids, other.token_ids)
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable array inside: not hashable
@@ -386,6 +412,7 @@ class RouteTrace:
             f"RouteTrace(tokens {self.start}..{self.stop} ({self.num_tokens} rows), "
             f"{self.num_layers} layers {shown}, top_k={self.top_k}, num_experts={self.num_experts}, "
             f"routed {self.num_routed}/{self.num_tokens} rows, {self.experts.dtype}, "
+            f"{'token ids, ' if self.token_ids is not None else ''}"
             f"sources [{sources}])"
         )
 
@@ -414,6 +441,53 @@ def _as_route_array(value: Any, num_experts: int) -> np.ndarray:
                 "(nor -1); check num_experts and the payload dtype"
             )
     return np.ascontiguousarray(array, dtype=target)
+
+
+def _as_token_ids(value: Any, num_rows: int) -> np.ndarray:
+    """Token ids as a (T,) int64 array, one per row, -1 = unknown; refuse any other shape or value."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu().numpy()
+    ids = np.asarray(value)
+    if ids.dtype.kind not in "iu" or ids.ndim != 1:
+        raise ConfigError(
+            f"token_ids must be a 1-D integer sequence (one id per row), got dtype {ids.dtype} shape {ids.shape}"
+        )
+    if ids.shape[0] != num_rows:
+        raise ConfigError(
+            f"token_ids has {ids.shape[0]} ids but the trace has {num_rows} rows; give the id of each routed input "
+            "position (prompt + response minus the last token: RouteTrace.with_token_ids cuts that one)"
+        )
+    if ids.size and (int(ids.min()) < -1 or int(ids.max()) > np.iinfo(np.int32).max):
+        raise ConfigError(f"token_ids span [{int(ids.min())}, {int(ids.max())}]; ids are in [0, 2^31) or -1 (unknown)")
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def _same_token_ids(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return bool(np.array_equal(a, b))
+
+
+def _merged_token_ids(
+    first: RouteTrace, second: RouteTrace, start: int, span: int, use_first_T: np.ndarray, use_second_T: np.ndarray
+) -> np.ndarray | None:
+    """Token ids of a merge: each position's id from the trace whose row won, -1 where unknown."""
+    if first.token_ids is None and second.token_ids is None:
+        return None
+    known_2T = np.full((2, span), -1, np.int64)
+    for i, trace in enumerate((first, second)):
+        if trace.token_ids is not None:
+            known_2T[i, trace.start - start : trace.stop - start] = trace.token_ids
+    conflict_T = (known_2T[0] >= 0) & (known_2T[1] >= 0) & (known_2T[0] != known_2T[1])
+    if conflict_T.any():
+        position = start + int(np.flatnonzero(conflict_T)[0])
+        a, b = known_2T[:, position - start].tolist()
+        raise TokenMismatchError(
+            f"cannot merge: token {position} is id {a} in one trace and {b} in the other ({int(conflict_T.sum())} "
+            "such positions); they are not routes of the same token sequence (a shifted or re-tokenised sequence?)"
+        )
+    merged_T = np.where(use_second_T, known_2T[1], np.where(use_first_T, known_2T[0], -1))
+    return np.where(merged_T >= 0, merged_T, np.maximum(known_2T[0], known_2T[1]))
 
 
 def _duplicate_rows(columns_KR: np.ndarray) -> np.ndarray:

@@ -282,3 +282,21 @@ def test_deepcopy_of_an_attached_model_is_independent() -> None:
             clone(input_ids=ids, attention_mask=mask).logits, plain(input_ids=ids, attention_mask=mask).logits
         )
     attach(clone).detach()  # the copy can be attached on its own
+
+
+def test_meta_device_inputs_are_refused_by_name(model: torch.nn.Module) -> None:
+    """Error that is not a RouteReplayError (issue 11 item 15): routes on the `meta` device raised a raw
+    NotImplementedError ("Cannot copy out of meta tensor") from inside the checks."""
+    from routereplay.runtime import attach
+
+    replayer = attach(model)
+    routes = random_routes(2, 10, 3, 2, 8)
+    with pytest.raises(ConfigError, match=r"routes is on the 'meta' device .* holds no values"):
+        replayer.replay(routes.to("meta")).__enter__()
+    ids, mask = _batch()
+    with pytest.raises(ConfigError, match=r"attention_mask is on the 'meta' device"):
+        replayer.replay(routes, attention_mask=mask.to("meta")).__enter__()
+    traces = [RouteTrace(routes[b].numpy(), 8, token_ids=ids[b]) for b in range(2)]
+    with pytest.raises(ConfigError, match=r"input_ids is on the 'meta' device"):
+        replayer.replay(traces, attention_mask=mask, input_ids=ids.to("meta")).__enter__()
+    assert replayer.mode == "off"

@@ -149,7 +149,7 @@ class HFEngine:
         responses = tokens_BR.tolist()
         finished = [params.eos_token_id is not None and params.eos_token_id in r for r in responses]
         lengths = [r.index(params.eos_token_id) + 1 if f else len(r) for r, f in zip(responses, finished, strict=True)]
-        traces = self._traces(prompts, mask_BP.shape[1], lengths, routes)
+        traces = self._traces(prompts, mask_BP.shape[1], lengths, routes, responses)
         return [
             Rollout(
                 list(prompt),
@@ -162,10 +162,15 @@ class HFEngine:
         ]
 
     def _traces(
-        self, prompts: Sequence[Sequence[int]], prompt_width: int, lengths: list[int], routes: torch.Tensor | None
+        self,
+        prompts: Sequence[Sequence[int]],
+        prompt_width: int,
+        lengths: list[int],
+        routes: torch.Tensor | None,
+        responses: list[list[int]],
     ) -> list[RouteTrace | None]:
         """Each sequence's fed positions (its prompt, then its response but the last token) cut from the
-        batch routes in one gather and one cast, then viewed per sequence."""
+        batch routes in one gather and one cast, then viewed per sequence; each carries its token ids."""
         if routes is None or self.replayer is None:
             return [None] * len(prompts)
         prompt_B = torch.tensor([len(p) for p in prompts])
@@ -181,7 +186,8 @@ class HFEngine:
             rows = cu[b + 1] - cu[b]
             assert rows == len(prompts[b]) + lengths[b] - 1
             segments = (Segment(0, rows, Source.HF, self.policy_version),) if rows else ()
-            traces.append(RouteTrace(experts_NLK[cu[b] : cu[b + 1]], num_experts, layers, 0, segments))
+            token_ids = [*prompts[b], *responses[b][: lengths[b] - 1]]  # the fed tokens, one per row
+            traces.append(RouteTrace(experts_NLK[cu[b] : cu[b + 1]], num_experts, layers, 0, segments, token_ids))
         return traces
 
 

@@ -12,7 +12,9 @@ Routing per mode:
 - off: routers run naturally everywhere. Routes are still recorded, to measure drift.
 - R2: the old-log-prob pass records the trainer's routing, and every mini-step replays it.
 - R3: the old-log-prob pass and every mini-step replay the engine's routes (its traces). The last
-  token of each sequence has no engine route and routes live (counted).
+  token of each sequence has no engine route and routes live (counted). Traces that carry token ids
+  (the built-in engine's do) are checked against the trainer batch's ids at every replay, so a
+  shifted sequence (an extra or stripped BOS) is a `TokenMismatchError`, never a silent misroute.
 The reference model routes naturally, or, with `reference_routing="replay"`, like the policy.
 Routing it naturally while the KL term is on is warned about, because its ratio then also
 measures routing drift.

@@ -5,7 +5,9 @@ count attended tokens, as the engine's do. Routing is one of three:
 - natural (optionally recorded);
 - forced from a (B, S, L, K) routes tensor (R2);
 - forced from the engine's per-sequence traces (R3).
-Under R3 the last token, which the engine never fed, routes live and is counted as a fallback.
+Under R3 the last token, which the engine never fed, routes live and is counted as a fallback,
+and the batch's token ids are checked against the ids the engine routed (`TokenMismatchError` on a
+shifted or re-tokenised sequence): the check is on by default.
 Legend: B = sequences, S = padded length, V = vocabulary, L = layers, K = top-k.
 """
 
@@ -75,8 +77,8 @@ def routing(
     """The routing context for a forward (and backward) on `batch`.
 
     `routes`: None = natural routing (recorded when a replayer is given), a (B, S, L, K) tensor =
-    replay it (R2), "engine" = replay the batch's engine traces (R3). The context value's `.routes`
-    are the routes used.
+    replay it (R2), "engine" = replay the batch's engine traces (R3), checked against the batch's
+    token ids. The context value's `.routes` are the routes used.
     """
     if replayer is None:
         if routes is not None:
@@ -87,7 +89,7 @@ def routing(
     if isinstance(routes, str):
         if routes != "engine" or any(t is None for t in batch.traces):
             raise ConfigError("routes='engine' (R3) needs the engine's traces: generate with route capture on")
-        return replayer.replay(batch.traces, attention_mask=batch.mask_BS)  # type: ignore[arg-type]
+        return replayer.replay(batch.traces, attention_mask=batch.mask_BS, input_ids=batch.ids_BS)  # type: ignore[arg-type]
     return replayer.replay(routes, attention_mask=batch.mask_BS)
 
 

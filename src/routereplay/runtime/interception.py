@@ -13,6 +13,7 @@ Legend: T = tokens in this router call, K = top-k, C = choices (experts).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,14 @@ ForcedLookup = Callable[[RouterSite, int], "torch.Tensor | None"]
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass (where checkpoint recomputes happen)."""
     return bool(torch._C._current_graph_task_id() != -1)
+
+
+def on_thread(owner: int) -> bool:
+    """True when the running code belongs to thread `owner`: it runs on that thread, or it is a backward
+    running on an autograd engine thread (not a Python thread: CUDA backward runs there, for its caller)."""
+    if threading.get_ident() == owner:
+        return True
+    return in_backward() and isinstance(threading.current_thread(), threading._DummyThread)
 
 
 class TopKInterceptor(TorchFunctionMode):
@@ -93,4 +102,4 @@ def _rows_last(indices: torch.Tensor, dim: int, k: int) -> torch.Tensor:
     return indices.reshape(-1, k)
 
 
-__all__ = ["TopKInterceptor", "in_backward"]
+__all__ = ["TopKInterceptor", "in_backward", "on_thread"]

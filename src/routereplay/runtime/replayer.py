@@ -18,13 +18,30 @@ choice, not a fresh top-k that near-ties could flip). A backward that runs after
 closed raises `ReplayStateError` instead of silently recomputing natural routes. All state lives
 on the Replayer and its session objects.
 
+Threads: a context belongs to the thread that opened it. Forwards of that thread are recorded or
+replayed; a forward of any other thread while the context is open routes naturally, untouched and
+unrecorded (it neither uses the context's routes nor lands in its recording). Backward recomputes
+count as the owner's when they run on the owner's thread or on an autograd engine thread (CUDA
+backward runs there); recomputes of a checkpointed forward of another Python thread are that
+thread's. One Replayer holds one context at a time: a second thread opening one gets
+`ForeignThreadError` (attach a copy of the model per thread to replay concurrently).
+
+Alignment: `replay(...)` refuses routes placed on the wrong tokens (`runtime/alignment.py`): a
+routes tensor whose -1 padding disagrees with the attention mask, a trace that stops short of its
+sequence (`PaddingMismatchError`), and a batch whose token ids differ from the traces' `token_ids`
+(`TokenMismatchError`, checked at entry with `input_ids=` and at every forward that passes them).
+
+Saving and copying: the attachment lives in a forward pre-hook of the model and a `forward`
+attribute of each router scope. Both pickle and deep-copy as inert stand-ins (no Replayer state),
+so `pickle.dumps(model)`, `torch.save(model)` and `copy.deepcopy(model)` work while attached and
+give an unattached copy; after `detach()` nothing of routereplay is left on the model.
+
 Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S tokens in a call.
 """
 
 from __future__ import annotations
 
-import types
-import weakref
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,18 +55,19 @@ from routereplay.errors import (
     AlreadyAttachedError,
     BatchShapeError,
     ConfigError,
+    ForeignThreadError,
     KernelBypassError,
     NoRoutersError,
     RecomputeError,
     ReplayStateError,
     UnsupportedRouterError,
 )
+from routereplay.runtime.alignment import check_padding, check_tokens, refuse_meta
 from routereplay.runtime.discovery import RouterSite, discover
-from routereplay.runtime.interception import TopKInterceptor, in_backward
-from routereplay.runtime.routes import check_routes, routes_to_traces, traces_to_routes
+from routereplay.runtime.interception import TopKInterceptor, in_backward, on_thread
+from routereplay.runtime.routes import check_routes, mask_array, routes_to_traces, traces_to_routes
 from routereplay.trace import RouteTrace
 
-MARKER = "_routereplay_replayer"
 JITTER_ATTRS = ("jitter_noise", "moe_jitter_eps", "router_jitter_noise")
 
 
@@ -74,12 +92,21 @@ class ReplayStats:
     router_calls: int = 0
     recompute_calls: int = 0  # router calls made during backward (checkpoint recompute)
     recorded_rows: int = 0  # (token, layer) rows recorded
-    replayed_rows: int = 0  # (token, layer) rows forced from routes
-    fallback_rows: int = 0  # (token, layer) rows of -1 served by the live router
+    replayed_rows: int = 0  # (token, layer) rows forced from routes, on attended positions only
+    fallback_rows: int = 0  # (token, layer) rows of -1 on attended positions, served by the live router
     fallback_rows_by_layer: dict[int, int] = field(default_factory=dict)
+    checked_sequences: int = 0  # sequences whose token ids were checked against the batch (traces with ids)
 
     def reset(self) -> None:
-        for name in ("forwards", "router_calls", "recompute_calls", "recorded_rows", "replayed_rows", "fallback_rows"):
+        for name in (
+            "forwards",
+            "router_calls",
+            "recompute_calls",
+            "recorded_rows",
+            "replayed_rows",
+            "fallback_rows",
+            "checked_sequences",
+        ):
             setattr(self, name, 0)
         self.fallback_rows_by_layer.clear()
 
@@ -96,7 +123,7 @@ class Binding:
 
 
 class _Session:
-    """State of one record or replay context: its steps (forward calls) and their routes."""
+    """State of one record or replay context: its owner thread, steps (forward calls) and routes."""
 
     def __init__(
         self,
@@ -104,9 +131,13 @@ class _Session:
         mode: ReplayMode,
         routes_BSLK: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        traces: Sequence[RouteTrace] | None = None,
     ) -> None:
         self.replayer, self.mode, self.open = replayer, mode, True
-        self.attended_T = None if attention_mask is None else attention_mask.reshape(-1).bool()
+        self.thread = threading.get_ident()  # the context belongs to the thread that opened it
+        self.attended_T = None if attention_mask is None else torch.as_tensor(attention_mask).reshape(-1).bool()
+        self.mask_BS = None if attention_mask is None else mask_array(attention_mask)
+        self.traces = None if traces is None or all(t.token_ids is None for t in traces) else list(traces)
         self.routes_LTK: torch.Tensor | None = None
         self.batch_shape: tuple[int, int] | None = None
         if routes_BSLK is not None:
@@ -116,13 +147,19 @@ class _Session:
         self.steps: list[tuple[tuple[int, int], dict[int, torch.Tensor]]] = []
         self._cache: dict[tuple[int, torch.device], torch.Tensor] = {}
 
+    def owned_here(self) -> bool:
+        """True when the current router call belongs to this context (see "Threads" above)."""
+        return on_thread(self.thread)
+
     # -- steps -------------------------------------------------------------------------------------
-    def begin_step(self, shape: tuple[int, int]) -> None:
+    def begin_step(self, shape: tuple[int, int], input_ids: torch.Tensor | None = None) -> None:
         if self.mode is ReplayMode.REPLAY and self.batch_shape is not None and shape != self.batch_shape:
             raise BatchShapeError(
                 f"replay routes are for a batch of (B, S) = {self.batch_shape} but the model is called with "
                 f"{shape}; routes must be aligned with the model input"
             )
+        if self.traces is not None and self.mask_BS is not None and input_ids is not None:
+            self.replayer.stats.checked_sequences += check_tokens(self.traces, self.mask_BS, input_ids)
         self.steps.append((shape, {}))
 
     def forced(self, site: RouterSite, rows: int) -> torch.Tensor | None:
@@ -156,10 +193,14 @@ class _Session:
         if self.mode is ReplayMode.RECORD:
             stats.recorded_rows += chosen_TK.shape[0]
         else:
-            if fallback_T is not None and self.attended_T is not None and self.attended_T.numel() == fallback_T.numel():
-                fallback_T = fallback_T & self.attended_T.to(fallback_T.device)  # padding is not a fallback
-            fallbacks = 0 if fallback_T is None else int(fallback_T.sum())
-            stats.replayed_rows += chosen_TK.shape[0] - fallbacks
+            rows = chosen_TK.shape[0]
+            fallback_T = torch.zeros(rows, dtype=torch.bool) if fallback_T is None else fallback_T.cpu()
+            forced_T = ~fallback_T
+            if self.attended_T is not None and self.attended_T.numel() == rows:
+                attended_T = self.attended_T.cpu()
+                fallback_T, forced_T = fallback_T & attended_T, forced_T & attended_T  # padding is neither
+            fallbacks = int(fallback_T.sum())
+            stats.replayed_rows += int(forced_T.sum())
             stats.fallback_rows += fallbacks
             if fallbacks:
                 stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
@@ -211,10 +252,19 @@ class Recording:
         return torch.cat(steps, dim=1)
 
     def traces(
-        self, attention_mask: torch.Tensor, *, source: Source | str = Source.TRAINER, policy_version: int | None = None
+        self,
+        attention_mask: torch.Tensor,
+        *,
+        source: Source | str = Source.TRAINER,
+        policy_version: int | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> list[RouteTrace]:
-        """Per-sequence traces: attended positions only (left or right padding dropped)."""
-        return routes_to_traces(self.routes, attention_mask, self.layers, self.num_experts, source, policy_version)
+        """Per-sequence traces: attended positions only (left or right padding dropped).
+
+        With the batch's `input_ids` the traces carry their token ids, so a later replay checks them."""
+        return routes_to_traces(
+            self.routes, attention_mask, self.layers, self.num_experts, source, policy_version, input_ids
+        )
 
 
 class Replayer:
@@ -228,7 +278,7 @@ class Replayer:
         aux_loss_routing: AuxLossRouting | str = AuxLossRouting.NATURAL,
         jitter: JitterPolicy | str = JitterPolicy.MODEL,
     ) -> None:
-        if _attached_replayer(model) is not None:
+        if attached_replayer(model) is not None:
             raise AlreadyAttachedError("this model already has a Replayer attached; call .detach() on it first")
         try:
             self.aux_loss_routing = AuxLossRouting(aux_loss_routing)
@@ -263,12 +313,11 @@ class Replayer:
         self.stats = ReplayStats()
         self.mode = ReplayMode.OFF
         self._session: _Session | None = None
-        self._pending_replay = False  # a replayed forward whose backward may still run
+        self._pending_replay: int | None = None  # thread of a replayed forward whose backward may still run
         self._saved_jitter: list[tuple[nn.Module, str, float]] = []
-        self._handles = [model.register_forward_pre_hook(self._on_model_call, with_kwargs=True)]
+        self._handles = [model.register_forward_pre_hook(_ModelCallHook(self), with_kwargs=True)]
         for site in sites:
-            site.scope.forward = self._wrap(site, site.scope.forward)  # instance attribute; class untouched
-        setattr(model, MARKER, weakref.ref(self))  # a weak marker: a deepcopy of the model is not "attached"
+            site.scope.forward = _RouterForward(self, site, site.scope.forward)  # instance attribute; class untouched
 
     # -- contexts ----------------------------------------------------------------------------------
     @contextmanager
@@ -282,22 +331,49 @@ class Replayer:
 
     @contextmanager
     def replay(
-        self, routes: torch.Tensor | Sequence[RouteTrace], attention_mask: torch.Tensor | None = None
+        self,
+        routes: torch.Tensor | Sequence[RouteTrace],
+        attention_mask: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        check_alignment: bool = True,
     ) -> Iterator[Recording]:
         """Force routes: a (B, S, L, K) int tensor aligned with the input, or RouteTraces + attention_mask.
 
         -1 rows fall back to the live router for that token only (counted in `stats.fallback_rows`;
-        with an attention_mask, padding positions are not counted).
+        with an attention_mask, padding positions count neither as fallback nor as replayed rows).
         Run forward AND backward inside the context. The context value's `.routes` are the routes used.
+
+        Alignment checks (`check_alignment=True`, the default; see `runtime/alignment.py`):
+        - a routes tensor with an attention_mask: -1 padding that disagrees with the mask (routes laid
+          out for the other padding side) is a `PaddingMismatchError`;
+        - RouteTraces: a trace must route its sequence up to the last token (which may lack a route);
+        - RouteTraces carrying `token_ids`: the batch's ids must match, checked here when `input_ids`
+          is given and again at every forward called with `input_ids` (`TokenMismatchError`, which
+          names a one-position shift such as an extra or stripped BOS).
+        `check_alignment=False` replays a layout you built on purpose as given.
         """
+        refuse_meta(attention_mask, "attention_mask")
+        refuse_meta(input_ids, "input_ids")
+        traces: list[RouteTrace] | None = None
         if not isinstance(routes, torch.Tensor):
             if attention_mask is None:
                 raise ConfigError("replaying RouteTraces needs the batch's attention_mask to place them")
+            traces = list(routes)
             self._check_uniform_top_k()
-            routes = traces_to_routes(list(routes), attention_mask, self.layers, self.top_k)
+            if check_alignment and input_ids is not None:
+                self.stats.checked_sequences += check_tokens(traces, mask_array(attention_mask), input_ids)
+            routes = traces_to_routes(traces, attention_mask, self.layers, self.top_k, check_alignment=check_alignment)
+        elif input_ids is not None:
+            raise ConfigError(
+                "input_ids is checked against the token_ids of RouteTraces, and a routes tensor carries none: pass "
+                "the traces with attention_mask (Recording.traces(mask, input_ids=ids) keeps them), or drop input_ids"
+            )
         self._check_uniform_top_k()
         checked = check_routes(routes, self.layers, self.top_k, self.num_experts)
-        session = self._enter(ReplayMode.REPLAY, checked, attention_mask)
+        if check_alignment and traces is None and attention_mask is not None:
+            check_padding(checked, mask_array(attention_mask))
+        session = self._enter(ReplayMode.REPLAY, checked, attention_mask, traces if check_alignment else None)
         try:
             yield Recording(session, self.layers, self.num_experts)
         finally:
@@ -308,12 +384,14 @@ class Replayer:
         if self._session is not None:
             raise ReplayStateError("detach() inside a record/replay context; leave the context first")
         for site in self.sites:
-            site.scope.__dict__.pop("forward", None)
+            wrapper = site.scope.__dict__.get("forward")
+            if isinstance(wrapper, _RouterForward) and wrapper.replayer is self:
+                del site.scope.__dict__["forward"]
+                if not _is_bound_class_forward(wrapper.original, site.scope):
+                    site.scope.forward = wrapper.original  # another library's wrapper, set before attach
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if _attached_replayer(self.model) is self:
-            delattr(self.model, MARKER)
 
     def describe(self) -> str:
         lines = [
@@ -325,11 +403,23 @@ class Replayer:
 
     # -- internals ---------------------------------------------------------------------------------
     def _enter(
-        self, mode: ReplayMode, routes: torch.Tensor | None, attention_mask: torch.Tensor | None = None
+        self,
+        mode: ReplayMode,
+        routes: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        traces: Sequence[RouteTrace] | None = None,
     ) -> _Session:
-        if self._session is not None:
+        current = self._session
+        if current is not None and current.thread != threading.get_ident():
+            raise ForeignThreadError(
+                f"thread {current.thread} holds a {current.mode} context on this Replayer, and a context belongs to "
+                f"the thread that opened it; thread {threading.get_ident()} cannot open a {mode} context until it "
+                "closes. Its forwards meanwhile route naturally; to replay in parallel, attach a copy of the model "
+                "per thread"
+            )
+        if current is not None:
             raise ReplayStateError(f"already inside a {self.mode} context; contexts do not nest")
-        self._session = _Session(self, mode, routes, attention_mask)
+        self._session = _Session(self, mode, routes, attention_mask, traces)
         self.mode = mode
         if self.jitter is JitterPolicy.OFF:  # jitter acts in the block, before the router: off for the context
             for module in {
@@ -359,30 +449,31 @@ class Replayer:
             return
         session = self._session
         if session is None:
-            self._pending_replay = False
+            if self._pending_replay == threading.get_ident():
+                self._pending_replay = None
             return
+        if not session.owned_here():
+            return  # another thread's forward: routes naturally, untouched and unrecorded
         self.stats.forwards += 1
         if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled():
-            self._pending_replay = True  # reentrant checkpointing runs the layers themselves under no_grad
+            self._pending_replay = session.thread  # reentrant checkpointing runs the layers under no_grad
         shape = _batch_shape(args, kwargs)
         if shape is not None:
-            session.begin_step(shape)
+            session.begin_step(shape, _input_ids(args, kwargs))
 
-    def _wrap(self, site: RouterSite, original: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if module is not site.scope:  # a deepcopy of the attached model: not bound, routes naturally
-                return type(module).forward(module, *args, **kwargs)
-            session = self._session
-            if session is None:
-                if self._pending_replay and in_backward():
-                    raise ReplayStateError(
-                        f"layer {site.layer} is recomputed during a backward that runs after its replay context "
-                        "closed; it would route naturally. Run backward inside `with replayer.replay(...)`"
-                    )
-                return original(*args, **kwargs)
+    def _route(
+        self, site: RouterSite, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        session = self._session
+        if session is not None and session.owned_here():
             return self._call(session, site, original, args, kwargs)
-
-        return types.MethodType(forward, site.scope)  # bound to the module, so a copy knows it is a copy
+        pending = self._pending_replay
+        if session is None and pending is not None and in_backward() and on_thread(pending):
+            raise ReplayStateError(
+                f"layer {site.layer} is recomputed during a backward that runs after its replay context "
+                "closed; it would route naturally. Run backward inside `with replayer.replay(...)`"
+            )
+        return original(*args, **kwargs)  # no context, or another thread's: natural
 
     def _call(
         self,
@@ -408,15 +499,62 @@ class Replayer:
         assert interceptor.last is not None
         session.sink(site, *interceptor.last)
         if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled() and not backward:
-            self._pending_replay = True
+            self._pending_replay = session.thread
             _guard_backward(output, session, site)
         return output
 
 
-def _attached_replayer(model: nn.Module) -> Replayer | None:
-    marker = getattr(model, MARKER, None)
-    replayer = marker() if isinstance(marker, weakref.ref) else None
-    return replayer if isinstance(replayer, Replayer) and replayer.model is model and replayer._handles else None
+class _ModelCallHook:
+    """The model's forward pre-hook (steps of the open context). It pickles and deep-copies as an inert
+    hook, so a saved or copied model carries no Replayer state and is not attached."""
+
+    __slots__ = ("replayer",)
+
+    def __init__(self, replayer: Replayer | None) -> None:
+        self.replayer = replayer
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        replayer = self.replayer
+        if replayer is not None and module is replayer.model and replayer._handles:
+            replayer._on_model_call(module, args, kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ModelCallHook, (None,))
+
+
+class _RouterForward:
+    """A bound router scope's `forward` (an instance attribute; the class is untouched). It pickles and
+    deep-copies as the forward it wraps, so a copy of the model routes naturally and is not attached."""
+
+    __slots__ = ("original", "replayer", "site")
+
+    def __init__(self, replayer: Replayer, site: RouterSite, original: Callable[..., Any]) -> None:
+        self.replayer, self.site, self.original = replayer, site, original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.replayer._route(self.site, self.original, args, kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if _is_bound_class_forward(self.original, self.site.scope):
+            return (getattr, (self.site.scope, "forward"))  # re-resolved on the copy: its class's forward
+        return (_unwrapped, (self.original,))
+
+
+def _unwrapped(original: Callable[..., Any]) -> Callable[..., Any]:
+    return original
+
+
+def _is_bound_class_forward(forward: Any, scope: nn.Module) -> bool:
+    return getattr(forward, "__self__", None) is scope and getattr(forward, "__func__", None) is type(scope).forward
+
+
+def attached_replayer(model: nn.Module) -> Replayer | None:
+    """The Replayer attached to `model` (found by its forward pre-hook), or None."""
+    for hook in getattr(model, "_forward_pre_hooks", {}).values():
+        replayer = getattr(hook, "replayer", None) if isinstance(hook, _ModelCallHook) else None
+        if replayer is not None and replayer.model is model and replayer._handles:
+            return replayer
+    return None
 
 
 def attach(
@@ -458,6 +596,13 @@ def _guard_backward(output: Any, session: _Session, site: RouterSite) -> None:
 
             tensor.register_hook(check)
             return
+
+
+def _input_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    value = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point():
+        return value
+    return None
 
 
 def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:

@@ -17,13 +17,22 @@ import torch
 
 from routereplay.enums import Source
 from routereplay.errors import BatchShapeError, ConfigError, DtypeError, LayerCountError, TopKMismatchError
+from routereplay.runtime.alignment import check_coverage, refuse_meta
 from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
 
 def traces_to_routes(
-    traces: Sequence[RouteTrace], attention_mask: torch.Tensor, layers: Sequence[int], top_k: int
+    traces: Sequence[RouteTrace],
+    attention_mask: torch.Tensor,
+    layers: Sequence[int],
+    top_k: int,
+    *,
+    check_alignment: bool = True,
 ) -> torch.Tensor:
-    """(B, S, L, K) int routes for a padded batch: token i of sequence b gets row i - start of its trace."""
+    """(B, S, L, K) int routes for a padded batch: token i of sequence b gets row i - start of its trace.
+
+    With `check_alignment`, a trace that stops short of the sequence's last attended token (more
+    than the one token engines never route) is a `PaddingMismatchError`."""
     mask_BS = _mask(attention_mask)
     batch, positions = mask_BS.shape
     if len(traces) != batch:
@@ -43,6 +52,8 @@ def traces_to_routes(
                 f"sequence {b}: trace covers tokens {trace.start}..{trace.stop} but the attention mask attends to only "
                 f"{tokens} positions; routes and token ids are misaligned"
             )
+        if check_alignment:
+            check_coverage(trace, b, tokens)
         routes_BSLK[b, attended_T[trace.start : trace.stop]] = trace.experts
     return torch.from_numpy(routes_BSLK)
 
@@ -54,8 +65,11 @@ def routes_to_traces(
     num_experts: int,
     source: Source | str = Source.TRAINER,
     policy_version: int | None = None,
+    input_ids: torch.Tensor | None = None,
 ) -> list[RouteTrace]:
-    """Per-sequence traces from batch routes: attended positions only, padding dropped."""
+    """Per-sequence traces from batch routes: attended positions only, padding dropped.
+
+    With `input_ids` (B, S') the traces carry the token id of every row (`RouteTrace.token_ids`)."""
     mask_BS = _mask(attention_mask)
     if tuple(mask_BS.shape) != tuple(routes_BSLK.shape[:2]):
         if mask_BS.shape[0] == routes_BSLK.shape[0] and mask_BS.shape[1] >= routes_BSLK.shape[1]:
@@ -65,11 +79,21 @@ def routes_to_traces(
                 f"attention_mask has shape {tuple(mask_BS.shape)} but routes cover {tuple(routes_BSLK.shape[:2])}"
             )
     routes = routes_BSLK.detach().cpu().numpy()
+    ids_BS = None
+    if input_ids is not None:
+        refuse_meta(input_ids, "input_ids")
+        ids_BS = np.asarray(input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids)
+        if ids_BS.ndim != 2 or ids_BS.shape[0] != routes.shape[0] or ids_BS.shape[1] < routes.shape[1]:
+            raise BatchShapeError(
+                f"input_ids has shape {ids_BS.shape} but the routes cover (B, S) = {tuple(routes.shape[:2])}"
+            )
+        ids_BS = ids_BS[:, : routes.shape[1]]
     traces = []
     for b in range(routes.shape[0]):
         experts_TLK = routes[b, mask_BS[b]]
         segments = (Segment(0, len(experts_TLK), source, policy_version),) if len(experts_TLK) else ()
-        traces.append(RouteTrace(experts_TLK, num_experts, tuple(layers), 0, segments))
+        token_ids = None if ids_BS is None else ids_BS[b, mask_BS[b]]
+        traces.append(RouteTrace(experts_TLK, num_experts, tuple(layers), 0, segments, token_ids))
     return traces
 
 
@@ -79,6 +103,7 @@ def check_routes(routes_BSLK: torch.Tensor, layers: Sequence[int], top_k: int, n
         raise ConfigError(
             f"routes must be a (B, S, L, K) int tensor or a list of RouteTrace, got {type(routes_BSLK).__name__}"
         )
+    refuse_meta(routes_BSLK, "routes")
     if routes_BSLK.is_floating_point() or routes_BSLK.is_complex() or routes_BSLK.dtype == torch.bool:
         raise DtypeError(f"routes tensor has dtype {routes_BSLK.dtype}; expert ids are integers")
     if routes_BSLK.dim() != 4:
@@ -109,6 +134,7 @@ def _on_layers(trace: RouteTrace, layers: Sequence[int], index: int) -> RouteTra
 
 
 def _mask(attention_mask: torch.Tensor) -> np.ndarray:
+    refuse_meta(attention_mask, "attention_mask")
     mask = (
         attention_mask.detach().cpu().numpy()
         if isinstance(attention_mask, torch.Tensor)
@@ -119,4 +145,9 @@ def _mask(attention_mask: torch.Tensor) -> np.ndarray:
     return mask.astype(bool)
 
 
-__all__ = ["check_routes", "routes_to_traces", "traces_to_routes"]
+def mask_array(attention_mask: torch.Tensor) -> np.ndarray:
+    """The (B, S) attention mask as a bool array (meta tensors and other ranks refused)."""
+    return _mask(attention_mask)
+
+
+__all__ = ["check_routes", "mask_array", "routes_to_traces", "traces_to_routes"]
