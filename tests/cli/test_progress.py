@@ -77,8 +77,7 @@ def _run_cli(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
     environment = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **env}
     return subprocess.run(
         [sys.executable, "-m", "routereplay.cli.main", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,  # not a terminal: a CI log, nohup, a pipe
+        capture_output=True,  # stderr is a pipe, not a terminal: as in a CI log, under nohup, or piped
         text=True,
         env=environment,
         timeout=900,

@@ -41,12 +41,12 @@ def importable(module: str) -> bool:
     return True
 
 
-def require(command: str, needs: Mapping[str, str]) -> None:
+def require(command: str, needs: Mapping[str, str], *, extras: Mapping[str, Extra] = EXTRAS) -> None:
     """Refuse to start `command` when a package in `needs` (package -> what needs it) does not import."""
-    missing = [(package, why) for package, why in needs.items() if not importable(EXTRAS[package].module)]
+    missing = [(package, why) for package, why in needs.items() if not importable(extras[package].module)]
     if not missing:
         return
-    reasons = "; ".join(f"{package} for {why} ({EXTRAS[package].install})" for package, why in missing)
+    reasons = "; ".join(f"{package} for {why} ({extras[package].install})" for package, why in missing)
     raise MissingDependencyError(f"routereplay {command} needs {reasons}; nothing was run")
 
 
