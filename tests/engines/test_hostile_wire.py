@@ -97,13 +97,26 @@ def test_sglang_per_choice_form_and_mismatched_list(rng: np.random.Generator) ->
         decode_sglang(sglang_generate(a, 3, 3), choice=1, **shape)
 
 
-def test_reordered_choices_are_refused(rng: np.random.Generator) -> None:
-    """Silent misroute (issue 11 item 1): a gateway that reorders choices would swap samples' routes."""
+def test_choices_are_matched_by_index_not_position(rng: np.random.Generator) -> None:
+    """Silent misroute (issue 11 item 1): a reordered choice list handed back another sample's routes.
+
+    Choices are matched by their `index` field; duplicates or missing indices are refused.
+    """
     a, b = distinct_routes(rng, 4, 2, 2, 8), distinct_routes(rng, 4, 2, 2, 8)
     response = vllm_response([vllm_npy_b64(a, 8), vllm_npy_b64(b, 8)])
     response["choices"].reverse()
-    with pytest.raises(AmbiguousChoiceError, match=r"choices\[0\] carries index 1"):
+    assert np.array_equal(decode_vllm(response, num_experts=8, choice=0).experts, a)
+    assert np.array_equal(decode_vllm(response, num_experts=8, choice=1).experts, b)
+    response["choices"][0]["index"] = 0  # now two choices claim index 0
+    with pytest.raises(AmbiguousChoiceError, match="2 choices carry index 0"):
         decode_vllm(response, num_experts=8)
+    del response["choices"][0]["index"]
+    with pytest.raises(AmbiguousChoiceError, match="no integer index field"):
+        decode_vllm(response, num_experts=8)
+    with pytest.raises(
+        ConfigError, match=r"choices index 5 is out of range: the response holds 2 \(indices \[0, 1\]\)"
+    ):
+        decode_vllm(vllm_response([vllm_npy_b64(a, 8), vllm_npy_b64(b, 8)]), num_experts=8, choice=5)
 
 
 # --- items 4 and 9: forged .npy headers --------------------------------------------------------

@@ -33,6 +33,7 @@ _PICKLE_PROTOCOL_OPCODE = 0x80
 _NPY_HEADER_MAX = 65535 + 12
 
 _MISSING = object()
+_SEQUENCES = (list, tuple, str, bytes, bytearray)  # their `.index` is a method, not a choice number
 
 
 def get_field(obj: Any, name: str, default: Any = _MISSING) -> Any:
@@ -56,20 +57,34 @@ def pick(items: Any, index: int, name: str, what: str) -> Any:
 
 
 def pick_choice(choices: Any, choice: int, what: str) -> Any:
-    """`choices[choice]` of an OpenAI-style response, refusing a list whose order was changed.
+    """The choice numbered `choice` of an OpenAI-style response (or `RequestOutput.outputs`).
 
-    A choice that carries an `index` field must carry `choice`: a gateway that reordered or
-    filtered the list would otherwise hand back another sample's routes with no error.
+    Choices that carry an `index` field are matched by it, so a list that a gateway (or the
+    engine's completion order) reordered still yields the asked sample; a list without index fields
+    is read by position. Duplicate, missing or non-integer indices are refused: picking by position
+    there could hand back another sample's routes with no error.
     """
-    found = pick(choices, choice, "choices", what)
-    index = get_field(found, "index", None)
-    if index is not None and (not is_int(index) or int(index) != choice):
-        shown = int(index) if is_int(index) and abs(int(index)) < 1 << 63 else f"of type {type(index).__name__}"
+    if not isinstance(choices, (list, tuple)):
+        raise PayloadEncodingError(f"{what}: field 'choices' should be a list, got {type(choices).__name__}")
+    indices = [None if isinstance(c, _SEQUENCES) else get_field(c, "index", None) for c in choices]
+    if all(i is None for i in indices):
+        return pick(choices, choice, "choices", what)
+    numbers = [int(i) for i in indices if i is not None and is_int(i)]
+    if len(numbers) != len(indices):
         raise AmbiguousChoiceError(
-            f"{what}: choices[{choice}] carries index {shown}, so the list was reordered or filtered; "
-            "pass the choice's position in the list you received, or the untouched response"
+            f"{what}: some choices carry no integer index field, so choice {choice} cannot be matched; pass "
+            "the untouched response"
         )
-    return found
+    matches = [c for c, i in zip(choices, numbers, strict=True) if i == choice]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise ConfigError(
+            f"choices index {choice} is out of range: the response holds {len(choices)} (indices {sorted(numbers)[:8]})"
+        )
+    raise AmbiguousChoiceError(
+        f"{what}: {len(matches)} choices carry index {choice}; which one is the asked sample cannot be told"
+    )
 
 
 def mapping(value: Any, name: str, what: str) -> dict[str, Any]:
