@@ -9,7 +9,9 @@ positions [routed_experts_start_len, seqlen - 1) over every hidden layer:
   `sgl_ext.routed_experts` (the docs); both are checked. With n > 1, SGLang fills the
   response-level field from the first choice only (`_build_chat_response` reads `ret[0]`), so
   it is accepted for `choice=0` alone; any other choice raises `AmbiguousChoiceError` unless the
-  choice carries its own `sgl_ext` (or the field is a list with one entry per choice).
+  choice carries its own `sgl_ext` (or the field is a list with one entry per choice). A response
+  rebuilt from an n > 1 *stream* is not covered: there SGLang sends the first choice to finish,
+  which no decoder can tell from choice 0 - stream with n = 1, or do not stream.
 - `skip_tokenizer_init=True`: a raw tensor in `meta_info` (a gateway that JSON-serialises it sends
   `{}`, which is refused with an explanation).
 """
