@@ -10,8 +10,8 @@ positions [routed_experts_start_len, seqlen - 1) over every hidden layer:
   response-level field from the first choice only (`_build_chat_response` reads `ret[0]`), so
   it is accepted for `choice=0` alone; any other choice raises `AmbiguousChoiceError` unless the
   choice carries its own `sgl_ext` (or the field is a list with one entry per choice). A response
-  rebuilt from an n > 1 *stream* is not covered: there SGLang sends the first choice to finish,
-  which no decoder can tell from choice 0 - stream with n = 1, or do not stream.
+  rebuilt from an n > 1 *stream* is not covered: there SGLang sends the first choice it holds
+  routes for, not necessarily choice 0, and no decoder can tell - stream with n = 1, or do not stream.
 - `skip_tokenizer_init=True`: a raw tensor in `meta_info` (a gateway that JSON-serialises it sends
   `{}`, which is refused with an explanation).
 """
