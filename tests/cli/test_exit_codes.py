@@ -165,3 +165,22 @@ def test_forced_engine_that_agrees_adds_no_hint(capsys: pytest.CaptureFixture[st
     assert main(args) == EXIT_ERROR  # --top-k missing
     err = capsys.readouterr().err
     assert "--top-k" in err and "looks like" not in err
+
+
+@pytest.mark.hf
+def test_demo_report_path_in_the_way_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Data loss (issue 11 items 16, 24): a --report path that cannot become a folder failed only after the
+    demo's training and scoring, losing the output; it is refused first, one line, exit 2."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ROUTEREPLAY_CACHE", str(cache))
+    blocker = tmp_path / "report"
+    blocker.write_text("a file")
+    args = ["demo", "--prompts", "4", "--train-steps", "2", "--max-new-tokens", "2", "--rl-steps", "0"]
+    assert main([*args, "--report", str(blocker)]) == EXIT_ERROR
+    assert f"--report {blocker} is a file, not a folder" in capsys.readouterr().err
+    assert main([*args, "--report", str(blocker / "inside")]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{blocker / 'inside'}: Not a directory" in err
+    assert not cache.exists() and blocker.read_text() == "a file"

@@ -117,3 +117,18 @@ def test_demo_phases_each_reach_their_total_in_a_pipe(tmp_path: Path) -> None:
         assert total is not None and total.group(1) == total.group(2)
     assert not [line for line in lines if ": stopped" in line]
     assert any(line.startswith("scoring (trainer, off then R3): done 2/2") for line in lines)
+
+
+def test_terminal_bars_each_reach_their_total() -> None:
+    """Misleading message (issue 11 item 32): on a terminal each phase is one bar; reported to its total, every
+    bar ends complete (the demo's "scoring (trainer, off)" bar used to stay at 0/2 beside an R3 bar)."""
+    stream = io.StringIO()
+    with phase_progress(stream=stream, tty=True) as report:
+        report("scoring (trainer, off then R3)", 0, 2)
+        report("scoring (trainer, off then R3)", 1, 2)
+        report("scoring (trainer, off then R3)", 2, 2)
+        report("bench codec", 0, None, "encode")
+        report.end("bench codec")
+        tasks = report.progress.tasks  # type: ignore[attr-defined]
+        assert [task.description for task in tasks] == ["scoring (trainer, off then R3)", "bench codec"]
+        assert all(task.finished for task in tasks)

@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_report:
         needs["matplotlib"] = f"the report's plots (--report {args.report}; or pass --no-report)"
     require("demo", needs)  # before minutes of training, not after
+    if not args.no_report:
+        _check_report_folder(args.report)
 
     import transformers
 
@@ -116,6 +118,20 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"report: {args.report}/report.html ({len(paths)} files)")
     return 0
+
+
+def _check_report_folder(report: str) -> None:
+    """Make sure the report folder can be created before the work starts (a file in the way, no permission)."""
+    from pathlib import Path
+
+    from routereplay.cli.failure import naming
+    from routereplay.errors import ConfigError
+
+    folder = Path(report)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--report {report} is a file, not a folder; pass another --report or --no-report")
+    with naming(folder):
+        folder.mkdir(parents=True, exist_ok=True)
 
 
 def _render(result: dict[str, Any]) -> None:
