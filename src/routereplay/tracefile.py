@@ -338,7 +338,10 @@ def _read_bounded(path: Path, limits: TraceFileLimits) -> bytes:
                     f"{limits.json.max_bytes}-byte limit (JsonLimits.max_bytes) is not read: raise the limit if "
                     "it is genuine"
                 )
-            return head + stream.read(limits.max_file_bytes + 1 - len(head))
+            rest = stream.read(max(size - len(head), 0))  # read(n) allocates n bytes first: n is the checked size
+            if stream.read(1):
+                raise ConfigError(f"{path} grew while it was read; read it once its writer has finished")
+            return head + rest
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
 
