@@ -136,8 +136,8 @@ class _Session:
         self.replayer, self.mode, self.open = replayer, mode, True
         self.thread = threading.get_ident()  # the context belongs to the thread that opened it
         self.attended_T = None if attention_mask is None else torch.as_tensor(attention_mask).reshape(-1).bool()
-        self.mask_BS = None if attention_mask is None else mask_array(attention_mask)
         self.traces = None if traces is None or all(t.token_ids is None for t in traces) else list(traces)
+        self.mask_BS = None if attention_mask is None or self.traces is None else mask_array(attention_mask)
         self.routes_LTK: torch.Tensor | None = None
         self.batch_shape: tuple[int, int] | None = None
         if routes_BSLK is not None:
@@ -145,7 +145,7 @@ class _Session:
             self.batch_shape = (batch, positions)
             self.routes_LTK = routes_BSLK.permute(2, 0, 1, 3).reshape(layers, batch * positions, k).contiguous()
         self.steps: list[tuple[tuple[int, int], dict[int, torch.Tensor]]] = []
-        self._cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._attended_on: dict[torch.device, torch.Tensor] = {}  # attended_T per device of the router calls
 
     def owned_here(self) -> bool:
         """True when the current router call belongs to this context (see "Threads" above)."""
@@ -193,14 +193,16 @@ class _Session:
         if self.mode is ReplayMode.RECORD:
             stats.recorded_rows += chosen_TK.shape[0]
         else:
-            rows = chosen_TK.shape[0]
-            fallback_T = torch.zeros(rows, dtype=torch.bool) if fallback_T is None else fallback_T.cpu()
+            rows, device = chosen_TK.shape[0], chosen_TK.device
+            fallback_T = torch.zeros(rows, dtype=torch.bool, device=device) if fallback_T is None else fallback_T
             forced_T = ~fallback_T
             if self.attended_T is not None and self.attended_T.numel() == rows:
-                attended_T = self.attended_T.cpu()
+                attended_T = self._attended_on.get(device)
+                if attended_T is None:
+                    attended_T = self._attended_on[device] = self.attended_T.to(device)
                 fallback_T, forced_T = fallback_T & attended_T, forced_T & attended_T  # padding is neither
-            fallbacks = int(fallback_T.sum())
-            stats.replayed_rows += int(forced_T.sum())
+            fallbacks, forced = torch.stack([fallback_T.sum(), forced_T.sum()]).tolist()  # one device sync
+            stats.replayed_rows += forced
             stats.fallback_rows += fallbacks
             if fallbacks:
                 stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
