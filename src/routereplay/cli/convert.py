@@ -78,6 +78,17 @@ def run(args: argparse.Namespace) -> int:
             "are dropped (use .rrt to keep them)",
             file=sys.stderr,
         )
+    dense = sorted(set(range(max(trace.layers, default=-1) + 1)) - set(trace.layers))
+    if target in (FileFormat.VLLM, FileFormat.SGLANG) and dense:
+        from routereplay.summary import compact_ranges
+
+        print(
+            f"note: {target} sends every hidden layer: wrote layers 0-{max(trace.layers)}, non-MoE layer(s) "
+            f"{compact_ranges(dense)} zero-filled. The MoE layers are recorded in the file's 'routereplay' "
+            f"object, so routereplay reads them back as they were; other readers: --moe-layers "
+            f"{compact_ranges(list(trace.layers))}",
+            file=sys.stderr,
+        )
     rows = trace.num_tokens * trace.num_layers
     record = {
         "input": args.input,
