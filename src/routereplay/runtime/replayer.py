@@ -324,7 +324,9 @@ class Replayer:
     # -- contexts ----------------------------------------------------------------------------------
     @contextmanager
     def record(self) -> Iterator[Recording]:
-        """Routers run naturally; their choices are kept, aligned with the input."""
+        """Routers run naturally; their choices are kept, aligned with the input.
+
+        The context belongs to the calling thread: other threads' forwards are neither recorded nor touched."""
         session = self._enter(ReplayMode.RECORD, None)
         try:
             yield Recording(session, self.layers, self.num_experts)
@@ -345,6 +347,7 @@ class Replayer:
         -1 rows fall back to the live router for that token only (counted in `stats.fallback_rows`;
         with an attention_mask, padding positions count neither as fallback nor as replayed rows).
         Run forward AND backward inside the context. The context value's `.routes` are the routes used.
+        The context belongs to the calling thread: other threads' forwards route naturally meanwhile.
 
         Alignment checks (`check_alignment=True`, the default; see `runtime/alignment.py`):
         - a routes tensor with an attention_mask: -1 padding that disagrees with the mask (routes laid
