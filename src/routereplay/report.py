@@ -28,13 +28,13 @@ from __future__ import annotations
 import html
 import io
 import math
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from routereplay.atomicfile import atomic_write
 from routereplay.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -229,10 +229,8 @@ def _scalar_metric_names(modes: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    """Write to a sibling temp file and rename, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """Write atomically (a reader never sees half a file; a killed writer's temporary is cleaned next time)."""
+    atomic_write(path, data)
 
 
 def _new_figure(width: float, height: float) -> Figure:
