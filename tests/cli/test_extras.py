@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -103,3 +104,18 @@ def test_require_names_every_missing_package_and_is_a_route_replay_error() -> No
     )
     assert isinstance(refusal.value, RouteReplayError) and isinstance(refusal.value, ImportError)
     assert importable("json") and not importable("routereplay_no_such_module")
+
+
+@pytest.mark.zstd
+def test_inspect_zstd_file_without_zstandard_is_unreadable_in_one_line(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """Error that is not a RouteReplayError (issue 11 item 24): a zstd codec file read without zstandard raised a
+    bare ImportError traceback; inspect calls it unreadable (exit 2, a JSON verdict) and names the extra."""
+    path = tmp_path / "t.rrt"
+    path.write_bytes(encode(RouteTrace(distinct_routes(rng, 40, 2, 2, 8), 8), compress=True))
+    result = run_without(["zstandard"], ["inspect", str(path), "--json"], tmp_path / "cache")
+    assert result.returncode == EXIT_ERROR, result.stderr
+    assert "Traceback" not in result.stderr and "routereplay[zstd]" in result.stderr
+    verdict = json.loads(result.stdout)
+    assert verdict["readable"] is False and "routereplay[zstd]" in verdict["error"]

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         trace, found = read_trace_file(args, args.file, payload_hints(args), validate=False)
-    except (RouteReplayError, OSError) as exc:
+    except (RouteReplayError, OSError, ImportError) as exc:  # ImportError: a zstd codec file without zstandard
         return _refused(args, exc)
     summary = summarize(trace, sequence=args.file)
     if args.json:
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     return ExitCode.OK if summary.valid else ExitCode.INVALID
 
 
-def _refused(args: argparse.Namespace, exc: RouteReplayError | OSError) -> int:
+def _refused(args: argparse.Namespace, exc: RouteReplayError | OSError | ImportError) -> int:
     """The verdict on a file whose decoding failed: invalid routes (1) or an unreadable file (2)."""
     code = exit_code(exc)
     message = os_error_line(exc) if isinstance(exc, OSError) else str(exc)

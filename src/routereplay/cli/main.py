@@ -48,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RouteReplayError as exc:
         print(f"routereplay {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except ImportError as exc:  # an optional package a file or flag needs (e.g. zstandard for a zstd codec file)
+        print(f"routereplay {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     except OSError as exc:  # disk full, permission denied, a directory where a file was meant: no traceback
         print(f"routereplay {args.command}: {os_error_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
