@@ -60,7 +60,7 @@ def test_multi_turn_whole_prefix_payloads(truth: np.ndarray) -> None:
     store.add_turn("s", TOKENS[:9], make(truth[:8]))
     store.add_turn("s", TOKENS, make(truth))  # the second call re-sends rows from token 0
     assert store.tokens("s") == TOKENS
-    assert store.trace("s") == make(truth), "a whole-prefix re-send with identical rows must give the truth"
+    assert store.trace("s") == make(truth).with_token_ids(TOKENS), "a whole-prefix re-send must give the truth"
     stats = store.stats()
     assert (stats.rows, stats.routed_rows, stats.fallback_rows, stats.conflicting_rows) == (15, 15, 0, 0)
     assert stats.rows_by_source == {"sglang": 15}
@@ -76,7 +76,7 @@ def test_multi_turn_start_len_deltas_with_tool_tokens(truth: np.ndarray) -> None
     expected = truth.copy()
     expected[8:12] = -1  # the last token of turn 1 and the tool tokens: never routed
     segments = (Segment(0, 8, SGL, 0), Segment(8, 12, UNROUTED_SOURCE), Segment(12, 15, SGL, 0))
-    assert store.trace("s") == RouteTrace(expected, E, segments=segments)
+    assert store.trace("s") == RouteTrace(expected, E, segments=segments).with_token_ids(TOKENS)
     stats = store.stats()
     assert (stats.samples, stats.tokens, stats.rows, stats.routed_rows, stats.fallback_rows) == (1, 16, 15, 11, 4)
     assert stats.rows_by_source == {"sglang": 11, "none": 4}
@@ -89,7 +89,8 @@ def test_sample_without_routes_needs_geometry() -> None:
         store.trace(7)
     store = RouteStore(num_experts=E, layers=(0, 1), top_k=K)
     store.add_turn(7, [1, 2, 3], None)
-    assert store.trace(7) == RouteTrace(np.full((2, L, K), -1), E, segments=(Segment(0, 2, "none"),))
+    unrouted = RouteTrace(np.full((2, L, K), -1), E, segments=(Segment(0, 2, "none"),))
+    assert store.trace(7) == unrouted.with_token_ids([1, 2, 3])
     assert store.stats().fallback_rows == 2
 
 
@@ -120,7 +121,8 @@ def test_resume_with_delta(truth: np.ndarray, policy: MergePolicy) -> None:
     store = RouteStore()
     store.add_turn("s", TOKENS[:9], make(truth[:8], version=0))
     store.add_turn("s", TOKENS, make(truth[8:], start=8, version=1), policy=policy)
-    assert store.trace("s") == RouteTrace(truth, E, segments=(Segment(0, 8, SGL, 0), Segment(8, 15, SGL, 1)))
+    expected = RouteTrace(truth, E, segments=(Segment(0, 8, SGL, 0), Segment(8, 15, SGL, 1)))
+    assert store.trace("s") == expected.with_token_ids(TOKENS)
     assert store.stats().conflicting_rows == 0
 
 
@@ -150,7 +152,7 @@ def test_duplicated_prefix_concatenation_raises(truth: np.ndarray) -> None:
     assert issubclass(DuplicatedPrefixError, RowCountError)
     assert store.tokens("s") == TOKENS[:9], "a refused call must leave the sample untouched"
     store.add_turn("s", TOKENS, make(doubled[8:]))  # one copy kept: accepted
-    assert store.trace("s") == make(truth)
+    assert store.trace("s") == make(truth).with_token_ids(TOKENS)
 
 
 def test_token_prefix_mismatch_names_the_position(truth: np.ndarray) -> None:

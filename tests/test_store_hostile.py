@@ -16,7 +16,7 @@ import pytest
 from routereplay import RouteTrace
 from routereplay.errors import ConfigError, RowCountError, StoreHeaderError
 from routereplay.jsondocument import JsonLimits
-from routereplay.store import MAGIC, VERSION, DuplicatedPrefixError, RouteStore
+from routereplay.store import MAGIC, VERSION, DuplicatedPrefixError, MisalignedRoutesError, RouteStore
 from tests.wire import distinct_routes
 
 E, L, K = 8, 2, 2
@@ -259,3 +259,33 @@ def test_other_excess_rows_stay_a_plain_row_count_error(rng: np.random.Generator
         with pytest.raises(RowCountError, match="rows stop at 15") as caught:
             store.add_turn("s", tokens, routes(rng, rows))
         assert not isinstance(caught.value, DuplicatedPrefixError)
+
+
+def test_token_ids_that_repeat_the_prefix_name_the_duplicated_prefix(rng: np.random.Generator) -> None:
+    """Misleading message (issue 11 item 22): on a sample's first call the store holds nothing to
+    compare with; a trace whose token ids repeat its first tokens shows the prefix was re-sent."""
+    tokens = list(range(300, 316))
+    old, new = distinct_routes(rng, 8, L, K, E), distinct_routes(rng, 15, L, K, E)
+    ids = tokens[:8] + tokens[:15]  # the rows' tokens: the old prefix, then the whole re-send
+    doubled = RouteTrace(np.concatenate([old, new]), E, token_ids=ids)
+    with pytest.raises(DuplicatedPrefixError, match="token ids repeat its first 8 tokens.*verl #6029"):
+        RouteStore().add_turn("s", tokens, doubled)
+
+
+def test_traces_name_the_sample_tokens_and_foreign_ids_are_refused(rng: np.random.Generator) -> None:
+    """Silent misroute (issue 11 items 21, 22): the store knows every sample's tokens, so `trace()` names
+    them (replay can check the batch), and a trace routed for other tokens (a shifted BOS) is refused
+    at `add_turn` with the first differing position."""
+    tokens = list(range(400, 410))
+    store = RouteStore()
+    trace = routes(rng, 9)
+    store.add_turn("s", tokens, trace.with_token_ids(tokens))
+    named = store.trace("s").token_ids
+    assert named is not None and named.tolist() == tokens[:9]
+    shifted = [1, *tokens[:8]]  # an extra BOS: every row routed the previous token
+    with pytest.raises(MisalignedRoutesError, match="token id 1 at position 0, but the sample's token there is 400"):
+        store.add_turn("t", tokens, trace.with_token_ids(shifted))
+    assert "t" not in store
+    unknown = [-1] * 9  # -1 = id unknown: nothing to check
+    store.add_turn("u", tokens, trace.with_token_ids(unknown))
+    assert store.trace("u") == store.trace("s").with_provenance("unknown")

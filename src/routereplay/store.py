@@ -12,7 +12,10 @@ merged by absolute token position from every engine call that returned routes:
   only the delta; `policy="keep"` keeps the rows used when each token was sampled, `"replace"`
   takes the newer ones.
 
-`trace(sample_id)` covers rows [0, N - 1): the last token is never fed back, so never routed.
+`trace(sample_id)` covers rows [0, N - 1): the last token is never fed back, so never routed. It
+names the token of every row (`token_ids`, from the sample's tokens), so replay can check that the
+batch it is applied to holds the same tokens. A trace given to `add_turn` that names its tokens must
+name the sample's tokens at its positions.
 
 Threads: every method holds the store's lock (a `threading.RLock`), so `add_turn` from rollout
 threads and `to_bytes` / `save` / `trace` / `stats` from another thread are safe together; `save`
@@ -72,6 +75,7 @@ MAGIC = b"RRST"
 VERSION = 1
 _FIXED = struct.Struct("<4sB3xQQ")  # magic, version, reserved, header length, data length
 _CRC = struct.Struct("<I")
+TOKEN_ID_MAX = np.iinfo(np.int32).max  # largest id a trace's token_ids holds (vocabularies are far smaller)
 HEADER_DEPTH = 3  # levels of the header around a sample's metadata: {"samples": [{"metadata": ...}]}
 
 SampleId = str | int
@@ -188,11 +192,14 @@ class RouteStore:
         if trace is not None:
             self._check_geometry(trace, sample_id)
             _check_rows(trace, len(tokens), sample_id, sample)
+            _check_token_ids(trace, tokens, sample_id)
             if validate:
                 trace.validate(sample_id)
+            segments = trace.segments
             if policy_version is not None:
                 segments = tuple(replace(s, policy_version=int(policy_version)) for s in trace.segments)
-                trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments)
+            # the sample holds the tokens: stored rows carry none (`trace()` names them from the tokens)
+            trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments)
             if self._geometry is None:
                 self._geometry = (trace.num_experts, trace.layers, trace.top_k)
         if sample is None:
@@ -256,7 +263,10 @@ class RouteStore:
         num_experts, layers, top_k = self._geometry
         rows = len(sample.tokens) - 1
         empty = np.full((rows, len(layers), top_k), -1, canonical_dtype(num_experts))
-        frame = RouteTrace(empty, num_experts, layers, 0, (Segment(0, rows, UNROUTED_SOURCE),) if rows else ())
+        ids_T = np.array(sample.tokens[:rows])
+        ids_T[(ids_T < 0) | (ids_T > TOKEN_ID_MAX)] = -1  # not a vocabulary id: unknown, never checked
+        segments = (Segment(0, rows, UNROUTED_SOURCE),) if rows else ()
+        frame = RouteTrace(empty, num_experts, layers, 0, segments, ids_T)
         return frame if sample.trace is None else frame.merge(sample.trace, policy=MergePolicy.REPLACE)
 
     def stale_fraction(self, sample_id: SampleId | None, current_version: int) -> float:
@@ -517,6 +527,23 @@ def _check_rows(trace: RouteTrace, num_tokens: int, sample_id: SampleId, sample:
         f"{num_tokens} token ids, so rows stop at {limit} (the last token is never fed back). Check the call's "
         "start offset (start_len / prompt_start) and that token_ids is the full sequence after this call"
     )
+
+
+def _check_token_ids(trace: RouteTrace, tokens: np.ndarray, sample_id: SampleId) -> None:
+    """A trace that names its tokens must name the sample's tokens at its positions (-1 = unknown)."""
+    ids_T = trace.token_ids
+    if ids_T is None or not trace.num_tokens:
+        return
+    differ_T = (ids_T >= 0) & (ids_T != tokens[trace.start : trace.stop])
+    if differ_T.any():
+        row = int(np.flatnonzero(differ_T)[0])
+        position = trace.start + row
+        raise MisalignedRoutesError(
+            f"sample {sample_id!r}: the routes were captured for token id {int(ids_T[row])} at position {position}, "
+            f"but the sample's token there is {int(tokens[position])} ({int(differ_T.sum())} such positions): these "
+            "routes belong to another tokenisation (an extra or stripped BOS, a re-rendered chat template) or "
+            "another sample; pass the token ids the engine saw"
+        )
 
 
 def _conflicts(old: RouteTrace, new: RouteTrace) -> int:
