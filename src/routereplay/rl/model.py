@@ -30,6 +30,7 @@ from routereplay.rl.tasks import AdditionTask, build_tokenizer
 from routereplay.threads import ThreadPolicy
 
 TRAIN_VERSION = 10  # bump when the recipe changes, so caches are rebuilt
+WARMUP_FRACTION = 0.1  # OneCycleLR's pct_start: share of the steps spent warming the learning rate up
 
 
 class Arch(StrEnum):
@@ -139,6 +140,8 @@ def train_demo_model(
 
     `threads`: intra-op threads while training (None: OMP_NUM_THREADS if set, else 1); the caller's
     torch thread count is restored afterwards."""
+    if isinstance(steps, bool) or steps < 1 or batch < 1:
+        raise ConfigError(f"train_demo_model: steps={steps!r} and batch={batch!r} must be integers >= 1")
     with ThreadPolicy(threads=threads).applied():
         return _train(arch, steps=steps, seed=seed, batch=batch, lr=lr, progress=progress, **overrides)
 
@@ -161,7 +164,9 @@ def _train(
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=lr, total_steps=steps, pct_start=_warmup_fraction(steps)
+    )
     for step in range(steps):
         problems = task.problems(batch, seed=seed * 1_000_003 + step)
         sequences = [task.target_ids(p) for p in problems]
@@ -183,6 +188,12 @@ def _train(
         if progress is not None:
             progress(step + 1, steps, loss.item())
     return model.eval(), tokenizer
+
+
+def _warmup_fraction(steps: int) -> float:
+    """OneCycleLR's pct_start for `steps`: WARMUP_FRACTION, nudged where OneCycleLR would divide by
+    zero (its warm-up phase ends at pct_start * steps - 1, and 0 there is a ZeroDivisionError: steps=10)."""
+    return WARMUP_FRACTION if WARMUP_FRACTION * steps != 1 else 1.5 / steps
 
 
 def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
