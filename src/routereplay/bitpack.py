@@ -18,8 +18,7 @@ def pack_bits(values: np.ndarray, bits: int) -> bytes:
     Eight values of b bits fill exactly b bytes, so the work is a (groups, b) byte array filled
     column by column: lane j starts at bit j * b of its group.
     """
-    if not 0 <= bits <= 64:
-        raise ConfigError(f"bits={bits} must be in 0..64")
+    _check_bits(bits)
     values_n = np.asarray(values).astype(np.uint64, copy=False).ravel()
     count = values_n.size
     if bits == 0 or count == 0:
@@ -42,16 +41,28 @@ def pack_bits(values: np.ndarray, bits: int) -> bytes:
     return out_GB.tobytes()[: -(-count * bits // 8)]
 
 
-def unpack_bits(buf: bytes | bytearray | memoryview | np.ndarray, count: int, bits: int) -> np.ndarray:
-    """Inverse of `pack_bits`: the first `count` values of `bits` bits from `buf`, as uint64."""
-    if not 0 <= bits <= 64:
-        raise ConfigError(f"bits={bits} must be in 0..64")
+def unpack_bits(buf: bytes | bytearray | memoryview | np.ndarray, count: int, bits: int, first: int = 0) -> np.ndarray:
+    """Inverse of `pack_bits`: values first .. first + count - 1 of `bits` bits from `buf`, as uint64.
+
+    Works on `count` values only (a few uint64 arrays of that length), whatever the length of `buf`:
+    decode a long stream in slices to bound the memory.
+    """
+    _check_bits(bits)
+    for name, value in (("count", count), ("first", first)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"unpack_bits: {name}={value!r} must be an int >= 0")
+    skip, start = first % 8, first // 8 * bits  # eight values fill exactly `bits` bytes
+    count += skip
     needed = -(-count * bits // 8)
     data = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf.view(np.uint8).ravel()
+    data = data[start : start + needed]
     if data.size < needed:
-        raise CodecFormatError(f"bit stream holds {data.size} bytes; {count} values of {bits} bits need {needed}")
+        raise CodecFormatError(
+            f"bit stream holds {data.size + start} bytes; values up to {first + count - skip} of {bits} bits "
+            f"need {start + needed}"
+        )
     if bits == 0 or count == 0:
-        return np.zeros(count, np.uint64)
+        return np.zeros(count - skip, np.uint64)
     groups = -(-count // 8)
     padded = np.zeros(groups * bits, np.uint8)
     padded[:needed] = data[:needed]
@@ -67,7 +78,12 @@ def unpack_bits(buf: bytes | bytearray | memoryview | np.ndarray, count: int, bi
         if bits < 64:
             lane &= (1 << bits) - 1
         out_G8[:, j] = lane
-    return out_G8.ravel()[:count]
+    return out_G8.ravel()[skip:count]
+
+
+def _check_bits(bits: object) -> None:
+    if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool) or not 0 <= bits <= 64:
+        raise ConfigError(f"bits={bits!r} must be an int in 0..64")
 
 
 __all__ = ["pack_bits", "unpack_bits"]

@@ -15,12 +15,14 @@ Version 1 layout, all integers little-endian (offsets in bytes):
     0   4     magic b"RRTC"
     4   u8    version (1)
     5   u8    mode: 0 = set, 1 = ordered
-    6   u8    flags: bit 0 = payload is zstd-compressed, bit 1 = some rows are all -1 (bitmap present)
+    6   u8    flags: bit 0 = payload is zstd-compressed, bit 1 = some rows are all -1 (bitmap present),
+              bit 2 = token ids present (a blob without it decodes with `token_ids` None)
     7   u8    reserved, 0
     8   u64   T          16  u32 L          20  u16 K          22  u32 E          26  u64 start
     34  L x u32           global layer numbers
         u32               segment count S, then S x (u64 begin, u64 end, i64 policy_version
                           (-1 = None), u16 n, n bytes UTF-8 source name)
+        T x i32           token ids, only when flag bit 2 is set (`RouteTrace.token_ids`, -1 = unknown)
         u64, u64          raw (uncompressed) payload length, stored payload length
         stored payload
         u32               CRC32 (zlib) of every byte before it
@@ -30,15 +32,22 @@ Raw payload: when flag bit 1 is set, a validity bitmap of R bits (bit r = row r 
 SET: one stream of N ranks of b bits (when b > 64: one stream per 64-bit word of the ranks, low
 word first, the last one b - 64 * (words - 1) bits wide). ORDERED: one stream of N * K ids of
 ceil(log2 E) bits. A stream packs value i at bit i * bits, least significant bit first, padded to
-whole bytes with zero bits.
+whole bytes with zero bits. (`routereplay.codec_rows` reads and writes the payload.)
 
 Decoding trusts nothing: magic, version and the CRC are checked first, then every length against the
-shape before anything is allocated (T * L * K <= `max_entries`; a zstd payload must declare its exact
-size, within zstd's maximum ratio), and ranks / ids / padding bits are checked after unpacking.
+shape, then the shape against `CodecLimits` (ids, expansion over the blob's size, set-mode table),
+all before anything is allocated. A zstd payload must declare its exact size, within zstd's maximum
+ratio, and is inflated once into nothing (bounded pieces) to prove that size before its buffer is
+allocated. Rows are then decoded `CodecLimits.chunk_entries` ids at a time straight into the output
+array, and ranks / ids / padding bits are checked as they are unpacked. Peak memory of `decode` is
+the output (<= min(max_entries, max_expansion * blob bytes / itemsize) ids), plus the decompressed
+payload for zstd blobs, plus a fixed working set (`routereplay.codec_limits` gives the numbers);
+its CPU work is linear in the same sizes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 import zlib
@@ -47,20 +56,26 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bitpack import pack_bits, unpack_bits
+from routereplay.codec_limits import DEFAULT_LIMITS, CodecLimits, checked_limits
+from routereplay.codec_rows import PayloadDecoder, encode_rows, id_bits, payload_bytes, payload_streams, rank_bits
 from routereplay.enums import CodecMode
-from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError, ConfigError, RouteReplayError
-from routereplay.subsets import U64_MAX, binomial_table, rank_subsets, unrank_subsets
+from routereplay.errors import (
+    ChecksumError,
+    CodecFormatError,
+    CodecLimitError,
+    CodecVersionError,
+    ConfigError,
+    RouteReplayError,
+)
 from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
 MAGIC = b"RRTC"
 VERSION = 1
 READABLE_VERSIONS = (1,)
-FLAG_ZSTD, FLAG_MISSING_ROWS = 1, 2
-DEFAULT_MAX_ENTRIES = 1 << 32  # decode() refuses T * L * K above this (8 GiB of int16 ids)
+FLAG_ZSTD, FLAG_MISSING_ROWS, FLAG_TOKEN_IDS = 1, 2, 4
 MAX_EXPERTS = 1 << 31  # ids must fit the int32 canonical dtype
-_MAX_SET_TABLE = 1 << 22  # set mode: (E + 1) * (K + 1) * ceil(b / 64) binomial-table words
 _ZSTD_MAX_RATIO = 1 << 15  # no zstd frame expands more (a 128 KiB block from a 4-byte RLE block)
+_INFLATE_PIECE = 1 << 20  # bytes inflated per step while a zstd frame proves its size
 _FIXED = struct.Struct("<4sBBBBQIHIQ")  # magic, version, mode, flags, reserved, T, L, K, E, start
 _SEGMENT = struct.Struct("<QQqH")  # begin, end, policy_version, source-name length
 _U32 = struct.Struct("<I")
@@ -88,6 +103,7 @@ class CodecHeader:
     stored_payload_bytes: int
     bits_per_row: int
     total_bytes: int
+    has_token_ids: bool = False  # flag bit 2: T x i32 token ids sit just before the payload lengths
 
 
 # --- public API -------------------------------------------------------------------------------
@@ -100,20 +116,34 @@ def encode(
 
     SET mode stores route sets (decode returns each row sorted); ORDERED keeps the id order.
     `compress=True` zstd-compresses the payload (needs `routereplay[zstd]`); random routes are already
-    at their entropy, so it only pays on skewed or repetitive routes.
+    at their entropy, so it only pays on skewed or repetitive routes. What `encode` writes, `decode`
+    reads within the default `CodecLimits` unless the trace is beyond them (more than
+    `max_entries` ids, or a zero-bit layout / almost only -1 rows expanding past `max_expansion`).
     """
+    if not isinstance(trace, RouteTrace):
+        raise ConfigError(f"encode() takes a RouteTrace, got {type(trace).__name__}")
     mode = _as_mode(mode)
+    if not isinstance(compress, (bool, int, np.bool_, np.integer)) or compress not in (0, 1):
+        raise ConfigError(f"compress must be True or False, got {type(compress).__name__} {compress!r}")
     trace.validate()
     T, L, K, E = trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts
     _check_encodable(trace)
+    try:
+        streams = payload_streams(E, K, mode, DEFAULT_LIMITS, "encode")
+    except CodecLimitError:
+        raise ConfigError(
+            f"set mode supports (E + 1) * (K + 1) * ceil(bits / 64) <= {DEFAULT_LIMITS.max_set_table} binomial-table "
+            f"words (CodecLimits.max_set_table), got E={E}, K={K}; use mode='ordered'"
+        ) from None
     experts_RK = trace.experts.reshape(T * L, K)
     valid_R = experts_RK[:, 0] >= 0
     has_missing = not bool(valid_R.all())
     bitmap = np.packbits(valid_R, bitorder="little").tobytes() if has_missing else b""
     experts_NK = experts_RK[valid_R] if has_missing else experts_RK
-    raw = bitmap + _encode_rows(experts_NK, E, K, mode)
+    raw = bitmap + encode_rows(experts_NK, E, K, mode, streams)
     stored = _zstd_compress(raw, level) if compress else raw
     flags = (FLAG_ZSTD if compress else 0) | (FLAG_MISSING_ROWS if has_missing else 0)
+    flags |= FLAG_TOKEN_IDS if trace.token_ids is not None else 0
     parts = [_FIXED.pack(MAGIC, VERSION, _MODE_CODES[mode], flags, 0, T, L, K, E, trace.start)]
     parts.append(np.asarray(trace.layers, dtype="<u4").tobytes())
     parts.append(_U32.pack(len(trace.segments)))
@@ -121,156 +151,76 @@ def encode(
         name = str(segment.source).encode("utf-8")
         pv = -1 if segment.policy_version is None else segment.policy_version
         parts.append(_SEGMENT.pack(segment.begin, segment.end, pv, len(name)) + name)
+    if trace.token_ids is not None:
+        parts.append(trace.token_ids.astype("<i4").tobytes())  # ids are in [-1, 2^31): RouteTrace checked them
     parts += [_LENGTHS.pack(len(raw), len(stored)), stored]
     body = b"".join(parts)
     return body + _U32.pack(zlib.crc32(body))
 
 
-def decode(blob: bytes | bytearray | memoryview, *, max_entries: int = DEFAULT_MAX_ENTRIES) -> RouteTrace:
+def decode(
+    blob: bytes | bytearray | memoryview, *, limits: CodecLimits | None = None, max_entries: int | None = None
+) -> RouteTrace:
     """Parse a blob from `encode` back into a `RouteTrace` (content checks: call `.validate()`).
 
-    Any malformed, truncated or tampered input raises a `CodecError` (a `RouteReplayError`); the one
-    other exception is ImportError for a zstd blob without `zstandard`. Nothing is allocated beyond
-    what the header promises and the sizes confirm; `max_entries` caps T * L * K.
+    Any malformed, truncated or tampered input raises a `CodecError` (a `RouteReplayError`): a blob
+    beyond `limits` (default `CodecLimits()`: <= 2**28 ids, <= 4096x the blob's size) raises
+    `CodecLimitError` before anything is allocated. The one other exception is ImportError for a
+    zstd blob without `zstandard`. Bounds, by construction: peak memory <= the output ids + the
+    decompressed payload (zstd only) + `WORKING_BYTES_PER_ENTRY * limits.chunk_entries` + the
+    set-mode table (8 * limits.max_set_table bytes); CPU linear in the same sizes
+    (`CodecLimits.memory_bound` gives the number). `max_entries=` is short for
+    `limits=CodecLimits(max_entries=...)`.
     """
-    data = _as_bytes(blob)
-    head, offset = _parse(data)
+    limits = checked_limits(limits)
+    if max_entries is not None:
+        limits = dataclasses.replace(limits, max_entries=max_entries)
+    data = _as_buffer(blob)
+    head, offset = _parse(data, limits)
     T, L, K, E = head.num_tokens, head.num_layers, head.top_k, head.num_experts
-    if T * L * K > max_entries:
-        raise CodecFormatError(
-            f"blob declares {T} x {L} x {K} = {T * L * K} expert ids, above max_entries={max_entries}; "
-            "refusing to allocate. If the blob is trusted, pass a larger decode(max_entries=...)"
-        )
+    limits.check_shape(T, L, K, canonical_dtype(E).itemsize, len(data))
     stored = data[offset : offset + head.stored_payload_bytes]
     raw = _zstd_decompress(stored, head.raw_payload_bytes, offset) if head.compressed else stored
-    rows = T * L
-    valid_R: np.ndarray | None = None
-    num_valid, pos = rows, 0
-    if head.has_missing_rows:
-        pos = -(-rows // 8)
-        bitmap = np.frombuffer(raw, np.uint8, pos)
-        if rows % 8 and int(bitmap[-1]) >> (rows % 8):
-            raise CodecFormatError(f"validity bitmap has padding bits set past row {rows}: corrupt payload")
-        valid_R = np.unpackbits(bitmap, count=rows, bitorder="little").view(bool)
-        num_valid = int(np.count_nonzero(valid_R))
-        if num_valid == rows:
-            raise CodecFormatError("flags bit 1 says some rows are all -1 but the validity bitmap marks none")
-    expected = pos + _payload_bytes(num_valid, _streams(E, K, head.mode))
-    if expected != len(raw):
-        raise CodecFormatError(
-            f"raw payload is {len(raw)} bytes but {num_valid} routed rows of {head.bits_per_row} bits "
-            f"(+ {pos} bitmap bytes) need {expected}: corrupt payload; re-export the trace"
-        )
-    experts_NK = _decode_rows(raw, pos, num_valid, E, K, head.mode)
-    if valid_R is None:
-        experts_TLK = experts_NK.reshape(T, L, K)
-    else:
-        experts_TLK = np.full((T, L, K), -1, dtype=experts_NK.dtype)
-        experts_TLK.reshape(rows, K)[valid_R] = experts_NK
+    streams = payload_streams(E, K, head.mode, limits, "blob")
+    decoder = PayloadDecoder(memoryview(raw), E, K, head.mode, streams)
+    experts_TLK = decoder.decode(T * L, head.has_missing_rows, limits.chunk_entries).reshape(T, L, K)
+    token_ids = None
+    if head.has_token_ids:  # bounds checked by _parse: they sit just before the payload lengths
+        token_ids = np.frombuffer(data, "<i4", T, offset - _LENGTHS.size - 4 * T).astype(np.int64)
     try:
-        return RouteTrace(experts_TLK, E, head.layers, head.start, head.segments)
+        return RouteTrace(experts_TLK, E, head.layers, head.start, head.segments, token_ids)
     except RouteReplayError as error:
         raise CodecFormatError(f"blob decodes to an invalid trace: {error}") from error
 
 
-def header_info(blob: bytes | bytearray | memoryview) -> CodecHeader:
+def header_info(blob: bytes | bytearray | memoryview, *, limits: CodecLimits | None = None) -> CodecHeader:
     """Check the envelope (magic, version, CRC) and parse the header, without decoding the payload."""
-    return _parse(_as_bytes(blob))[0]
+    return _parse(_as_buffer(blob), checked_limits(limits))[0]
 
 
 def bits_per_row(num_experts: int, top_k: int, mode: CodecMode | str = CodecMode.SET) -> int:
     """Payload bits of one routed (token, layer) row: ceil(log2 C(E, K)) in SET mode, K * ceil(log2 E)."""
-    if not 1 <= top_k <= num_experts:
-        raise ConfigError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
+    _check_shape_args(num_experts, top_k)
     if _as_mode(mode) is CodecMode.ORDERED:
-        return top_k * _id_bits(num_experts)
-    return _rank_bits(math.comb(num_experts, top_k))
+        return top_k * id_bits(num_experts)
+    return rank_bits(math.comb(num_experts, top_k))
 
 
 def entropy_bits_per_row(num_experts: int, top_k: int) -> float:
     """log2 C(E, K): the information in one uniformly random K-subset of E experts."""
-    if not 1 <= top_k <= num_experts:
-        raise ConfigError(f"need 1 <= top_k <= num_experts, got top_k={top_k}, num_experts={num_experts}")
+    _check_shape_args(num_experts, top_k)
     if min(top_k, num_experts - top_k) <= 4096:
         return math.log2(math.comb(num_experts, top_k))  # math.log2 is exact enough on big ints
     n, k = num_experts, top_k
     return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
 
 
-# --- rows <-> payload -------------------------------------------------------------------------
-
-
-def _id_bits(num_experts: int) -> int:
-    return (num_experts - 1).bit_length()
-
-
-def _rank_bits(count: int) -> int:
-    return (count - 1).bit_length() if count > 1 else 0
-
-
-def _streams(num_experts: int, top_k: int, mode: CodecMode) -> list[tuple[int, int]]:
-    """(values per row, bits per value) of each packed stream of the payload."""
-    if mode is CodecMode.ORDERED:
-        return [(top_k, _id_bits(num_experts))]
-    if (num_experts + 1) * (top_k + 1) > _MAX_SET_TABLE:
-        raise ConfigError(
-            f"set mode supports (E + 1) * (K + 1) <= {_MAX_SET_TABLE}, got E={num_experts}, K={top_k}; "
-            "use mode='ordered'"
-        )
-    bits = _rank_bits(math.comb(num_experts, top_k))
-    if (num_experts + 1) * (top_k + 1) * -(-bits // 64) > _MAX_SET_TABLE:
-        raise ConfigError(f"set-mode ranks of {bits} bits (E={num_experts}, K={top_k}) are too wide; use mode=ordered")
-    if bits <= 64:
-        return [(1, bits)]
-    return [(1, min(64, bits - 64 * q)) for q in range(-(-bits // 64))]
-
-
-def _payload_bytes(num_rows: int, streams: list[tuple[int, int]]) -> int:
-    return sum(-(-num_rows * per_row * bits // 8) for per_row, bits in streams)
-
-
-def _encode_rows(experts_NK: np.ndarray, num_experts: int, top_k: int, mode: CodecMode) -> bytes:
-    streams = _streams(num_experts, top_k, mode)
-    if mode is CodecMode.ORDERED:
-        return pack_bits(experts_NK.astype(np.uint64), streams[0][1])
-    count = math.comb(num_experts, top_k)
-    if len(experts_NK) == 0 or _rank_bits(count) == 0:
-        return b""
-    ranks_N = rank_subsets(experts_NK, binomial_table(num_experts, top_k, count))
-    words = [ranks_N] if len(streams) == 1 else [((ranks_N >> (64 * q)) & U64_MAX) for q in range(len(streams))]
-    return b"".join(pack_bits(word.astype(np.uint64), bits) for word, (_, bits) in zip(words, streams, strict=True))
-
-
-def _decode_rows(raw: bytes, pos: int, num_rows: int, num_experts: int, top_k: int, mode: CodecMode) -> np.ndarray:
-    streams = _streams(num_experts, top_k, mode)
-    values: list[np.ndarray] = []
-    for per_row, bits in streams:
-        nbits = num_rows * per_row * bits
-        if nbits % 8 and raw[pos + nbits // 8] >> (nbits % 8):
-            raise CodecFormatError(f"payload stream has padding bits set after bit {nbits}: corrupt payload")
-        values.append(unpack_bits(memoryview(raw)[pos:], num_rows * per_row, bits))
-        pos += -(-nbits // 8)
-    dtype = canonical_dtype(num_experts)
-    if mode is CodecMode.ORDERED:
-        ids = values[0]
-        if ids.size and int(ids.max()) >= num_experts:
-            row = int(np.flatnonzero(ids >= num_experts)[0]) // top_k
-            raise CodecFormatError(f"routed row {row} holds expert id {int(ids.max())} >= E={num_experts}: corrupt")
-        return ids.astype(dtype).reshape(num_rows, top_k)
-    count = math.comb(num_experts, top_k)
-    if num_rows == 0:
-        return np.zeros((0, top_k), dtype)
-    if count == 0:
-        raise CodecFormatError(f"blob has routed rows but top_k={top_k} > num_experts={num_experts}: corrupt header")
-    if len(values) == 1:
-        ranks_N = values[0]
-    else:
-        ranks_N = sum((v.astype(object) << (64 * q) for q, v in enumerate(values)), np.zeros(num_rows, object))
-    bad = ranks_N >= count
-    if bad.any():
-        row = int(np.flatnonzero(bad)[0])
-        raise CodecFormatError(f"routed row {row} has set rank {ranks_N[row]} >= C({num_experts}, {top_k}): corrupt")
-    return unrank_subsets(ranks_N, binomial_table(num_experts, top_k, count), top_k, count, dtype)
+def _check_shape_args(num_experts: Any, top_k: Any) -> None:
+    for name, value in (("num_experts", num_experts), ("top_k", top_k)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+            raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not 1 <= top_k <= num_experts <= MAX_EXPERTS:
+        raise ConfigError(f"need 1 <= top_k <= num_experts <= 2^31, got top_k={top_k}, num_experts={num_experts}")
 
 
 # --- envelope and header ----------------------------------------------------------------------
@@ -281,7 +231,7 @@ class _Reader:
 
     __slots__ = ("data", "end", "pos")
 
-    def __init__(self, data: bytes, end: int) -> None:
+    def __init__(self, data: memoryview, end: int) -> None:
         self.data, self.end, self.pos = data, end, 0
 
     def take(self, size: int, field: str) -> int:
@@ -297,7 +247,7 @@ class _Reader:
         return fmt.unpack_from(self.data, self.take(fmt.size, field))
 
 
-def _check_envelope(data: bytes) -> None:
+def _check_envelope(data: memoryview) -> None:
     """Magic, version, minimum length, then the CRC32 - before any other field is trusted."""
     size = len(data)
     truncated = f"truncated blob: {size} bytes, a codec blob has at least {MIN_BLOB_BYTES}; re-export it"
@@ -305,7 +255,7 @@ def _check_envelope(data: bytes) -> None:
         if size < 4 and MAGIC.startswith(data):
             raise CodecFormatError(truncated)
         raise CodecFormatError(
-            f"bad magic {data[:4]!r} at byte offset 0 (expected {MAGIC!r}): not a routereplay codec blob; "
+            f"bad magic {bytes(data[:4])!r} at byte offset 0 (expected {MAGIC!r}): not a routereplay codec blob; "
             "pass the bytes written by routereplay.codec.encode (not base64 text, .npy or JSON)"
         )
     if size < 5:
@@ -318,7 +268,7 @@ def _check_envelope(data: bytes) -> None:
     if size < MIN_BLOB_BYTES:
         raise CodecFormatError(truncated)
     (stored_crc,) = _U32.unpack_from(data, size - 4)
-    actual_crc = zlib.crc32(memoryview(data)[: size - 4])
+    actual_crc = zlib.crc32(data[: size - 4])
     if stored_crc == actual_crc:
         return
     declared = _declared_size(data)
@@ -334,29 +284,35 @@ def _check_envelope(data: bytes) -> None:
     )
 
 
-def _declared_size(data: bytes) -> int | None:
+def _declared_size(data: memoryview) -> int | None:
     """Total length the header's length fields imply, or None when they point past the end."""
     reader = _Reader(data, len(data))
     try:
-        num_layers = reader.unpack(_FIXED, "fixed header")[6]
+        fixed = reader.unpack(_FIXED, "fixed header")
+        flags, num_tokens, num_layers = fixed[3], fixed[5], fixed[6]
         reader.take(4 * num_layers, "layer numbers")
         (num_segments,) = reader.unpack(_U32, "segment count")
         for i in range(num_segments):  # each takes >= 26 bytes, so this stops at the end of data
             reader.take(reader.unpack(_SEGMENT, f"segment {i}")[3], f"segment {i} source name")
+        if flags & FLAG_TOKEN_IDS:
+            reader.take(4 * num_tokens, "token ids")
         stored_bytes = reader.unpack(_LENGTHS, "payload lengths")[1]
     except CodecFormatError:
         return None
     return int(reader.pos + stored_bytes + _U32.size)
 
 
-def _parse(data: bytes) -> tuple[CodecHeader, int]:
-    """Check the envelope and every header field; return the header and the payload's offset."""
+def _parse(data: memoryview, limits: CodecLimits) -> tuple[CodecHeader, int]:
+    """Check the envelope and every header field; return the header and the payload's offset.
+
+    Work and memory are linear in the blob's length (layers, segments) plus, for set mode, C(E, K)
+    once `limits.max_set_table` has bounded E and K."""
     _check_envelope(data)
     reader = _Reader(data, len(data) - _U32.size)
     _, version, mode_code, flags, reserved, T, L, K, E, start = reader.unpack(_FIXED, "fixed header")
     if mode_code not in (0, 1):
         raise CodecFormatError(f"mode byte (offset 5) is {mode_code}, expected 0 (set) or 1 (ordered): corrupt")
-    if flags & ~(FLAG_ZSTD | FLAG_MISSING_ROWS) or reserved:
+    if flags & ~(FLAG_ZSTD | FLAG_MISSING_ROWS | FLAG_TOKEN_IDS) or reserved:
         raise CodecFormatError(
             f"unknown bits in flags {flags:#04x} (offset 6) or reserved byte {reserved} (offset 7): the blob is "
             "corrupt or from a newer writer (upgrade routereplay)"
@@ -370,17 +326,17 @@ def _parse(data: bytes) -> tuple[CodecHeader, int]:
     if len(set(layers)) != L:
         raise CodecFormatError(f"layer numbers at byte offset {_FIXED.size} repeat ({list(layers)[:8]}...): corrupt")
     segments = _parse_segments(reader, start, T)
+    has_token_ids = bool(flags & FLAG_TOKEN_IDS)
+    if has_token_ids:
+        reader.take(4 * T, "token ids")  # bounded by the blob's length: nothing is allocated here
     raw_bytes, stored_bytes = reader.unpack(_LENGTHS, "payload lengths")
     lengths_at, offset = reader.pos - _LENGTHS.size, reader.take(stored_bytes, "payload")
     if reader.pos != reader.end:
         raise CodecFormatError(f"{reader.end - reader.pos} stray bytes at byte offset {reader.pos} before the checksum")
-    try:
-        streams = _streams(E, K, mode)
-    except ConfigError as error:
-        raise CodecFormatError(f"header (offsets 20-25) cannot be a codec blob: {error}") from error
+    streams = payload_streams(E, K, mode, limits, "blob header (offsets 20-25)")
     missing = bool(flags & FLAG_MISSING_ROWS)
     bitmap_bytes = -(-T * L // 8) if missing else 0
-    full_bytes = bitmap_bytes + _payload_bytes(T * L, streams)
+    full_bytes = bitmap_bytes + payload_bytes(T * L, streams)
     if not (bitmap_bytes <= raw_bytes <= full_bytes if missing else raw_bytes == full_bytes):
         raise CodecFormatError(
             f"raw payload length {raw_bytes} (byte offset {lengths_at}) does not fit {T} x {L} rows "
@@ -396,7 +352,7 @@ def _parse(data: bytes) -> tuple[CodecHeader, int]:
     header = CodecHeader(
         version=version, mode=mode, compressed=compressed, has_missing_rows=missing, num_tokens=T, num_layers=L,
         top_k=K, num_experts=E, start=start, layers=layers, segments=segments, raw_payload_bytes=raw_bytes,
-        stored_payload_bytes=stored_bytes, bits_per_row=bits, total_bytes=len(data),
+        stored_payload_bytes=stored_bytes, bits_per_row=bits, total_bytes=len(data), has_token_ids=has_token_ids,
     )  # fmt: skip
     return header, offset
 
@@ -410,7 +366,7 @@ def _parse_segments(reader: _Reader, start: int, num_tokens: int) -> tuple[Segme
         begin, end, version, name_len = reader.unpack(_SEGMENT, f"segment {i}")
         name_at = reader.take(name_len, f"segment {i} source name")
         try:
-            name = reader.data[name_at : name_at + name_len].decode("utf-8")
+            name = bytes(reader.data[name_at : name_at + name_len]).decode("utf-8")
             if begin != position or version < -1:
                 raise ValueError(f"must start at {position} with policy_version >= -1")
             segments.append(Segment(begin, end, name, None if version == -1 else version))
@@ -431,17 +387,17 @@ def _parse_segments(reader: _Reader, start: int, num_tokens: int) -> tuple[Segme
 def _as_mode(mode: CodecMode | str) -> CodecMode:
     try:
         return CodecMode(mode)
-    except ValueError:
+    except (ValueError, TypeError):
         raise ConfigError(
             f"mode={mode!r} is not a codec mode; use 'set' (route sets, smallest) or 'ordered' (keeps id order)"
         ) from None
 
 
-def _as_bytes(blob: bytes | bytearray | memoryview) -> bytes:
-    if isinstance(blob, bytes):
-        return blob
-    if isinstance(blob, (bytearray, memoryview)):
-        return bytes(blob)
+def _as_buffer(blob: bytes | bytearray | memoryview) -> memoryview:
+    """A flat byte view of the blob, without copying it (a strided memoryview is copied once)."""
+    if isinstance(blob, (bytes, bytearray, memoryview)):
+        view = memoryview(blob)
+        return view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
     raise ConfigError(
         f"a codec blob is bytes, bytearray or memoryview, got {type(blob).__name__}; base64 text must be "
         "decoded first (base64.b64decode)"
@@ -465,7 +421,7 @@ def _check_encodable(trace: RouteTrace) -> None:
 
 
 def _zstd_compress(raw: bytes, level: int) -> bytes:
-    if not isinstance(level, int) or not -(1 << 17) <= level <= 22:
+    if not isinstance(level, int) or isinstance(level, bool) or not -(1 << 17) <= level <= 22:
         raise ConfigError(f"level={level!r} must be a zstd level, an int in -131072..22 (3 is the default)")
     try:
         import zstandard
@@ -474,7 +430,14 @@ def _zstd_compress(raw: bytes, level: int) -> bytes:
     return bytes(zstandard.ZstdCompressor(level=level).compress(raw))
 
 
-def _zstd_decompress(stored: bytes, raw_bytes: int, offset: int) -> bytes:
+def _zstd_decompress(stored: memoryview, raw_bytes: int, offset: int) -> bytes:
+    """Inflate a zstd payload of `raw_bytes` (already within the limits), proving its size first.
+
+    The frame must declare exactly `raw_bytes`; it is then inflated in `_INFLATE_PIECE` steps into
+    one reused buffer, and only when it has produced exactly that many bytes is the output buffer
+    allocated and the frame decoded for real (strictly: one frame, no trailing data). A lying frame
+    costs CPU linear in what it really inflates to, never an allocation of what it claims.
+    """
     try:
         import zstandard
     except ImportError:
@@ -482,18 +445,36 @@ def _zstd_decompress(stored: bytes, raw_bytes: int, offset: int) -> bytes:
     where = f"zstd payload at byte offset {offset}"
     try:
         declared = zstandard.frame_content_size(stored)
-        if declared != raw_bytes:  # checked before anything is allocated
-            raise CodecFormatError(f"{where} declares {declared} bytes, the header {raw_bytes}: corrupt payload")
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_bytes, allow_extra_data=False)
+    except zstandard.ZstdError as error:
+        raise CodecFormatError(f"{where} is not one valid zstd frame ({error}): corrupt payload") from error
+    if declared != raw_bytes:
+        raise CodecFormatError(
+            f"{where} declares {'no size' if declared < 0 else f'{declared} bytes'}, the header {raw_bytes}: "
+            "corrupt payload"
+        )
+    produced, piece = 0, bytearray(min(_INFLATE_PIECE, raw_bytes + 1))
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(stored)
+        while produced <= raw_bytes:
+            got = reader.readinto(piece)
+            if not got:
+                break
+            produced += got
+        if produced == raw_bytes:
+            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_bytes, allow_extra_data=False)
     except (zstandard.ZstdError, ValueError) as error:
         raise CodecFormatError(f"{where} is not one valid zstd frame ({error}): corrupt payload") from error
-    if len(raw) != raw_bytes:
-        raise CodecFormatError(f"{where} inflates to {len(raw)} bytes, the header says {raw_bytes}: corrupt payload")
+    if produced != raw_bytes or len(raw) != raw_bytes:
+        raise CodecFormatError(
+            f"{where} inflates to {'more than ' if produced > raw_bytes else ''}{produced} bytes, the header "
+            f"says {raw_bytes}: corrupt payload"
+        )
     return bytes(raw)
 
 
 __all__ = [
     "CodecHeader",
+    "CodecLimits",
     "bits_per_row",
     "decode",
     "encode",

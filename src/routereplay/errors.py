@@ -118,6 +118,12 @@ class ChecksumError(CodecError):
     """The stored checksum does not match the bytes: the blob was corrupted or tampered with."""
 
 
+class CodecLimitError(CodecError):
+    """A blob declares more than a `CodecLimits` bound allows (ids, expansion, set-mode table).
+
+    Refused before anything is allocated; raise the named limit if the blob is trusted."""
+
+
 class StoreHeaderError(CodecFormatError):
     """A route store file's JSON header is invalid, nested too deep, holds a too-long or non-finite
     number, or has fields of the wrong type (even under a valid CRC)."""
