@@ -16,7 +16,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from routereplay import RouteTrace, Segment
-from routereplay.codec import CodecLimits, bits_per_row, decode, encode
+from routereplay.codec import CodecHeader, CodecLimits, bits_per_row, decode, encode, header_info
 from routereplay.errors import RouteReplayError
 from tests.codec_blobs import FLAG_MISSING_ROWS, FLAG_ZSTD, forge, reseal, traced_peak
 from tests.wire import distinct_routes
@@ -28,6 +28,8 @@ HUGE = [2**21, 2**27, 2**31, 2**32, 2**40, 2**63, 2**64 - 1]
 
 def check(blob: bytes, limits: CodecLimits = DEFAULT) -> None:
     """Decode under tracemalloc: a RouteTrace or a RouteReplayError, within the documented memory."""
+    head, _ = traced_peak(lambda: header_info(blob, limits=limits))
+    assert isinstance(head, (CodecHeader, RouteReplayError)), f"{type(head).__name__}: {head}"
     result, peak = traced_peak(lambda: decode(blob, limits=limits))
     assert isinstance(result, (RouteTrace, RouteReplayError)), f"{type(result).__name__}: {result}"
     event(type(result).__name__ + ("" if isinstance(result, RouteTrace) else f": {str(result)[:28]}"))
@@ -93,7 +95,10 @@ def forged_blobs(draw: st.DrawFn) -> bytes:
     flags = draw(st.sampled_from([0, FLAG_ZSTD, FLAG_MISSING_ROWS, FLAG_ZSTD | FLAG_MISSING_ROWS] * 4 + [8]))
     raw = draw(consistent_payloads(T, L, K, E, mode, flags)) if draw(st.booleans()) else None
     if raw is not None:
-        payload = zstandard.ZstdCompressor().compress(raw) if flags & FLAG_ZSTD else raw
+        payload = raw
+        if flags & FLAG_ZSTD:  # a real frame of the right size, maybe cut short or followed by junk
+            frame = zstandard.ZstdCompressor().compress(raw)
+            payload = draw(st.sampled_from([frame] * 3 + [frame[: len(frame) // 2], frame + b"\x00", frame + frame]))
         raw_bytes = draw(st.sampled_from([len(raw)] * 4 + [len(raw) + 1, *HUGE]))
     elif flags & FLAG_ZSTD and draw(st.booleans()):
         payload, raw_bytes = draw(zstd_payloads())

@@ -29,7 +29,12 @@ With these limits, `decode` of an n-byte blob allocates at most the output (T * 
 a working set of at most `WORKING_BYTES_PER_ENTRY * chunk_entries` bytes (16 MiB at the default),
 plus the binomial table and its searches (`TABLE_PEAK_FACTOR * 8 * max_set_table` bytes, 24 MiB, at
 most). `CodecLimits.memory_bound(n)` adds these up; the fuzz tests check every input against it.
-The CPU work is linear in the same quantities.
+The CPU work is linear in the same quantities: after the O(n) envelope checks, about 10 ns per
+decoded id (ordered ids, set ranks below 2**64), about 250 ns per id for exact Python-int ranks
+(C(E, K) >= 2**64, e.g. E = 512, K = 10), and at most ~0.2 s for the largest default table
+(E = 1000, K = 999); measured on a 2-core x86 machine, for scale only (no test times anything).
+A 128k x 96 x 8 trace (E = 128, 61.5 MiB blob) decodes in 1.8 s with a peak of 194 MiB for its
+192 MiB of ids.
 Legend: T = rows (tokens), L = layers, K = top-k, E = experts.
 """
 
