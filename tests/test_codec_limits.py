@@ -236,3 +236,20 @@ def test_limit_errors_are_codec_errors() -> None:
     assert issubclass(CodecLimitError, CodecError) and issubclass(CodecLimitError, ValueError)
     with pytest.raises(CodecLimitError, match=r"decode\(blob, limits=CodecLimits\(max_entries=\.\.\.\)\)"):
         decode(_blob(), max_entries=3)
+
+
+@pytest.mark.parametrize(("mode", "K", "E"), [("set", 3, 40), ("ordered", 7, 300), ("set", 10, 512), ("set", 900, 900)])
+def test_chunked_decode_is_exact_across_step_boundaries(mode: str, K: int, E: int) -> None:
+    """Silent misroute (issue 11 item 7): decoding in steps of `chunk_entries` ids - steps that start
+    mid-byte in the bitmap and mid-group in the bit streams - must give the very rows of one pass."""
+    rng = np.random.default_rng(K)
+    T = 3000 if K < 100 else 40
+    routes = distinct_routes(rng, T, 2, K, E)
+    routes[rng.random((T, 2)) < 0.45] = -1
+    trace = RouteTrace(routes, E)
+    expected = trace if mode == "ordered" else trace.sorted_rows()
+    for compress in (False, True):
+        blob = encode(trace, mode=mode, compress=compress)
+        for chunk in (1024, 1031, 1 << 18):
+            back = decode(blob, limits=CodecLimits(chunk_entries=chunk))
+            assert back == expected, (compress, chunk)

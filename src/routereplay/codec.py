@@ -132,8 +132,8 @@ def encode(
         streams = payload_streams(E, K, mode, DEFAULT_LIMITS, "encode")
     except CodecLimitError:
         raise ConfigError(
-            f"set mode supports (E + 1) * (K + 1) * ceil(bits / 64) <= {DEFAULT_LIMITS.max_set_table} binomial-table "
-            f"words (CodecLimits.max_set_table), got E={E}, K={K}; use mode='ordered'"
+            f"set mode with E={E}, K={K} needs a binomial table above CodecLimits.max_set_table="
+            f"{DEFAULT_LIMITS.max_set_table} words, which decode() refuses by default; use mode='ordered'"
         ) from None
     experts_RK = trace.experts.reshape(T * L, K)
     valid_R = experts_RK[:, 0] >= 0

@@ -53,6 +53,7 @@ DEFAULT_MAX_EXPANSION = 1 << 12  # decoded bytes per blob byte; uncompressed rea
 DEFAULT_MAX_SET_TABLE = 1 << 20  # set-mode binomial table words: 8 MiB; real models need < 2e4
 DEFAULT_CHUNK_ENTRIES = 1 << 18  # ids decoded per step: bounds the working set
 MIN_CHUNK_ENTRIES = 1 << 10
+MAX_TOP_K = (1 << 16) - 1  # the header's u16: one decode step holds at least one row of K ids
 WORKING_BYTES_PER_ENTRY = 64  # working set of one decode step per id of `chunk_entries` (measured <= 25)
 TABLE_PEAK_FACTOR = 3  # building the table and its searches peaks below 3x the table's words
 
@@ -87,7 +88,8 @@ class CodecLimits:
         """Most bytes `decode` allocates for a blob of `blob_bytes` bytes (what the fuzz tests check).
 
         Output ids (<= min(4 * max_entries, max_expansion * n)) + the zstd payload (<= the output) +
-        the set-mode table and its searches (TABLE_PEAK_FACTOR * 8 * max_set_table) + one step's working set + header
+        the set-mode table and its searches (TABLE_PEAK_FACTOR * 8 * max_set_table) + one step's working set
+        (max(chunk_entries, K) ids) + header
         objects (layer numbers, segments: < 64 bytes per blob byte) + the 1 MiB zstd inflate buffer.
         """
         output = min(4 * self.max_entries, self.max_expansion * blob_bytes)
@@ -95,7 +97,7 @@ class CodecLimits:
             2 * output
             + TABLE_PEAK_FACTOR * 8 * self.max_set_table
             + SEARCH_BUDGET_BYTES
-            + WORKING_BYTES_PER_ENTRY * self.chunk_entries
+            + WORKING_BYTES_PER_ENTRY * max(self.chunk_entries, MAX_TOP_K)
             + 64 * blob_bytes
             + (2 << 20)
         )

@@ -107,7 +107,7 @@ class PayloadDecoder:
         if num_valid and self.mode is CodecMode.SET and rank_bits(self.count) > 0:
             self.unranker = SubsetUnranker(binomial_table(self.num_experts, K, self.count), self.count)
         out_RK = np.full((num_rows, K), -1, self.dtype) if has_missing else np.empty((num_rows, K), self.dtype)
-        step = max(8, chunk_entries // K // 8 * 8)  # a multiple of 8: bitmap slices start on a byte
+        step = max(1, chunk_entries // K)  # rows per step: <= max(chunk_entries, K) ids
         routed = 0
         for r0 in range(0, num_rows, step):
             r1 = min(num_rows, r0 + step)
@@ -115,7 +115,8 @@ class PayloadDecoder:
                 self._rows_into(routed, out_RK[r0:r1])
                 routed += r1 - r0
                 continue
-            valid_C = np.unpackbits(bitmap_R8[r0 // 8 : -(-r1 // 8)], count=r1 - r0, bitorder="little").view(bool)
+            bits_C = np.unpackbits(bitmap_R8[r0 // 8 : -(-r1 // 8)], bitorder="little")
+            valid_C = bits_C[r0 % 8 : r0 % 8 + r1 - r0].view(bool)
             n = int(np.count_nonzero(valid_C))
             if n:
                 block_nK = np.empty((n, K), self.dtype)
