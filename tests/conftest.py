@@ -1,7 +1,7 @@
 """Shared fixtures, and the one place where optional-dependency markers turn into skips.
 
 Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a test marked `hf`,
-`megatron`, `zstd` or `gpu` is skipped with a reason only when that dependency is missing here.
+`megatron`, `zstd`, `vllm` or `gpu` is skipped with a reason only when that dependency is missing here.
 
 Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
 `too_slow` health check, because both are wall-clock limits that fail on a busy machine (issue 11
@@ -62,6 +62,7 @@ OPTIONAL = {
     "hf": ("transformers", "pip install 'routereplay[hf]'"),
     "megatron": ("megatron.core", "pip install 'routereplay[megatron]'"),
     "zstd": ("zstandard", "pip install 'routereplay[zstd]'"),
+    "vllm": ("vllm", "pip install 'routereplay[vllm]'"),
 }
 
 

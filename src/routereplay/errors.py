@@ -24,6 +24,10 @@ class MissingRoutesError(RouteReplayError, ValueError):
     """The payload carries no routes: `None` (aborted request, flag off) or the field is absent."""
 
 
+class StreamedResponseError(MissingRoutesError):
+    """A streamed (`stream=true`) response or chunk: engines return routes on non-streaming requests only."""
+
+
 class PayloadError(RouteReplayError, ValueError):
     """The payload cannot be turned into an integer (T, L, K) array."""
 
@@ -255,6 +259,14 @@ class EngineModelError(ConfigError):
 
 class ModelMismatchError(EngineModelError):
     """A response's `"model"` names another model than the one the client asked for."""
+
+
+class UnservableModelError(ConfigError):
+    """vLLM cannot serve this model as configured (a shape its CPU kernels refuse, a family it lacks)."""
+
+
+class EngineStartError(RouteReplayError):
+    """A local inference server did not start (it exited, or was not ready in time); the message has its log."""
 
 
 # --- optional dependencies -------------------------------------------------------------------------

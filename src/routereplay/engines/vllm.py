@@ -39,7 +39,13 @@ from routereplay.engines.payload import (
     to_numpy,
 )
 from routereplay.enums import Source
-from routereplay.errors import MissingRoutesError, PayloadEncodingError, TraceShapeError, location
+from routereplay.errors import (
+    MissingRoutesError,
+    PayloadEncodingError,
+    StreamedResponseError,
+    TraceShapeError,
+    location,
+)
 from routereplay.trace import RouteTrace
 
 _ABORTED_HINT = (
@@ -108,6 +114,7 @@ def decode_vllm(
 
 def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tuple[Any, Any]:
     """Find routed_experts (and 0.21's prompt_routed_experts) inside a response or output object."""
+    _refuse_stream(value, where)
     if value is None or isinstance(value, (str, bytes, bytearray, list, tuple)) or is_array_like(value):
         require_present(value, f"{location(where)} routed_experts", _ABORTED_HINT)
         return value, prompt_value
@@ -127,6 +134,35 @@ def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tup
     routes = get_field(response, "routed_experts")
     require_present(routes, f"{location(where)} routed_experts", _ABORTED_HINT)
     return routes, prompt_value
+
+
+_STREAM_HINT = (
+    "vLLM returns routed_experts only on non-streaming requests (no chunk of a stream=true response "
+    "carries them): send the request with stream=false"
+)
+
+
+def _refuse_stream(value: Any, where: str | int) -> None:
+    """`StreamedResponseError` for server-sent-event text or a parsed chunk of a streamed response.
+
+    vLLM 0.30 marks chat chunks with object "chat.completion.chunk" and a `delta` per choice; a
+    completions chunk has object "text_completion" like the whole response, but never `usage`
+    (which every non-streaming completions response has), unless it carries routed_experts.
+    """
+    if isinstance(value, (str, bytes, bytearray)):
+        head = bytes(value[:16]).lstrip() if not isinstance(value, str) else value[:16].lstrip().encode()
+        if head.startswith((b"data:", b"event:")):
+            raise StreamedResponseError(f"{location(where)}: got server-sent-event text; {_STREAM_HINT}")
+        return
+    if not isinstance(value, dict):
+        return
+    kind = value.get("object")
+    choices = value.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    chunk = kind == "chat.completion.chunk" or "delta" in first
+    chunk = chunk or (kind == "text_completion" and "usage" not in value and "routed_experts" not in first)
+    if chunk:
+        raise StreamedResponseError(f"{location(where)}: got a chunk of a streamed response; {_STREAM_HINT}")
 
 
 def _to_array(value: Any, what: str, max_bytes: int, limits: WireLimits) -> np.ndarray:
