@@ -20,13 +20,13 @@ repetitive bytes up to 32768x). So a blob of a few bytes can honestly declare gi
   do not (use ordered mode, or raise the limit). Real models (E <= 512, K <= 16) need under 2e4
   words; E = 1024, K = 32 (ranks of 4 words) needs 3.4e5.
 - `chunk_entries` is not a refusal but the step of the decoder: ids are unpacked, checked and
-  unranked `chunk_entries` at a time (default 2**18) and written into the output array, so the
-  working set stays a fixed few MiB instead of several uint64 copies of the whole payload.
+  unranked max(chunk_entries, K) at a time (default 2**18) and written into the output array, so
+  the working set stays a fixed few MiB instead of several uint64 copies of the whole payload.
 
 With these limits, `decode` of an n-byte blob allocates at most the output (T * L * K * itemsize
 <= min(max_entries * itemsize, max_expansion * n)), plus the decompressed payload for zstd blobs
 (never more than the output: a row's bitmap bit and payload bits never exceed its ids' bits), plus
-a working set of at most `WORKING_BYTES_PER_ENTRY * chunk_entries` bytes (16 MiB at the default),
+a working set of at most `WORKING_BYTES_PER_ENTRY * max(chunk_entries, K)` bytes (16 MiB by default),
 plus the binomial table and its searches (`TABLE_PEAK_FACTOR * 8 * max_set_table` bytes, 24 MiB, at
 most). `CodecLimits.memory_bound(n)` adds these up; the fuzz tests check every input against it.
 The CPU work is linear in the same quantities: after the O(n) envelope checks, about 10 ns per
