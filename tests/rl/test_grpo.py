@@ -55,7 +55,9 @@ def test_off_drifts_once_weights_change(trained: tuple[torch.nn.Module, object])
     drift = [d for record in history for d in record["drift_per_mini_step"]]
     assert drift[0] == 0.0, "the first mini-step runs before any update"
     assert max(drift[1:]) > 0.0, "routing must drift once the weights change"
-    assert all(record["rollout_routing_disagreement"] > 0 for record in history), "bf16 engine vs fp32 trainer"
+    # bf16 engine vs fp32 trainer: a tiny batch of a 16-expert model may see no flip in one step,
+    # but over the run the trainer must disagree with the engine somewhere (R3 makes it exactly 0)
+    assert sum(record["rollout_routing_disagreement"] for record in history) > 0, "bf16 engine vs fp32 trainer"
 
 
 def test_kl_reference_and_log(trained: tuple[torch.nn.Module, object], tmp_path: Path) -> None:
