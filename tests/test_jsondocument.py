@@ -39,14 +39,18 @@ def reference_scan(data: bytes) -> tuple[int, int, int]:
     return deepest, longest, depth
 
 
-documents = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
-    max_leaves=30,
+documents = st.recursive(  # small documents: the scan runs one numpy pass per chunk, and chunks go down to 1 byte
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(alphabet='ab1"\\[]{}', max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=12,
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=200)
 @given(document=documents, chunk=st.integers(1, 64))
 def test_scan_matches_a_character_reference_across_chunk_borders(document: object, chunk: int) -> None:
     """Silent misparse guard (issue 11 item 10): the vectorised depth/number scan agrees with a plain

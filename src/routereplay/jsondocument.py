@@ -4,7 +4,8 @@
 document raises `RecursionError`, a 5000-digit number `ValueError` (Python's int-string limit),
 `Infinity` / `NaN` / `1e999` parse to floats that later raise `OverflowError`. `load_json` checks
 the byte size, the nesting depth and the length of every number BEFORE `json.loads` runs (one
-vectorised pass over the bytes, in chunks, so the scan itself allocates a bounded amount), refuses
+vectorised pass over the bytes, in chunks, so the scan itself allocates a bounded amount; skipped
+when a count of brackets and a search for long digit runs already show both limits hold), refuses
 non-finite numbers while parsing, and reports invalid JSON by line, column and character.
 
 Legend: C = bytes of one scan chunk.
@@ -30,6 +31,7 @@ _OPEN = (ord("["), ord("{"))
 _CLOSE = (ord("]"), ord("}"))
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _WHITESPACE = b" \t\r\n"
+_DIGIT_MARKS = bytes(0x31 if 0x30 <= byte <= 0x39 else 0x30 for byte in range(256))  # digit -> "1", other -> "0"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,7 +63,7 @@ def load_json(data: bytes, *, what: str, error: type[RouteReplayError], limits: 
             f"{what}: {len(data)} bytes of JSON, above the {limits.max_bytes}-byte limit (JsonLimits.max_bytes); "
             "raise the limit if the document is genuine"
         )
-    depth, digits, unclosed = scan(data, limits)
+    depth, digits = (0, 0) if _plainly_within(data, limits) else scan(data, limits)[:2]
     if depth > limits.max_depth:
         raise error(
             f"{what}: JSON nested more than {limits.max_depth} levels deep (JsonLimits.max_depth); no engine "
@@ -79,7 +81,7 @@ def load_json(data: bytes, *, what: str, error: type[RouteReplayError], limits: 
     except json.JSONDecodeError as exc:
         raise error(
             f"{what}: invalid JSON at line {exc.lineno}, column {exc.colno} (character {exc.pos}): {exc.msg}"
-            f"{_truncation_hint(data, exc, unclosed)}"
+            f"{_truncation_hint(data, exc, scan(data, limits)[2])}"
         ) from None
     except UnicodeDecodeError as exc:
         raise error(f"{what}: not UTF-8 text at byte {exc.start} ({exc.reason}), so not a JSON document") from None
@@ -106,6 +108,16 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise _NonFiniteError(f"{text[:40]} (overflows a float)")
     return value
+
+
+def _plainly_within(data: bytes, limits: JsonLimits) -> bool:
+    """True when the depth and digit limits cannot be passed: fewer [ and { in all than `max_depth` and
+    no digit run longer than `max_number_digits` anywhere (C-speed counts; base64 payloads pass here)."""
+    if data.count(b"[") + data.count(b"{") > limits.max_depth:
+        return False
+    if len(data) <= limits.max_number_digits:
+        return True
+    return b"1" * (limits.max_number_digits + 1) not in data.translate(_DIGIT_MARKS)
 
 
 def _truncation_hint(data: bytes, exc: json.JSONDecodeError, unclosed: int) -> str:
