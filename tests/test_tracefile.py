@@ -140,7 +140,11 @@ def dense_first(tmp_path: Path, rng: np.random.Generator) -> tuple[RouteTrace, P
     return trace, path
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "sglang", "megatron"])
+ENGINE_JSON = [pytest.param(fmt, id=f"to-{fmt}") for fmt in ("vllm", "sglang", "megatron")]  # an id "vllm" would
+# be read as the conftest's `vllm` marker (needs the vllm package) and skip the test
+
+
+@pytest.mark.parametrize("fmt", ENGINE_JSON)
 def test_convert_to_engine_json_keeps_layer_numbers(
     tmp_path: Path, dense_first: tuple[RouteTrace, Path], fmt: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -163,7 +167,7 @@ def test_convert_to_engine_json_keeps_layer_numbers(
     assert np.array_equal(restored.experts, trace.experts)
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+@pytest.mark.parametrize("fmt", ENGINE_JSON[:2])
 def test_all_layer_payloads_read_back_with_moe_layers(
     tmp_path: Path, dense_first: tuple[RouteTrace, Path], fmt: str
 ) -> None:
@@ -218,3 +222,12 @@ def test_inspect_names_the_last_token_position(
         assert main(["inspect", str(path)]) == EXIT_OK
         out = capsys.readouterr().out
         assert f"83  (token positions {shown})" in out
+
+
+def test_all_layer_payload_of_an_absurd_layer_number_is_refused(tmp_path: Path, rng: np.random.Generator) -> None:
+    """Resource exhaustion (issue 11 item 27): an all-layer payload is as wide as the largest layer
+    number; one above MAX_CARRIED_LAYERS is refused before the (T, L, K) array is allocated."""
+    trace = RouteTrace(distinct_routes(rng, 4, 2, 2, 16), 16, layers=(0, 10**6))
+    with pytest.raises(ConfigError, match="layer number 1000000 is above 4095"):
+        write_trace(trace, tmp_path / "out.json", "vllm")
+    assert not (tmp_path / "out.json").exists()

@@ -263,6 +263,11 @@ def engine_payload(trace: RouteTrace, fmt: FileFormat | str) -> dict[str, Any]:
     if fmt not in (FileFormat.VLLM, FileFormat.SGLANG):
         raise ConfigError(f"{fmt} is not an engine payload format")
     num_layers = max(trace.layers, default=-1) + 1
+    if num_layers > MAX_CARRIED_LAYERS:
+        raise ConfigError(
+            f"layer number {num_layers - 1} is above {MAX_CARRIED_LAYERS - 1}: an all-layer {fmt} payload would hold "
+            f"{num_layers} layers; write codec (.rrt) instead"
+        )
     carried["num_layers"] = num_layers
     if fmt is FileFormat.VLLM:
         if not trace.routed_mask.all():
