@@ -82,9 +82,10 @@ def _has_cuda() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for marker, (module, fix) in OPTIONAL.items():
-            if marker in item.keywords and not _has_module(module):
+            # get_closest_marker, not `in item.keywords`: keywords also hold parametrize ids
+            if item.get_closest_marker(marker) is not None and not _has_module(module):
                 item.add_marker(pytest.mark.skip(reason=f"{module} is not installed ({fix})"))
-        if "gpu" in item.keywords and not _has_cuda():
+        if item.get_closest_marker("gpu") is not None and not _has_cuda():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
