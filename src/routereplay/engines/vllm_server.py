@@ -122,6 +122,7 @@ class VLLMServer:
         self.log_path = config.log_path or Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         self._process: subprocess.Popen[bytes] | None = None
         self.started_in: float | None = None  # seconds from launch to ready
+        self.pid: int | None = None  # the server's process (and process-group) id, kept after stop()
 
     @property
     def url(self) -> str:
@@ -146,6 +147,7 @@ class VLLMServer:
                 env=environment,
                 start_new_session=True,  # its own process group: stop() ends the engine core too
             )
+        self.pid = self._process.pid
         try:
             self._wait_ready(began)
         except BaseException:
@@ -169,7 +171,7 @@ class VLLMServer:
             if waited > self.config.ready_timeout:
                 raise EngineStartError(
                     f"vLLM server for {self.config.model} was not ready after {waited:.0f} s "
-                    f"(ready_timeout={self.config.ready_timeout:.0f}); raise ready_timeout on a busy machine. "
+                    f"(ready_timeout={self.config.ready_timeout:g}); raise ready_timeout on a busy machine. "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(POLL_INTERVAL)
