@@ -24,8 +24,10 @@ the stored one: edit it from one thread at a time. Pickling and `copy.deepcopy` 
 and give the copy a new one.
 
 Limits: `from_bytes` / `load` parse the JSON header within `routereplay.jsondocument.JsonLimits`
-(256 MiB, 64 levels deep, 100-digit numbers, finite numbers only); `save` refuses metadata that
-`load` would refuse.
+(256 MiB, 64 levels deep, 100-digit numbers, finite numbers only), and each sample's routes blob
+within `codec_limits` (`routereplay.codec_limits.CodecLimits`, default 2**28 ids per sample and 4096x
+expansion); raise them to load a trusted store beyond those (e.g. one sample of more than 2**28 ids).
+`save` refuses metadata that `load` would refuse.
 
 File format (`save` / `load`), little-endian, one file per batch, written atomically:
 
@@ -56,6 +58,7 @@ import numpy as np
 
 from routereplay import codec
 from routereplay.atomicfile import atomic_write
+from routereplay.codec_limits import CodecLimits, checked_limits
 from routereplay.enums import CodecMode
 from routereplay.errors import (
     ChecksumError,
@@ -356,13 +359,23 @@ class RouteStore:
         return len(data)
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, *, limits: JsonLimits | None = None) -> RouteStore:
+    def from_bytes(
+        cls,
+        data: bytes | bytearray | memoryview,
+        *,
+        limits: JsonLimits | None = None,
+        codec_limits: CodecLimits | None = None,
+    ) -> RouteStore:
         """Parse `to_bytes` output; corruption raises `CodecFormatError` (`StoreHeaderError` for the JSON
-        header), `CodecVersionError` or `ChecksumError`. The header is parsed within `limits`."""
+        header), `CodecVersionError` or `ChecksumError`. The header is parsed within `limits`, each
+        sample's routes blob decoded within `codec_limits` (default `CodecLimits()`; a blob beyond them
+        raises `CodecLimitError` before allocating: pass e.g. `codec_limits=CodecLimits(max_entries=1 << 30)`
+        for a trusted store)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ConfigError(f"from_bytes needs bytes, got {type(data).__name__}")
         if limits is not None and not isinstance(limits, JsonLimits):
             raise ConfigError(f"limits must be a JsonLimits or None, got {type(limits).__name__}")
+        codec_limits = checked_limits(codec_limits)
         header, body = _check_envelope(bytes(data), limits)
         try:
             geometry = header["geometry"]
@@ -390,7 +403,7 @@ class RouteStore:
                 if size is not None:
                     if not isinstance(size, int) or not 0 <= size <= len(body) - position:
                         raise ValueError(f"sample {sample_id!r} declares a {size!r}-byte routes blob past the data")
-                    trace = codec.decode(body[position : position + size])
+                    trace = codec.decode(body[position : position + size], limits=codec_limits)
                     position += size
                     if trace.num_tokens == 0:
                         raise ValueError(f"sample {sample_id!r} has an empty routes blob")
@@ -406,8 +419,11 @@ class RouteStore:
         return store
 
     @classmethod
-    def load(cls, path: str | Path, *, limits: JsonLimits | None = None) -> RouteStore:
-        return cls.from_bytes(Path(path).read_bytes(), limits=limits)
+    def load(
+        cls, path: str | Path, *, limits: JsonLimits | None = None, codec_limits: CodecLimits | None = None
+    ) -> RouteStore:
+        """`from_bytes` of the file at `path` (the same `limits` and `codec_limits`)."""
+        return cls.from_bytes(Path(path).read_bytes(), limits=limits, codec_limits=codec_limits)
 
     # --- internals ----------------------------------------------------------------------------
     def _get(self, sample_id: SampleId) -> _Sample:

@@ -14,7 +14,10 @@ num_experts, top_k, start, num_layers) that `read_trace` uses where `PayloadHint
 
 Reading is bounded: files above `TraceFileLimits.max_file_bytes` are refused before they are read,
 JSON documents are parsed by `routereplay.jsondocument.load_json` within `TraceFileLimits.json`
-(size, nesting depth, number length, finite numbers only).
+(size, nesting depth, number length, finite numbers only), codec files are decoded within
+`TraceFileLimits.codec` (`routereplay.codec_limits.CodecLimits`: ids, expansion over the file's size,
+set-mode table). Raise `codec` to read a trusted file beyond the defaults (CLI: `--max-expansion`,
+`--max-entries`), e.g. a zstd-compressed trace of almost only -1 rows.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 
 from routereplay import codec
 from routereplay.atomicfile import atomic_write
+from routereplay.codec_limits import CodecLimits
 from routereplay.engines.megatron import decode_megatron
 from routereplay.engines.payload import NPY_MAGIC, load_npy, npy_bytes
 from routereplay.engines.sglang import decode_sglang
@@ -90,16 +94,23 @@ class PayloadHints:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TraceFileLimits:
-    """What `read_trace` reads: files up to `max_file_bytes`, JSON documents within `json`."""
+    """What `read_trace` reads: files up to `max_file_bytes`, JSON documents within `json`, codec files
+    decoded within `codec` (e.g. `TraceFileLimits(codec=CodecLimits(max_expansion=1 << 16))` for a
+    trusted zstd file of almost only -1 rows)."""
 
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     json: JsonLimits = field(default_factory=JsonLimits)
+    codec: CodecLimits = field(default_factory=CodecLimits)
 
     def __post_init__(self) -> None:
         if not (_is_int(self.max_file_bytes) and self.max_file_bytes >= 1):
             raise ConfigError(f"TraceFileLimits.max_file_bytes={self.max_file_bytes!r} must be a positive int")
         if not isinstance(self.json, JsonLimits):
             raise ConfigError(f"TraceFileLimits.json must be a JsonLimits, got {type(self.json).__name__}")
+        if not isinstance(self.codec, CodecLimits):
+            raise ConfigError(
+                f"TraceFileLimits.codec must be a routereplay.codec.CodecLimits, got {type(self.codec).__name__}"
+            )
 
 
 def sniff(data: bytes, limits: JsonLimits | None = None) -> tuple[FileFormat, Any]:
@@ -161,7 +172,8 @@ def read_trace(
     """Read any supported file into a `RouteTrace`; returns the trace and the format it had.
 
     Sizes are checked before the file is read: `limits.max_file_bytes` for any file,
-    `limits.json.max_bytes` for a JSON document (then its depth and numbers, see `load_json`).
+    `limits.json.max_bytes` for a JSON document (then its depth and numbers, see `load_json`);
+    a codec file is decoded within `limits.codec` (`CodecLimitError` beyond it, before allocating).
     """
     hints = PayloadHints() if hints is None else hints
     limits = TraceFileLimits() if limits is None else limits
@@ -180,7 +192,7 @@ def read_trace(
     else:
         document = parse_json(data, limits.json, where=where)
     if found is FileFormat.CODEC:
-        trace = codec.decode(data)
+        trace = codec.decode(data, limits=limits.codec)
         return (trace.validate(where) if validate else trace), found
     if found is FileFormat.NPY:
         array = load_npy(data, where)

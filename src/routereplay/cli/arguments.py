@@ -12,11 +12,15 @@ import math
 import re
 from collections.abc import Callable
 
-from routereplay.tracefile import FileFormat, PayloadHints
+from routereplay.codec_limits import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_EXPANSION, CodecLimits
+from routereplay.tracefile import FileFormat, PayloadHints, TraceFileLimits
 
 MAX_INT_FLAG = 2**31 - 1  # sizes, counts and offsets: larger is a typo, and would not fit an int32 tensor
 MAX_SEED = 2**32 - 1  # numpy's and torch's seed range
 MAX_LAYER_NUMBER = 65535  # global layer numbers in --moe-layers: far above any model's depth
+MAX_ENTRIES_FLAG = 1 << 40  # --max-entries: 2 TiB of int16 ids, far above any one trace
+# the CodecLimits field each codec flag sets (a CodecLimitError names the field; the CLI names the flag)
+CODEC_LIMIT_FLAGS = {"max_expansion": "--max-expansion", "max_entries": "--max-entries"}
 _NUMBER = re.compile(r"[0-9]{1,9}")
 
 
@@ -122,6 +126,40 @@ def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_codec_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--max-expansion`, `--max-entries`: the `CodecLimits` a codec (.rrt) input is decoded within."""
+    group = parser.add_argument_group(
+        "codec limits",
+        "bounds a codec (.rrt) input is decoded within, checked before anything is allocated; raise them "
+        "only for a file you trust",
+    )
+    group.add_argument(
+        "--max-expansion",
+        type=positive_int,
+        metavar="N",
+        help=f"most decoded bytes per byte of file (default {DEFAULT_MAX_EXPANSION}); a zstd file of almost "
+        "only -1 rows, or a zero-bit layout (top-k == experts, or one expert), may need more",
+    )
+    group.add_argument(
+        "--max-entries",
+        type=bounded_int(1, MAX_ENTRIES_FLAG),
+        metavar="N",
+        help=f"most expert ids (tokens x layers x top-k) in the file (default {DEFAULT_MAX_ENTRIES} = 2**28, "
+        "512 MiB of int16 ids)",
+    )
+
+
+def codec_limits(args: argparse.Namespace) -> CodecLimits:
+    """The `CodecLimits` of `--max-expansion` / `--max-entries` (defaults where a flag is absent)."""
+    given = {name: getattr(args, name, None) for name in CODEC_LIMIT_FLAGS}
+    return CodecLimits(**{name: value for name, value in given.items() if value is not None})
+
+
+def trace_file_limits(args: argparse.Namespace) -> TraceFileLimits:
+    """The `TraceFileLimits` `read_trace` applies for this command line (codec limits from the flags)."""
+    return TraceFileLimits(codec=codec_limits(args))
+
+
 def payload_hints(args: argparse.Namespace) -> PayloadHints:
     return PayloadHints(
         num_experts=args.num_experts,
@@ -139,13 +177,17 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
 
 
 __all__ = [
+    "CODEC_LIMIT_FLAGS",
+    "MAX_ENTRIES_FLAG",
     "MAX_INT_FLAG",
     "MAX_LAYER_NUMBER",
     "MAX_SEED",
+    "add_codec_limit_arguments",
     "add_json_argument",
     "add_payload_arguments",
     "bounded_float",
     "bounded_int",
+    "codec_limits",
     "layer_list",
     "non_negative_float",
     "non_negative_int",
@@ -154,4 +196,5 @@ __all__ = [
     "positive_int",
     "probability",
     "seed_int",
+    "trace_file_limits",
 ]

@@ -1,4 +1,13 @@
-"""`routereplay convert IN OUT`: between engine payloads, .npy and the compact codec."""
+"""`routereplay convert IN OUT`: between engine payloads, .npy and the compact codec.
+
+A codec (.rrt) output is written so that readers with the default `CodecLimits` (`inspect` without
+flags, `read_trace`, `decode`) accept it: `--zstd` on a trace of almost only -1 rows can shrink the
+file past the default 4096x expansion, and then the file is written without zstd (a note on stderr
+says so; the uncompressed file is within the limits). An output beyond the defaults either way (more
+than 2**28 ids, or a zero-bit layout: top-k == experts, one expert) is written with a note naming the
+`--max-entries` / `--max-expansion` values that read it back. `--max-expansion` / `--max-entries` on
+`convert` itself bound the codec INPUT.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from routereplay.cli.arguments import add_json_argument, add_payload_arguments, payload_hints
+from routereplay.cli.arguments import add_codec_limit_arguments, add_json_argument, add_payload_arguments, payload_hints
+from routereplay.codec_limits import CodecLimits
+from routereplay.trace import RouteTrace
 
 HELP = "convert a trace between engine payloads (vLLM/SGLang/Megatron JSON), .npy and the codec (.rrt)"
 
@@ -37,14 +48,21 @@ def add_parser(subparsers: Any) -> None:
         default="set",
         help="codec: keep each row's expert SET (smallest; ids come back sorted) or the exact order",
     )
-    parser.add_argument("--zstd", action="store_true", help="codec: compress the payload with zstd (extra `zstd`)")
+    parser.add_argument(
+        "--zstd",
+        action="store_true",
+        help="codec: compress the payload with zstd (extra `zstd`); left out, with a note, where the compressed file "
+        "would expand past the default --max-expansion that readers apply",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     add_payload_arguments(parser)
+    add_codec_limit_arguments(parser)
     add_json_argument(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from routereplay.atomicfile import atomic_write
     from routereplay.cli.extras import require
     from routereplay.cli.failure import naming, read_trace_file
     from routereplay.errors import ConfigError
@@ -60,18 +78,13 @@ def run(args: argparse.Namespace) -> int:
     if args.zstd:
         require("convert", {"zstandard": "--zstd"})
     trace, source = read_trace_file(args, args.input, payload_hints(args), validate=True)
-    with naming(args.output):
-        written = write_trace(trace, args.output, target, mode=args.mode, compress=args.zstd)
-    if args.zstd and target is FileFormat.CODEC:
-        from routereplay.codec import encode
-
-        plain = len(encode(trace, mode=args.mode, compress=False))
-        if written > plain:
-            print(
-                f"note: --zstd made {args.output} larger ({written} B against {plain} B without it): the codec's "
-                "bit-packed ids are already close to their entropy; leave out --zstd for traces like this one",
-                file=sys.stderr,
-            )
+    if target is FileFormat.CODEC:
+        blob = codec_blob(trace, args.mode, zstd=args.zstd, output=args.output)
+        with naming(args.output):
+            written = atomic_write(Path(args.output), blob)
+    else:
+        with naming(args.output):
+            written = write_trace(trace, args.output, target, mode=args.mode)
     if target is FileFormat.NPY:
         print(
             f"note: .npy keeps only the ids; layers {list(trace.layers)[:4]}..., start {trace.start} and provenance "
@@ -108,3 +121,60 @@ def run(args: argparse.Namespace) -> int:
             f"{record['bytes_per_row']:.3f} B per (token, layer) row)"
         )
     return 0
+
+
+def codec_blob(trace: RouteTrace, mode: str, *, zstd: bool, output: str, limits: CodecLimits | None = None) -> bytes:
+    """The codec bytes `convert` writes: zstd-compressed only where readers within `limits` (default
+    `CodecLimits()`) accept the result; notes on stderr when zstd was left out, made the file larger,
+    or the file needs raised limits to be read back."""
+    from routereplay.codec import encode
+
+    limits = CodecLimits() if limits is None else limits
+    plain = encode(trace, mode=mode, compress=False)
+    blob = plain
+    if zstd:
+        packed = encode(trace, mode=mode, compress=True)
+        if _raised_limits(trace, len(packed), limits) and not _raised_limits(trace, len(plain), limits):
+            ratio = _decoded_bytes(trace) // max(len(packed), 1)
+            print(
+                f"note: wrote {output} without zstd ({len(plain)} B): compressed ({len(packed)} B) it would decode to "
+                f"{ratio}x its size, above the default --max-expansion {limits.max_expansion} that readers "
+                "(routereplay inspect, read_trace, decode) apply, so they would refuse it; the uncompressed file "
+                "is within the default limits",
+                file=sys.stderr,
+            )
+        else:
+            blob = packed
+            if len(packed) > len(plain):
+                print(
+                    f"note: --zstd made {output} larger ({len(packed)} B against {len(plain)} B without it): the "
+                    "codec's bit-packed ids are already close to their entropy; leave out --zstd for traces like "
+                    "this one",
+                    file=sys.stderr,
+                )
+    flags = _raised_limits(trace, len(blob), limits)
+    if flags:
+        print(
+            f"note: {output} is beyond the default codec limits (a zero-bit layout, top-k == experts or one expert, "
+            f"or more than {limits.max_entries} ids): read it back with {' '.join(flags)}",
+            file=sys.stderr,
+        )
+    return blob
+
+
+def _decoded_bytes(trace: RouteTrace) -> int:
+    from routereplay.trace import canonical_dtype
+
+    return trace.num_tokens * trace.num_layers * trace.top_k * canonical_dtype(trace.num_experts).itemsize
+
+
+def _raised_limits(trace: RouteTrace, blob_bytes: int, limits: CodecLimits) -> list[str]:
+    """The flags (`--max-entries N`, `--max-expansion N`) a reader within `limits` needs for this blob; [] if none."""
+    entries = trace.num_tokens * trace.num_layers * trace.top_k
+    flags = []
+    if max(entries, trace.num_tokens) > limits.max_entries:
+        flags.append(f"--max-entries {max(entries, trace.num_tokens)}")
+    expansion = -(-_decoded_bytes(trace) // max(blob_bytes, 1))
+    if expansion > limits.max_expansion:
+        flags.append(f"--max-expansion {expansion}")
+    return flags

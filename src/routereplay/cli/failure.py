@@ -20,7 +20,9 @@ from contextlib import contextmanager
 from enum import IntEnum
 from pathlib import Path
 
-from routereplay.errors import RouteReplayError, RouteValueError, TraceShapeError
+from routereplay.cli.arguments import CODEC_LIMIT_FLAGS, trace_file_limits
+from routereplay.codec_limits import CodecLimits
+from routereplay.errors import CodecLimitError, RouteReplayError, RouteValueError, TraceShapeError
 from routereplay.trace import RouteTrace
 from routereplay.tracefile import MAX_FILE_BYTES, FileFormat, PayloadHints, read_trace, sniff
 
@@ -83,14 +85,26 @@ def naming(path: str | Path) -> Iterator[None]:
 def read_trace_file(
     args: argparse.Namespace, path: str, hints: PayloadHints, *, validate: bool
 ) -> tuple[RouteTrace, FileFormat]:
-    """`read_trace`, adding which engine the file looks like when a forced `--engine` fails on it."""
+    """`read_trace` within the codec-limit flags, adding which engine the file looks like when a forced
+    `--engine` fails on it, and which flag raises a codec limit the file is beyond."""
+    limits = trace_file_limits(args)
     try:
-        return read_trace(path, hints, engine=args.engine, validate=validate)
+        return read_trace(path, hints, engine=args.engine, validate=validate, limits=limits)
     except RouteReplayError as exc:
-        hint = engine_hint(path, args.engine)
+        hint = codec_limit_hint(exc, limits.codec) or engine_hint(path, args.engine)
         if hint is not None and len(exc.args) == 1 and isinstance(exc.args[0], str):
             exc.args = (f"{exc.args[0]}; {hint}",)
         raise
+
+
+def codec_limit_hint(exc: RouteReplayError, limits: CodecLimits) -> str | None:
+    """For a `CodecLimitError`, the sentence naming the CLI flag that raises the limit it names."""
+    if not isinstance(exc, CodecLimitError):
+        return None
+    for name, flag in CODEC_LIMIT_FLAGS.items():
+        if f"CodecLimits.{name}=" in str(exc):
+            return f"CLI: if the file is trusted, raise the limit with {flag} N (now {getattr(limits, name)})"
+    return None
 
 
 def engine_hint(path: str | Path, forced: str | None) -> str | None:
@@ -115,6 +129,7 @@ def engine_hint(path: str | Path, forced: str | None) -> str | None:
 __all__ = [
     "INVALID_ERRORS",
     "ExitCode",
+    "codec_limit_hint",
     "engine_hint",
     "exit_code",
     "is_invalid",

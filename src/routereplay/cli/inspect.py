@@ -7,7 +7,13 @@ import json
 import sys
 from typing import Any
 
-from routereplay.cli.arguments import add_json_argument, add_payload_arguments, non_negative_int, payload_hints
+from routereplay.cli.arguments import (
+    add_codec_limit_arguments,
+    add_json_argument,
+    add_payload_arguments,
+    non_negative_int,
+    payload_hints,
+)
 from routereplay.cli.failure import ExitCode, exit_code, os_error_line, read_trace_file
 from routereplay.errors import RouteReplayError
 
@@ -25,8 +31,9 @@ def add_parser(subparsers: Any) -> None:
             "  0  valid\n"
             "  1  invalid: the file was read, but its routes fail validation (row or layer count, top-k,\n"
             "     expert ids out of range, duplicate or partial rows, all-zero layers)\n"
-            "  2  unreadable: missing, a directory, not a recognised format, a corrupt codec file, model\n"
-            "     flags missing, or a bad flag\n"
+            "  2  unreadable: missing, a directory, not a recognised format, a corrupt codec file, a codec\n"
+            "     file beyond the codec limits (the message names the flag that raises them), model flags\n"
+            "     missing, or a bad flag\n"
             "With --json a verdict (readable, valid, error_type, error) is printed on stdout in every case."
         ),
         epilog=(
@@ -38,6 +45,7 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("file", help="trace file: .rrt, .npy or a JSON engine response")
     add_payload_arguments(parser)
+    add_codec_limit_arguments(parser)
     parser.add_argument(
         "--layers-shown", type=non_negative_int, default=64, help="at most this many per-layer rows in the table"
     )
