@@ -420,6 +420,11 @@ class RouteTrace:
 def _as_route_array(value: Any, num_experts: int) -> np.ndarray:
     """Coerce ids to a C-contiguous (T, L, K) array of the canonical dtype, refusing lossy casts."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+        if getattr(getattr(value, "device", None), "type", None) == "meta":  # issue 11 item 15
+            raise DtypeError(
+                f"routes tensor of shape {tuple(value.shape)} is on the 'meta' device, which holds no values; "
+                "materialise it first (build it on a real device, or .to('cpu') after loading real data)"
+            )
         value = value.detach().cpu().numpy()
     array = np.asarray(value)
     if array.dtype.kind not in "iu":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -62,6 +63,12 @@ def run(args: argparse.Namespace) -> int:
     except (RouteReplayError, OSError, ImportError) as exc:  # ImportError: a zstd codec file without zstandard
         return _refused(args, exc)
     summary = summarize(trace, sequence=args.file)
+    if not summary.valid:  # the decoder's own verdict knows the wire (e.g. which shapes a flat payload fits)
+        try:
+            read_trace_file(args, args.file, payload_hints(args), validate=True)
+        except RouteReplayError as exc:
+            if type(exc).__name__ == summary.error_type:
+                summary = dataclasses.replace(summary, error=str(exc))
     if args.json:
         record: dict[str, Any] = {"file": args.file, "format": str(found), "readable": True, **summary.to_dict()}
         print(json.dumps(record, indent=2))
