@@ -157,6 +157,9 @@ def test_item12_empty_prompt_rows_and_empty_routes() -> None:
     prompt_routed_experts=[[]] and routed_experts=[] raise a named error, not np.concatenate's ValueError."""
     with pytest.raises(RouteReplayError):
         decode_vllm([], prompt_value=[[]], num_experts=8)
+    response = {"prompt_routed_experts": [[]], "choices": [{"index": 0, "routed_experts": []}]}
+    with pytest.raises(RouteReplayError):
+        decode_vllm(response, num_experts=8)
 
 
 # -- item 13 --------------------------------------------------------------------------------------
