@@ -8,13 +8,15 @@ records, with routes on:
 - HTTP (`python -m vllm.entrypoints.openai.api_server`, via `engines/vllm_server.VLLMServer`): the
   exact response bytes of /v1/completions (single, 2-prompt batch, n=2, routed_experts_prompt_start,
   a prefix-cached repeat, VLLMClient's own request) and /v1/chat/completions, plus one stream=true
-  response as its server-sent-event text.
+  response as its server-sent-event text;
+- the HTTP 500 a server with chunked prefill (vLLM's default) answers once a seeded request's
+  chunked prefill crashed its CPU worker (qwen3_moe only), with the worker's error from the log.
 Greedy cases (temperature 0) are sent one request at a time in both modes, so an HTTP response and
 its offline twin hold the same tokens; `manifest.json` names each case's twin, the request body,
 the token ids, the model's config.json and its routing layout (`CheckpointLayout`). DeepSeek-V3
 (MLA) is recorded offline only (block size 16, prefix caching off: what CPU MLA forces).
 
-Run (about 5 minutes on two cores; needs the `vllm` extra):
+Run (about 4 minutes on two cores; needs the `vllm` extra):
     OMP_NUM_THREADS=1 python scripts/vllm_fixtures.py [--out tests/data/vllm] [--families ...]
 The test tests/engines/test_vllm_fixtures.py decodes every file without vLLM installed.
 """
@@ -174,6 +176,42 @@ def run_http(model_dir: Path, out: Path) -> list[dict[str, Any]]:
     return cases
 
 
+def record_engine_death(model_dir: Path, out: Path) -> dict[str, Any]:
+    """The exact HTTP 500 that VLLMClient gets once vLLM's CPU worker crashed on a seeded, chunked prefill.
+
+    vLLM's default (chunked prefill on) with a prompt longer than max_num_batched_tokens and a request
+    seed: the worker raises "CPU Generator does not use offset" and the engine dies."""
+    import httpx
+
+    from routereplay.engines.hf import SamplingParams
+    from routereplay.engines.remote import VLLMClient
+    from routereplay.engines.vllm_server import ServerConfig, VLLMServer
+
+    prompt = np.random.default_rng(0).integers(4, 1000, size=150).tolist()
+    request = VLLMClient("http://x", model=SERVED, num_experts=1)._body(
+        prompt, SamplingParams(max_new_tokens=MAX_TOKENS, seed=5), 5
+    )
+    log = out / "server.log"
+    config = ServerConfig(
+        model=model_dir, served_model_name=SERVED, chunked_prefill=True, max_num_batched_tokens=64, log_path=log
+    )
+    with VLLMServer(config) as server:
+        response = httpx.post(server.url + "/v1/completions", json=request, timeout=300.0)
+    (out / "engine_dead.json").write_bytes(response.content)
+    causes = sorted({line.split("] ", 1)[-1] for line in log.read_text().splitlines() if "RuntimeError:" in line})
+    log.unlink()
+    return {
+        "name": "engine_dead",
+        "kind": "engine_dead",
+        "path": "/v1/completions",
+        "file": "engine_dead.json",
+        "status": response.status_code,
+        "request": request,
+        "server_flags": "--enable-chunked-prefill --max-num-batched-tokens 64",
+        "log_errors": causes,
+    }
+
+
 # --- driver ------------------------------------------------------------------------------------
 
 
@@ -194,6 +232,8 @@ def record_family(family: str, out: Path, work: Path) -> dict[str, Any]:
     cases = json.loads(offline_json.read_text())
     if family in HTTP_FAMILIES:
         cases += run_http(checkpoint, target)
+    if family == TinyFamily.QWEN3_MOE:
+        cases.append(record_engine_death(checkpoint, target))
     return {
         "layout": layout.to_json(),
         "block_size": block,

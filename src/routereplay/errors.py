@@ -261,6 +261,10 @@ class ModelMismatchError(EngineModelError):
     """A response's `"model"` names another model than the one the client asked for."""
 
 
+class EngineDeadError(EngineRequestError):
+    """The inference server answered that its engine died (vLLM: HTTP 500 "EngineCore encountered an issue")."""
+
+
 class UnservableModelError(ConfigError):
     """vLLM cannot serve this model as configured (a shape its CPU kernels refuse, a family it lacks)."""
 

@@ -22,7 +22,7 @@ import pytest
 from routereplay.engines.hf import SamplingParams
 from routereplay.engines.remote import VLLMClient
 from routereplay.engines.vllm import decode_vllm
-from routereplay.errors import StreamedResponseError, ZeroLayerError
+from routereplay.errors import EngineDeadError, StreamedResponseError, ZeroLayerError
 from routereplay.trace import RouteTrace
 from tests.engines.hostile_server import answer, hostile_server
 
@@ -230,3 +230,19 @@ def test_vllm_client_reads_the_real_response_bytes(family: str) -> None:
     assert rollout.logprobs == choice["logprobs"]["token_logprobs"]
     assert rollout.trace is not None and rollout.trace.layers == tuple(model(family)["layout"]["moe_layers"])
     assert rollout.trace == decode_vllm(data, num_tokens=len(rollout.token_ids), **kwargs(family))
+
+
+def test_dead_engine_answer_is_named_with_its_known_cpu_cause() -> None:
+    """Misleading message (issue 12 item 5): vLLM's real HTTP 500 after its CPU worker crashed on a seeded,
+    chunked prefill (recorded with vLLM's default chunked prefill) raises EngineDeadError naming the
+    flag that avoids it, not a bare "HTTP 500"."""
+    case = find("qwen3_moe", "engine_dead")
+    assert case["status"] == 500 and any("CPU Generator does not use offset" in e for e in case["log_errors"])
+    raw = (DATA / "qwen3_moe" / case["file"]).read_bytes()
+    client = VLLMClient("http://127.0.0.1:1", model=MANIFEST["served_model_name"], **kwargs("qwen3_moe"), retries=1)
+    request = case["request"]
+    with hostile_server(answer(raw, status=500)) as server:
+        client.url = server.url
+        with pytest.raises(EngineDeadError, match="--no-enable-chunked-prefill") as caught:
+            client.generate([request["prompt"]], SamplingParams(max_new_tokens=request["max_tokens"], seed=5))
+    assert caught.value.status == 500 and "EngineCore encountered an issue" in caught.value.body

