@@ -3,7 +3,7 @@
 Every test here talks to a live server started once per session (tests/engines/conftest.py). The
 routes vLLM returns are checked for shape, global layer numbers and token counts, and against the
 HF model's own routing of the same tokens (`routereplay.attach(model).record()`): vLLM runs bf16
-kernels, HF fp32 on the same bf16 weights, so a few near-tie rows differ (about 1% measured), while
+kernels, HF fp32 on the same bf16 weights, so a few near-tie rows differ (0.6-0.9% measured), while
 routes placed one token off disagree on most rows. Legend: S = positions, L = layers, K = top-k.
 """
 
@@ -33,8 +33,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-li
 
 httpx = pytest.importorskip("httpx")
 
-NATURAL_DISAGREEMENT = 0.10  # bf16 vLLM vs fp32 HF on the same weights: ~1% of rows measured; misplaced: ~90%
-LOGPROB_TOLERANCE = 0.1  # nats: bf16 kernels vs fp32 on the same bf16 weights (measured max ~0.02)
+NATURAL_DISAGREEMENT = 0.10  # bf16 vLLM vs fp32 HF, same weights: 0.6-0.9% of rows measured; one token off: most rows
+LOGPROB_TOLERANCE = 0.05  # nats: bf16 kernels vs fp32 on the same bf16 weights (measured max 0.0026)
 TIMEOUT = 300.0  # seconds per request: the server shares two cores with other work
 
 
