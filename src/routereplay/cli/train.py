@@ -1,8 +1,11 @@
 """`routereplay train`: GRPO on the demo task with router replay off, R2 or R3.
 
-The built-in engine (bf16, weights synced every step) samples by default. `--engine vllm|sglang
---url URL` samples from a remote server started with `--enable-return-routed-experts` instead.
-That server's weights are not updated, so its rollouts come from a fixed policy. Per step the
+The built-in engine (bf16, weights synced every step) samples by default. `--engine vllm` without
+`--url` runs a real vLLM in this process (`engines.vllm_colocated.VLLMEngine`, routes on) and syncs
+the trainer's weights into it every step; the model must be one vLLM's CPU backend serves (the demo
+models are not: head_dim 16 / MLA rank 16, so pass `--model`). `--engine vllm|sglang --url URL`
+samples from a remote server started with `--enable-return-routed-experts` instead; that server's
+weights are not updated (a note says so), so its rollouts come from a fixed policy. Per step the
 command reports reward, engine-vs-trainer routing disagreement and k3 KL, routing drift from the
 old-log-prob pass to the updates, ppo_kl, clip fraction, grad norm, fallback rows and time. It can
 also write a JSONL log and a per-step plot.
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from typing import Any
 
 from routereplay.cli.arguments import (
@@ -22,6 +27,9 @@ from routereplay.cli.arguments import (
     seed_int,
 )
 from routereplay.cli.threads import add_threads_argument
+
+# stdout carries the command's table or --json: vLLM's own log (stdout, INFO by default) goes to stderr
+VLLM_CLI_LOGGING = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -36,6 +44,7 @@ def add_parser(subparsers: Any) -> None:
         epilog=(
             "examples:\n  routereplay train --mode R3 --steps 5\n"
             "  routereplay train --mode R2 --steps 3 --log r2.jsonl --plot r2.png\n"
+            "  routereplay train --mode R3 --engine vllm --model ./ckpt   (colocated vLLM, weights synced)\n"
             "  routereplay train --mode R3 --engine sglang --url http://127.0.0.1:30000 --model ./ckpt"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -51,7 +60,11 @@ def add_parser(subparsers: Any) -> None:
         "--train-steps", type=positive_int, default=800, help="supervised steps of the demo model (default 800)"
     )
     group.add_argument("--engine", choices=["hf", "vllm", "sglang"], default="hf", help="rollout engine (default hf)")
-    group.add_argument("--url", help="server URL for --engine vllm|sglang")
+    group.add_argument(
+        "--url",
+        help="server URL for --engine sglang (needed) or vllm (optional: without it vLLM runs in this process, "
+        "weights synced every step; a remote server's weights are never synced)",
+    )
     group.add_argument("--served-model", help="model name the remote server serves (default: --model's folder name)")
     rl = parser.add_argument_group("GRPO")
     rl.add_argument("--prompts-per-step", type=positive_int, default=32, help="prompts per step (default 32)")
@@ -83,9 +96,12 @@ def run(args: argparse.Namespace) -> int:
         needs["matplotlib"] = f"--plot {args.plot}"
     if args.tensorboard:
         needs["tensorboard"] = f"--tensorboard {args.tensorboard}"
-    if args.engine != "hf":
+    if args.engine != "hf" and args.url:
         needs["httpx"] = f"--engine {args.engine} (the remote client)"
     require("train", needs)  # before training the demo model, not after
+    colocated = args.engine == "vllm" and not args.url
+    if colocated:
+        _check_colocated(args)  # vLLM importable, the demo model servable: before any training
 
     import transformers
 
@@ -110,9 +126,18 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
     )
-    if args.engine != "hf" and not args.url:
-        raise ConfigError(
-            f"--engine {args.engine} needs --url (the server started with --enable-return-routed-experts)"
+    if args.engine == "sglang" and not args.url:
+        raise ConfigError("--engine sglang needs --url (the server started with --enable-return-routed-experts)")
+    if args.url:
+        print(
+            f"note: --url {args.url}: the remote {args.engine} server's weights are not synced with the trainer, "
+            "so every step samples from the policy it was started with"
+            + (
+                " (drop --url to run vLLM in this process with weights synced every step)"
+                if args.engine == "vllm"
+                else ""
+            ),
+            file=sys.stderr,
         )
     with phase_progress() as report:
         if args.model:
@@ -125,11 +150,15 @@ def run(args: argparse.Namespace) -> int:
                 progress=lambda step, steps, _loss: report("training the demo model (cached)", step, steps),
             )
         task = AdditionTask(tokenizer)
-        engine = _engine(args, model)
-        trainer = GRPOTrainer(model, task, engine, config, log_path=args.log, tensorboard_dir=args.tensorboard)
-        phase = f"GRPO steps ({config.mode})"
-        report(phase, 0, config.steps)
-        history = trainer.train(lambda _phase, done, total: report(phase, done, total))  # one bar, up to its total
+        engine = _engine(args, model, tokenizer)
+        try:
+            trainer = GRPOTrainer(model, task, engine, config, log_path=args.log, tensorboard_dir=args.tensorboard)
+            phase = f"GRPO steps ({config.mode})"
+            report(phase, 0, config.steps)
+            history = trainer.train(lambda _phase, done, total: report(phase, done, total))  # one bar, up to its total
+        finally:
+            if colocated:
+                engine.close()
     if args.plot:
         from pathlib import Path
 
@@ -194,7 +223,31 @@ def render(history: list[dict[str, Any]]) -> None:
     Console(width=max(console.width, 124)).print(table)  # 11 columns: do not squeeze into 80
 
 
-def _engine(args: argparse.Namespace, model: Any) -> Any:
+def _check_colocated(args: argparse.Namespace) -> None:
+    """Refuse `--engine vllm` without `--url` early: vLLM missing, or the demo model (unservable on CPU)."""
+    from routereplay.engines.vllm_checkpoint import check_servable
+    from routereplay.engines.vllm_colocated import import_vllm
+    from routereplay.errors import UnservableModelError
+
+    for name, value in VLLM_CLI_LOGGING.items():  # before vLLM configures its logging on import
+        os.environ.setdefault(name, value)
+    import_vllm()  # MissingDependencyError naming the extra
+    if args.model:
+        return  # checked when the engine starts (VLLMEngine), after loading
+    from routereplay.rl.model import demo_config
+    from routereplay.rl.tasks import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    try:
+        check_servable(demo_config(args.arch, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id))
+    except UnservableModelError as exc:
+        raise UnservableModelError(
+            f"--engine vllm without --url runs vLLM in this process, and the demo model (--arch {args.arch}) cannot "
+            f"run on vLLM's CPU backend: {exc}. Pass --model with a checkpoint it serves, or --url a vLLM server"
+        ) from None
+
+
+def _engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
     from pathlib import Path
 
     from routereplay.engines.hf import HFEngine
@@ -202,6 +255,10 @@ def _engine(args: argparse.Namespace, model: Any) -> Any:
 
     if args.engine == "hf":
         return HFEngine(model)
+    if args.engine == "vllm" and not args.url:
+        from routereplay.engines.vllm_colocated import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, policy_version=0)
     probe = attach(model)
     layers, top_k, num_experts = probe.layers, probe.top_k, probe.num_experts
     probe.detach()

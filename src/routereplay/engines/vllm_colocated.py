@@ -35,11 +35,12 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs i
 INSTALL_HINT = "pip install 'routereplay[vllm]'"
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 DEFAULT_MAX_MODEL_LEN = 512
+BATCHED_TOKENS = 2048  # tokens per engine step (at least max_model_len: prompts are never split)
 DEFAULT_BLOCK_SIZE = 32  # CPU default 128: short prompts would never hit the prefix cache
 
 
@@ -64,7 +66,7 @@ class EngineConfig:
     """How the in-process vLLM is started (CPU-friendly defaults; all are `vllm.LLM` arguments)."""
 
     dtype: torch.dtype = torch.bfloat16
-    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # prompt + response tokens per sequence
+    max_model_len: int | None = None  # prompt + response tokens; None: DEFAULT_MAX_MODEL_LEN, capped by the model
     max_num_seqs: int = 16
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -74,20 +76,38 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_bytes"):
             value = getattr(self, name)
+            if value is None and name == "max_model_len":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name}={value!r} must be an int >= 1")
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ConfigError(f"EngineConfig.dtype={self.dtype} must be bfloat16, float16 or float32")
 
+    def for_model(self, model: nn.Module) -> EngineConfig:
+        """This config with `max_model_len` resolved: the default is capped by the model's positions."""
+        config: Any = getattr(model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        positions = int(getattr(text, "max_position_embeddings", 0) or DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len is None:
+            return replace(self, max_model_len=min(DEFAULT_MAX_MODEL_LEN, positions))
+        if self.max_model_len > positions:
+            raise ConfigError(
+                f"EngineConfig.max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{positions} (vLLM refuses it); pass max_model_len <= {positions}"
+            )
+        return self
+
     def llm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `vllm.LLM` besides the model folder."""
+        """Keyword arguments of `vllm.LLM` besides the model folder (`max_model_len` resolved first)."""
+        if self.max_model_len is None:
+            raise ConfigError("EngineConfig.llm_kwargs: resolve max_model_len with for_model(model) first")
         return {
             "enable_return_routed_experts": True,
             "dtype": str(self.dtype).removeprefix("torch."),
             "enforce_eager": True,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_model_len,  # no chunking: a whole prompt fits one step
+            "max_num_batched_tokens": max(self.max_model_len, BATCHED_TOKENS),  # no chunking: whole prompts
             "enable_chunked_prefill": False,
             "block_size": self.block_size,
             "kv_cache_memory_bytes": self.kv_cache_bytes,
@@ -155,6 +175,24 @@ def kept_random_state() -> Iterator[None]:
         torch.random.set_rng_state(states[2])
 
 
+@contextmanager
+def file_stdout() -> Iterator[None]:
+    """The process's own stdout for the block where `sys.stdout` is not a file (pytest capture, notebooks).
+
+    vLLM's start-up silences C-level prints with `os.dup2(sys.stdout.fileno(), ...)`, which raises
+    `UnsupportedOperation: fileno` on an in-memory stream."""
+    try:
+        sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        saved, sys.stdout = sys.stdout, sys.__stdout__
+        try:
+            yield
+        finally:
+            sys.stdout = saved
+        return
+    yield
+
+
 def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's state dict under the names its HF checkpoint uses (what vLLM's `load_weights` reads).
 
@@ -181,11 +219,11 @@ class VLLMEngine:
         policy_version: int | None = None,
         folder: str | Path | None = None,
     ) -> None:
-        self.config = config or EngineConfig()
         self.policy_version = policy_version
         vllm = import_vllm()
         self.architecture = check_architecture(model, set(vllm.ModelRegistry.get_supported_archs()))
         check_servable(model.config, where=type(model).__name__)
+        self.config = (config or EngineConfig()).for_model(model)
         self._owned = folder is None
         self.folder = Path(tempfile.mkdtemp(prefix="routereplay-vllm-")) if folder is None else Path(folder)
         self.last_sync: SyncReport | None = None
@@ -193,7 +231,7 @@ class VLLMEngine:
             self.layout: CheckpointLayout = write_checkpoint(model, tokenizer, self.folder, dtype=self.config.dtype)
             self.shapes = checkpoint_shapes(self.folder)
             began = time.monotonic()
-            with kept_random_state():
+            with kept_random_state(), file_stdout():
                 self.llm = vllm.LLM(model=str(self.folder), **self.config.llm_kwargs())
             self.started_in = time.monotonic() - began
         except BaseException:
@@ -214,7 +252,7 @@ class VLLMEngine:
             raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
         token_prompts = [[int(t) for t in p] for p in prompts]
         longest = max(len(p) for p in token_prompts) + params.max_new_tokens
-        if longest > self.config.max_model_len:
+        if longest > (self.config.max_model_len or 0):
             raise ConfigError(
                 f"a prompt of {longest - params.max_new_tokens} tokens + max_new_tokens={params.max_new_tokens} "
                 f"exceeds the engine's max_model_len={self.config.max_model_len}; start VLLMEngine with "

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from routereplay.engines.hf import HFEngine, Rollout, SamplingParams
+from routereplay.engines.hf import Rollout, SamplingParams
 from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError
 from routereplay.metrics import logprob_mismatch, routing_agreement
@@ -155,8 +155,9 @@ class GRPOTrainer:
     def step(self, step: int) -> dict[str, Any]:
         config, task, seconds = self.config, self.task, {}
         begin = time.perf_counter()
-        if isinstance(self.engine, HFEngine):
-            self.engine.sync_weights(self.model, policy_version=step)
+        sync = getattr(self.engine, "sync_weights", None)
+        if callable(sync):  # colocated engines (built-in, vLLM) sample from the trainer's current weights
+            sync(self.model, policy_version=step)
         problems = task.problems(config.prompts_per_step, seed=config.seed * 7919 + step)
         prompts = [ids for ids in task.prompt_ids(problems) for _ in range(config.group_size)]
         params = SamplingParams(
