@@ -284,3 +284,33 @@ def test_refuses_a_head_size_the_cpu_backend_rejects() -> None:
 
     with pytest.raises(UnservableModelError, match="head_dim=16"):
         VLLMEngine(tiny_model("qwen3_moe"), word_tokenizer())
+
+
+def test_deepseek_v3_sync_equals_an_engine_started_on_the_new_weights() -> None:
+    """Silent misroute (issue 12 item 2): DeepSeek-V3 (MLA, sigmoid scores with e_score_correction_bias,
+    a shared expert, dense layer 0): after sync_weights with new weights and a new bias, vLLM samples
+    exactly what an engine started on those weights samples (tokens, log-probs, routes), its traces
+    hold layers 1-2, and R3 replay of them in the trainer has zero disagreement."""
+    from routereplay.engines.vllm_colocated import EngineConfig, VLLMEngine
+    from routereplay.vllm_tiny import tiny_vllm_model, word_tokenizer
+
+    model = bf16_rounded(tiny_vllm_model("deepseek_v3"))
+    trainer = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, tensor in [*trainer.named_parameters(), *trainer.named_buffers()]:
+            if tensor.is_floating_point() and (tensor.requires_grad or name.endswith("e_score_correction_bias")):
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * PERTURBATION)
+    bf16_rounded(trainer)
+    batch, params = prompts(7, [5, 33]), SamplingParams(max_new_tokens=8, seed=4)
+    config = EngineConfig(max_model_len=MAX_MODEL_LEN)
+    with VLLMEngine(model, word_tokenizer(), config=config, policy_version=0) as engine:
+        engine.sync_weights(trainer, policy_version=1)
+        synced = engine.generate(batch, params)
+    with VLLMEngine(trainer, word_tokenizer(), config=config, policy_version=1) as engine:
+        fresh = engine.generate(batch, params)
+    for a, b in zip(synced, fresh, strict=True):
+        assert (a.response_ids, a.logprobs) == (b.response_ids, b.logprobs)
+        assert a.trace is not None and b.trace is not None and a.trace.layers == (1, 2)
+        assert np.array_equal(a.trace.experts, b.trace.experts)
+        assert replayed_mismatch(trainer, a) == (0, 2 * (len(a.token_ids) - 1))
