@@ -37,3 +37,24 @@ def test_engine_config_refuses_a_context_longer_than_the_model() -> None:
     assert EngineConfig().for_model(model).max_model_len == 64
     with pytest.raises(ConfigError, match="block_size=0 must be an int >= 1"):
         EngineConfig(block_size=0)
+
+
+def test_only_the_known_harmless_reload_warnings_are_dropped() -> None:
+    """Misleading message (issue 12 item 2): vLLM 0.30 reports the (loaded) expert weights as unloaded and
+    the rotary cache as failed on every correct reload; those two are dropped, any other unloaded weight
+    is still logged."""
+    import logging
+
+    from routereplay.engines.vllm_workarounds import RELOAD_LAYER_FAILED, RELOAD_UNLOADED, quiet_reload_warnings
+
+    def record(msg: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord("vllm.v1.worker.gpu_model_runner", logging.WARNING, __file__, 1, msg, args, None)
+
+    logger = logging.getLogger("vllm.v1.worker.gpu_model_runner")
+    experts = {"model.layers.0.mlp.experts.routed_experts.w13_weight"}
+    with quiet_reload_warnings():
+        assert not logger.filter(record(RELOAD_UNLOADED, experts))
+        assert not logger.filter(record(RELOAD_LAYER_FAILED, "RotaryEmbedding"))
+        assert logger.filter(record(RELOAD_UNLOADED, {*experts, "model.layers.0.self_attn.qkv_proj.weight"}))
+        assert logger.filter(record(RELOAD_LAYER_FAILED, "QKVParallelLinear"))
+    assert logger.filter(record(RELOAD_UNLOADED, experts)), "the filter outlived the block"

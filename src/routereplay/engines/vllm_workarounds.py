@@ -130,6 +130,8 @@ def forget_cpu_moe_kernels(served: nn.Module) -> int:
 
 __all__ = [
     "IN_PROCESS_ENV",
+    "RELOAD_LAYER_FAILED",
+    "RELOAD_UNLOADED",
     "file_stdout",
     "forget_cpu_moe_kernels",
     "in_process",
