@@ -379,7 +379,9 @@ def test_fuzz_forged_headers_with_valid_crc(fields: tuple[int, ...], tail: bytes
 
 
 _SAMPLE = make_trace(np.random.default_rng(7), 9, 3, 3, 10, 0.3, segments=(Segment(0, 4), Segment(4, 9, "hf", 1)))
-SAMPLES = {(mode, zstd): encode(_SAMPLE, mode=mode, compress=bool(zstd)) for mode in ("set", "ordered") for zstd in (0, 1)}
+SAMPLES = {
+    (mode, zstd): encode(_SAMPLE, mode=mode, compress=bool(zstd)) for mode in ("set", "ordered") for zstd in (0, 1)
+}
 
 
 @FAST
