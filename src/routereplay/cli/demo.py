@@ -4,6 +4,8 @@ The built-in engine samples in bf16 and a trainer scores the same tokens in fp32
 on experts for a few percent of (token, layer) rows, and their log-probs drift apart. Replaying the
 engine's routes in the trainer (R3) removes the routing disagreement and most of the drift. The
 command prints a table (or `--json`) and writes a report folder: report.html and PNG plots.
+`--engine vllm` samples with a real vLLM in this process instead (routereplay[vllm]); the demo model
+is then its vLLM-servable variant (head_dim 64, trained and cached on first use), or `--model`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def add_parser(subparsers: Any) -> None:
         ),
         epilog=(
             "examples:\n  routereplay demo\n  routereplay demo --arch deepseek_v3 --json\n"
-            "  routereplay demo --model ./my-moe"
+            "  routereplay demo --model ./my-moe\n"
+            "  routereplay demo --engine vllm --json   (a real vLLM in this process; demo model with head_dim 64)"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -47,6 +50,13 @@ def add_parser(subparsers: Any) -> None:
         "--arch", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe", help="demo model architecture"
     )
     model.add_argument("--model", help="a local HF MoE checkpoint folder (with tokenizer) instead of the demo model")
+    model.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="rollout engine: hf (built-in, default) or vllm (a real vLLM in this process, routereplay[vllm]; "
+        "the demo model becomes its vLLM-servable variant, head_dim 64)",
+    )
     model.add_argument(
         "--train-steps", type=positive_int, default=800, help="training steps of the demo model (default 800)"
     )
@@ -80,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_report:
         needs["matplotlib"] = f"the report's plots (--report {args.report}; or pass --no-report)"
     require("demo", needs)  # before minutes of training, not after
+    if args.engine == "vllm":
+        _check_vllm(args)
     if not args.no_report:
         _check_report_folder(args.report)
 
@@ -101,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         rl_steps=args.rl_steps,
         engine_dtype=args.engine_dtype,
         threads=args.threads,
+        engine=args.engine,
     )
     with phase_progress() as report:
         result = run_demo(config, report)
@@ -118,6 +131,22 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"report: {args.report}/report.html ({len(paths)} files)")
     return 0
+
+
+def _check_vllm(args: argparse.Namespace) -> None:
+    """`--engine vllm`: vLLM importable and the demo model servable, before any training."""
+    import os
+
+    from routereplay.cli.train import VLLM_CLI_LOGGING
+    from routereplay.engines.vllm_colocated import import_vllm
+
+    for name, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table / --json
+        os.environ.setdefault(name, value)
+    import_vllm()  # MissingDependencyError naming the extra
+    if args.model is None:
+        from routereplay.rl.model import vllm_overrides
+
+        vllm_overrides(args.arch)  # UnservableModelError for an arch without a servable variant
 
 
 def _check_report_folder(report: str) -> None:
@@ -146,7 +175,8 @@ def _render(result: dict[str, Any]) -> None:
         f"[bold]{model['model_type']}[/bold] ({model['parameters']:,} parameters, {len(model['layers'])} MoE layers, "
         f"top-{model['top_k']} of {model['num_experts']} experts; {model['source']})\n"
         f"{rollouts['sequences']} rollouts, {rollouts['response_tokens']} response tokens, reward "
-        f"{rollouts['reward_mean']:.1%}; engine {result['config']['engine_dtype']}, trainer "
+        f"{rollouts['reward_mean']:.1%}; engine {result['config'].get('engine', 'hf')} "
+        f"{result['config']['engine_dtype']}, trainer "
         f"{result['config']['trainer_dtype']}"
     )
     table = Table(title="engine vs trainer: routing and log-prob mismatch", title_justify="left")

@@ -8,6 +8,11 @@ For each mode the record holds routing agreement against the engine's routes and
 mismatch against the engine's log-probs (`routereplay.metrics`). `run_demo` returns the record that
 `routereplay demo --json` prints and that `report.write_report` draws. Legend: B = sequences,
 S = positions, L = layers, K = top-k.
+
+`engine="vllm"` samples with a real vLLM running in this process (`engines.vllm_colocated`) instead
+of the built-in engine: the demo model is then its vLLM-servable variant (`rl.model.vllm_overrides`:
+head_dim 64), or `model=`. One vLLM engine serves the comparison and every GRPO step (weights synced
+at each step, so each mode starts from the same weights). The record has the same keys either way.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 import torch
 
 from routereplay.engines.hf import HFEngine, SamplingParams
+from routereplay.errors import ConfigError
 from routereplay.metrics import logprob_mismatch, routing_agreement
 from routereplay.rl.model import Arch, load_checkpoint, load_or_train
 from routereplay.rl.scoring import engine_logprobs, engine_routes, score
@@ -28,6 +34,7 @@ from routereplay.threads import ThreadPolicy
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total); every phase is reported up to its total
 SCORING = "scoring (trainer, off then R3)"
+ENGINES = ("hf", "vllm")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +51,11 @@ class DemoConfig:
     engine_dtype: str = "bfloat16"
     trainer_dtype: str = "float32"
     threads: int | None = None  # intra-op threads (None: OMP_NUM_THREADS if set, else 1; routereplay.threads)
+    engine: str = "hf"  # "hf": the built-in engine; "vllm": a real vLLM in this process (routereplay[vllm])
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"DemoConfig.engine={self.engine!r} must be one of {ENGINES}")
 
 
 def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, Any]:
@@ -55,6 +67,10 @@ def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, 
 
 def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
     report = progress or (lambda _phase, _done, _total: None)
+    if config.engine == "vllm":
+        from routereplay.engines.vllm_colocated import import_vllm
+
+        import_vllm()  # MissingDependencyError naming the extra, before any training
     if config.model is not None:
         report("loading --model", 0, 1)
         model, tokenizer = load_checkpoint(config.model)
@@ -66,11 +82,33 @@ def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
             steps=config.train_steps,
             progress=lambda step, steps, _loss: report("training the demo model (cached after this run)", step, steps),
             threads=config.threads,
+            vllm=config.engine == "vllm",
         )
     model = model.to(getattr(torch, config.trainer_dtype)).eval()
+    engine = _engine(model, tokenizer, config)
+    try:
+        return _compare(model, tokenizer, engine, source, config, report)
+    finally:
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
+
+
+def _engine(model: torch.nn.Module, tokenizer: Any, config: DemoConfig) -> Any:
+    """The rollout engine: the built-in one, or a vLLM in this process serving `model`'s weights."""
+    dtype = getattr(torch, config.engine_dtype)
+    if config.engine == "hf":
+        return HFEngine(model, dtype=dtype, policy_version=0)
+    from routereplay.engines.vllm_colocated import EngineConfig, VLLMEngine
+
+    return VLLMEngine(model, tokenizer, config=EngineConfig(dtype=dtype, seed=config.seed), policy_version=0)
+
+
+def _compare(
+    model: torch.nn.Module, tokenizer: Any, engine: Any, source: str, config: DemoConfig, report: Progress
+) -> dict[str, Any]:
     task = AdditionTask(tokenizer)
     problems = task.problems(config.prompts, seed=config.seed + 1)
-    engine = HFEngine(model, dtype=getattr(torch, config.engine_dtype), policy_version=0)
     params = SamplingParams(
         max_new_tokens=config.max_new_tokens,
         temperature=config.temperature,
@@ -108,7 +146,7 @@ def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
         # engine it measures exactly like `off`; it differs in the updates (drift), measured below
         modes = {"off": modes["off"], "R2": dict(modes["off"]), "R3": modes["R3"]}
         deltas["R2"] = deltas["off"]
-        steps = _rl_comparison(model, task, config, report)
+        steps = _rl_comparison(model, task, config, report, None if config.engine == "hf" else engine)
         for mode, record in modes.items():
             rows = [row for row in steps if row["mode"] == mode]
             record["update_drift"] = sum(row["drift"] for row in rows) / len(rows)
@@ -136,9 +174,12 @@ def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
 
 
 def _rl_comparison(
-    model: torch.nn.Module, task: AdditionTask, config: DemoConfig, report: Progress
+    model: torch.nn.Module, task: AdditionTask, config: DemoConfig, report: Progress, shared: Any = None
 ) -> list[dict[str, Any]]:
-    """A few GRPO steps from the same start in each mode; one row per (mode, step)."""
+    """A few GRPO steps from the same start in each mode; one row per (mode, step).
+
+    `shared`: an engine with `sync_weights` used by every mode (GRPO syncs the mode's policy into it
+    before each step, so each mode starts from `model`'s weights); None: a built-in engine per mode."""
     import copy
 
     from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
@@ -146,7 +187,7 @@ def _rl_comparison(
     rows: list[dict[str, Any]] = []
     for mode in ("off", "R2", "R3"):
         policy = copy.deepcopy(model)
-        engine = HFEngine(policy, dtype=getattr(torch, config.engine_dtype))
+        engine = shared if shared is not None else HFEngine(policy, dtype=getattr(torch, config.engine_dtype))
         grpo = GRPOConfig(mode=mode, steps=config.rl_steps, max_new_tokens=config.max_new_tokens, seed=config.seed)
         trainer = GRPOTrainer(policy, task, engine, grpo)
         phase = f"GRPO steps ({mode})"

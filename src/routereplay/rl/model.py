@@ -6,7 +6,10 @@ Two architectures:
   3 MoE layers.
 The model is trained with supervised next-token loss on "a+b=sum<eos>", answer tokens only. This
 takes well under two minutes on two CPU cores, and the result is cached with save_pretrained and
-its tokenizer under `~/.cache/routereplay` (or `$ROUTEREPLAY_CACHE`). `load_checkpoint` loads any
+its tokenizer under `~/.cache/routereplay` (or `$ROUTEREPLAY_CACHE`). `load_or_train(arch, vllm=True)`
+is the variant vLLM's CPU backend serves (`VLLM_SERVABLE`: the same architecture with head_dim 64,
+the smallest head size its CPU attention runs; the default head_dim 16 is refused there), trained
+the same way and cached under its own key. `load_checkpoint` loads any
 local HF MoE checkpoint, with clear errors for a missing path, a checkpoint without a tokenizer,
 and a model without MoE layers. Nothing is downloaded. Training runs with the intra-op thread count
 of `routereplay.threads.ThreadPolicy` (1 unless `threads=` or OMP_NUM_THREADS says otherwise): the
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 
 from routereplay.enums import StrEnum
-from routereplay.errors import AttachError, ConfigError, NoRoutersError
+from routereplay.errors import AttachError, ConfigError, NoRoutersError, UnservableModelError
 from routereplay.rl.tasks import AdditionTask, build_tokenizer
 from routereplay.threads import ThreadPolicy
 
@@ -36,6 +39,23 @@ WARMUP_FRACTION = 0.1  # OneCycleLR's pct_start: share of the steps spent warmin
 class Arch(StrEnum):
     QWEN3_MOE = "qwen3_moe"
     DEEPSEEK_V3 = "deepseek_v3"
+
+
+# config overrides that make the demo model one vLLM 0.30's CPU backend serves (see
+# engines/vllm_checkpoint.check_servable); an arch absent here has no servable variant (DeepSeek-V3's
+# CPU MLA needs kv_lora_rank 512: far from a tiny demo model)
+VLLM_SERVABLE: dict[Arch, dict[str, Any]] = {Arch.QWEN3_MOE: {"head_dim": 64}}
+
+
+def vllm_overrides(arch: Arch | str) -> dict[str, Any]:
+    """The config overrides of `arch`'s vLLM-servable variant; `UnservableModelError` if it has none."""
+    arch = Arch(arch)
+    if arch not in VLLM_SERVABLE:
+        raise UnservableModelError(
+            f"the demo model --arch {arch} has no variant vLLM's CPU backend serves (its MLA needs "
+            f"kv_lora_rank 512); use --arch {', '.join(VLLM_SERVABLE)} or pass --model with a checkpoint vLLM serves"
+        )
+    return dict(VLLM_SERVABLE[arch])
 
 
 def demo_config(arch: Arch | str, vocab_size: int, eos_token_id: int, pad_token_id: int, **overrides: Any) -> Any:
@@ -105,15 +125,19 @@ def load_or_train(
     seed: int = 0,
     progress: Callable[[int, int, float], None] | None = None,
     threads: int | None = None,
+    vllm: bool = False,
 ) -> tuple[torch.nn.Module, Any, str]:
     """The cached demo model for `arch` (trained now if absent): (model, tokenizer, where it came from).
 
-    `threads`: intra-op threads while training (None: OMP_NUM_THREADS if set, else 1)."""
-    folder = cache_dir() / f"demo-{Arch(arch)}-v{TRAIN_VERSION}-s{steps}-seed{seed}"
+    `threads`: intra-op threads while training (None: OMP_NUM_THREADS if set, else 1).
+    `vllm`: the variant vLLM's CPU backend serves (`vllm_overrides`), cached under its own key."""
+    overrides = vllm_overrides(arch) if vllm else {}
+    variant = "".join(f"-{name}{value}" for name, value in sorted(overrides.items()))
+    folder = cache_dir() / f"demo-{Arch(arch)}{variant}-v{TRAIN_VERSION}-s{steps}-seed{seed}"
     if (folder / "config.json").exists():
         model, tokenizer = load_checkpoint(folder)
         return model, tokenizer, f"cached: {folder}"
-    model, tokenizer = train_demo_model(arch, steps=steps, seed=seed, progress=progress, threads=threads)
+    model, tokenizer = train_demo_model(arch, steps=steps, seed=seed, progress=progress, threads=threads, **overrides)
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     model.save_pretrained(staging)  # type: ignore[operator]
@@ -229,4 +253,13 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
     return model.eval(), tokenizer
 
 
-__all__ = ["Arch", "cache_dir", "demo_config", "load_checkpoint", "load_or_train", "train_demo_model"]
+__all__ = [
+    "VLLM_SERVABLE",
+    "Arch",
+    "cache_dir",
+    "demo_config",
+    "load_checkpoint",
+    "load_or_train",
+    "train_demo_model",
+    "vllm_overrides",
+]
