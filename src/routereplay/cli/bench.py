@@ -16,13 +16,14 @@ from routereplay.cli.arguments import add_json_argument, non_negative_int, posit
 from routereplay.cli.threads import add_threads_argument
 
 SUITES = ("codec", "layout", "store", "replay", "engine")  # what `bench all` runs
-SEPARATE_SUITES = ("load",)  # run on their own: `load` spins busy processes and needs an otherwise quiet machine
+# run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm]
+SEPARATE_SUITES = ("load", "vllm")
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="run a benchmark suite (codec, layout, store, replay, engine, load, or all) and print medians",
+        help="run a benchmark suite (codec, layout, store, replay, engine, load, vllm, or all) and print medians",
         description=(
             "Run a benchmark suite; every ratio is measured side by side in the same run. "
             "`codec`: bytes per (token, layer) row and encode/decode speed of routereplay's codec against JSON lists, "
@@ -35,6 +36,8 @@ def add_parser(subparsers: Any) -> None:
             "replaying. `engine`: the built-in engine's generation time with and without route capture. "
             "`load`: the demo model's training steps, the demo and one GRPO step, quiet and with --busy processes "
             "spinning on the cores (loaded / quiet; not part of `all`). "
+            "`vllm`: a real in-process vLLM's generation time with route capture on and off (interleaved), and "
+            "its colocated sync_weights time (needs routereplay[vllm]; not part of `all`). "
             "`all`: every suite, then BENCHMARKS.md (--output) and the README table (--readme). "
             "Progress goes to stderr."
         ),
@@ -128,6 +131,22 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
         )
     if name == "engine":
         return engine, engine.EngineBenchConfig(prompts=8 if quick else 256, repeats=repeats or 11, seed=args.seed)
+    if name == "vllm":
+        import os
+
+        from routereplay.bench import vllm
+        from routereplay.cli.train import VLLM_CLI_LOGGING
+
+        for variable, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table / --json
+            os.environ.setdefault(variable, value)
+
+        return vllm, vllm.VLLMBenchConfig(
+            prompts=4 if quick else 64,
+            max_new_tokens=4 if quick else 16,
+            repeats=repeats or 5,
+            sync_repeats=repeats or 5,
+            seed=args.seed,
+        )
     return replay, replay.ReplayBenchConfig(
         batch=1 if quick else args.batch,
         seq=16 if quick else args.seq or 256,
