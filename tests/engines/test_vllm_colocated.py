@@ -327,3 +327,18 @@ def test_engine_runs_in_process_and_leaves_the_environment_as_it_was(qwen3: Colo
     assert os.environ.get(IN_PROCESS_ENV) == qwen3.env_before
     engine_core = qwen3.engine.llm.llm_engine.engine_core
     assert type(engine_core).__name__ == "InprocClient", type(engine_core).__name__
+
+
+def test_engine_start_leaves_the_trainers_thread_settings(qwen3: Colocated) -> None:
+    """Resource exhaustion (issue 11 item 25 meets issue 12 item 2): vLLM's CPU worker replaces
+    `torch.set_num_threads` with a no-op for the whole process and binds its own thread count; in
+    process, that silently disabled the trainer's thread policy. After the engine started, the real
+    function is back and a thread count set by the trainer takes effect."""
+    from routereplay.threads import ThreadPolicy
+
+    assert torch.set_num_threads.__module__ != "vllm.v1.worker.cpu_worker", "vLLM's no-op is still installed"
+    before = torch.get_num_threads()
+    target = 1 if before != 1 else 2
+    with ThreadPolicy(threads=target).applied():
+        assert torch.get_num_threads() == target
+    assert torch.get_num_threads() == before

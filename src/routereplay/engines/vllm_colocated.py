@@ -52,6 +52,7 @@ from routereplay.engines.vllm_workarounds import (
     forget_cpu_moe_kernels,
     in_process,
     kept_random_state,
+    kept_thread_settings,
     quiet_reload_warnings,
 )
 from routereplay.errors import ConfigError, MissingDependencyError, UnservableModelError, WeightSyncError
@@ -203,7 +204,7 @@ class VLLMEngine:
             self.layout: CheckpointLayout = write_checkpoint(model, tokenizer, self.folder, dtype=self.config.dtype)
             self.shapes = checkpoint_shapes(self.folder)
             began = time.monotonic()
-            with kept_random_state(), file_stdout(), in_process():
+            with kept_random_state(), kept_thread_settings(), file_stdout(), in_process():
                 self.llm = vllm.LLM(model=str(self.folder), **self.config.llm_kwargs())
             self.started_in = time.monotonic() - began
         except BaseException:

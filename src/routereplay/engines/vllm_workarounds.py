@@ -46,6 +46,26 @@ def in_process() -> Iterator[None]:
 
 
 @contextmanager
+def kept_thread_settings() -> Iterator[None]:
+    """Keep the process's torch intra-op thread count and `torch.set_num_threads` across the block.
+
+    vLLM 0.30's CPU worker binds its OpenMP threads and then replaces `torch.set_num_threads` with a
+    function that only logs a warning, for the whole process. In-process, that silently disables the
+    trainer's own thread choice (routereplay.threads.ThreadPolicy, `--threads`, the user's calls), so a
+    tiny model would go on running with vLLM's count on a busy machine. The function and the count
+    are put back after the engine starts.
+    """
+    set_num_threads = torch.set_num_threads
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+@contextmanager
 def kept_random_state() -> Iterator[None]:
     """Put Python's, NumPy's and torch's global generator states back after the block."""
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
@@ -136,5 +156,6 @@ __all__ = [
     "forget_cpu_moe_kernels",
     "in_process",
     "kept_random_state",
+    "kept_thread_settings",
     "quiet_reload_warnings",
 ]
