@@ -24,7 +24,8 @@ def test_bench_vllm_quick_json(capfd: pytest.CaptureFixture[str], monkeypatch: p
     assert main(["bench", "vllm", "--quick", "--repeats", "1", "--json"]) == EXIT_OK
     record = json.loads(capfd.readouterr().out)
     assert set(record["seconds"]) == {"unrouted", "routed", "routed_decoded"}
-    assert set(record["ratios"]) == {"routed_over_unrouted", "routed_decoded_over_unrouted"}
+    ratios = {"routed_over_unrouted", "routed_decoded_over_unrouted", "best_routed_over_unrouted"}
+    assert set(record["ratios"]) == ratios
     assert record["model"]["head_dim"] == 64 and record["model"]["tensors"] > 0
     assert record["sync_weights_seconds"]["median"] > 0 and record["machine"]["vllm"].startswith("0.30")
 
