@@ -75,15 +75,32 @@ def test_train_cli_engine_vllm_without_url_runs_colocated(
 def test_train_cli_refuses_the_unservable_demo_model_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Misleading message (issue 12 item 3): the demo model (head_dim 16) cannot run on vLLM's CPU backend;
-    `--engine vllm` without --url says so and what to pass instead, before training the demo model."""
+    """Misleading message (issue 12 item 3): the DeepSeek-V3 demo model has no variant vLLM's CPU backend
+    serves (its MLA needs kv_lora_rank 512); `--engine vllm` without --url says so and what to pass
+    instead, before training anything."""
     monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path / "cache"))
     for name in VLLM_CLI_LOGGING:
         monkeypatch.delenv(name, raising=False)
-    assert main(["train", "--engine", "vllm", "--steps", "1"]) == EXIT_ERROR
+    assert main(["train", "--engine", "vllm", "--arch", "deepseek_v3", "--steps", "1"]) == EXIT_ERROR
     message = capsys.readouterr().err
-    assert "demo model (--arch qwen3_moe)" in message and "head_dim=16" in message and "--model" in message
+    assert "--arch deepseek_v3" in message and "kv_lora_rank 512" in message and "--model" in message
     assert not (tmp_path / "cache").exists(), "the demo model was trained before the refusal"
+
+
+def test_train_cli_serves_the_demo_models_servable_variant(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Silent misroute (issue 12 item 3): `train --engine vllm` on the demo model trains and caches its
+    vLLM-servable variant (head_dim 64, its own cache key, never the built-in engine's model) and
+    replays vLLM's routes exactly under R3."""
+    monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path / "cache"))
+    args = ["train", "--engine", "vllm", "--mode", "R3", "--steps", "1", "--train-steps", "20"]
+    args += ["--prompts-per-step", "2", "--group-size", "2", "--mini-steps", "1", "--json"]
+    assert main(args) == EXIT_OK
+    history = json.loads(capfd.readouterr().out)
+    assert len(history) == 1 and history[0]["rollout_routing_disagreement"] == 0.0
+    cached = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert cached and all("head_dim64" in name for name in cached), cached
 
 
 def test_train_cli_url_says_remote_weights_are_not_synced(

@@ -3,7 +3,8 @@
 The built-in engine (bf16, weights synced every step) samples by default. `--engine vllm` without
 `--url` runs a real vLLM in this process (`engines.vllm_colocated.VLLMEngine`, routes on) and syncs
 the trainer's weights into it every step; the model must be one vLLM's CPU backend serves (the demo
-models are not: head_dim 16 / MLA rank 16, so pass `--model`). `--engine vllm|sglang --url URL`
+models are served through their vLLM-servable variant, head_dim 64, cached under its own key;
+deepseek_v3 has none, so pass `--model`). `--engine vllm|sglang --url URL`
 samples from a remote server started with `--enable-return-routed-experts` instead; that server's
 weights are not updated (a note says so), so its rollouts come from a fixed policy. Per step the
 command reports reward, engine-vs-trainer routing disagreement and k3 KL, routing drift from the
@@ -145,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             model, tokenizer, _ = load_or_train(
                 args.arch,
+                vllm=colocated,  # the servable variant (head_dim 64, own cache key) for the in-process vLLM
                 threads=args.threads,
                 steps=args.train_steps,
                 progress=lambda step, steps, _loss: report("training the demo model (cached)", step, steps),
@@ -224,27 +226,17 @@ def render(history: list[dict[str, Any]]) -> None:
 
 
 def _check_colocated(args: argparse.Namespace) -> None:
-    """Refuse `--engine vllm` without `--url` early: vLLM missing, or the demo model (unservable on CPU)."""
-    from routereplay.engines.vllm_checkpoint import check_servable
+    """Refuse `--engine vllm` without `--url` early: vLLM missing, or a demo arch without a servable variant."""
     from routereplay.engines.vllm_colocated import import_vllm
-    from routereplay.errors import UnservableModelError
 
     for name, value in VLLM_CLI_LOGGING.items():  # before vLLM configures its logging on import
         os.environ.setdefault(name, value)
     import_vllm()  # MissingDependencyError naming the extra
     if args.model:
         return  # checked when the engine starts (VLLMEngine), after loading
-    from routereplay.rl.model import demo_config
-    from routereplay.rl.tasks import build_tokenizer
+    from routereplay.rl.model import vllm_overrides
 
-    tokenizer = build_tokenizer()
-    try:
-        check_servable(demo_config(args.arch, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id))
-    except UnservableModelError as exc:
-        raise UnservableModelError(
-            f"--engine vllm without --url runs vLLM in this process, and the demo model (--arch {args.arch}) cannot "
-            f"run on vLLM's CPU backend: {exc}. Pass --model with a checkpoint it serves, or --url a vLLM server"
-        ) from None
+    vllm_overrides(args.arch)  # the demo model's vLLM-servable variant; UnservableModelError if the arch has none
 
 
 def _engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
