@@ -94,3 +94,21 @@ def test_top_p_keeps_only_the_nucleus() -> None:
     assert set(tokens.tolist()) == {0, 1}  # p = 0.71, 0.26, 0.01, ...: the nucleus of 0.9 is the top two
     renormalised = torch.log_softmax(torch.tensor([4.0, 3.0]), dim=0)
     assert torch.allclose(logprobs, renormalised[tokens], atol=1e-6)
+
+
+@pytest.mark.parametrize("prompts", [[], [[]], [[1, 2], []]])
+def test_every_engine_refuses_empty_prompts_before_any_work(prompts: list[list[int]]) -> None:
+    """Error that is not a RouteReplayError: the built-in engine and the remote clients share one
+    prompt check (`check_prompts`), so an empty batch or an empty prompt is the same ConfigError before
+    any model call or request (the client here points at a port nothing listens on)."""
+    from routereplay.engines.remote import SGLangClient, VLLMClient
+
+    url = "http://127.0.0.1:1"
+    engines = [
+        HFEngine(tiny_qwen3()),
+        VLLMClient(url, model="tiny", num_experts=4),
+        SGLangClient(url, num_layers=2, top_k=2, num_experts=4),
+    ]
+    for engine in engines:
+        with pytest.raises(ConfigError, match="at least one prompt"):
+            engine.generate(prompts, SamplingParams())

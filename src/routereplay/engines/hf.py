@@ -51,6 +51,12 @@ class SamplingParams:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
 
 
+def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    """What every engine's `generate` refuses up front: no prompt at all, or an empty prompt."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
+
+
 @dataclass(slots=True)
 class Rollout:
     """One sampled sequence: prompt, response (up to and including EOS), engine log-probs, routes."""
@@ -94,8 +100,7 @@ class HFEngine:
         params: SamplingParams,
         progress: Callable[[int, int], None] | None = None,
     ) -> list[Rollout]:
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
+        check_prompts(prompts)
         ids_BP, mask_BP = left_pad(prompts, params.pad_token_id)
         generator = torch.Generator().manual_seed(params.seed)
         if self.replayer is None:
@@ -223,4 +228,4 @@ def sample_tokens(
     return token_B, logprobs_BV.gather(1, token_B[:, None])[:, 0]
 
 
-__all__ = ["HFEngine", "Rollout", "SamplingParams", "left_pad", "position_ids_for", "sample_tokens"]
+__all__ = ["HFEngine", "Rollout", "SamplingParams", "check_prompts", "left_pad", "position_ids_for", "sample_tokens"]

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from routereplay.engines.hf import Rollout, SamplingParams
+from routereplay.engines.hf import Rollout, SamplingParams, check_prompts
 from routereplay.engines.http import (
     DEFAULT_BACKOFF,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -91,8 +91,7 @@ class _RemoteEngine(ABC):
         progress: Callable[[int, int], None] | None = None,
     ) -> list[Rollout]:
         """Sample one response per prompt; `progress(done, total)` is called as requests finish."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
+        check_prompts(prompts)
         results: dict[int, Rollout] = {}
         workers = min(self.concurrency, len(prompts))
         with self._http(workers) as http:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from routereplay.engines.hf import Rollout, SamplingParams
+from routereplay.engines.hf import Rollout, SamplingParams, check_prompts
 from routereplay.engines.vllm import decode_vllm
 from routereplay.engines.vllm_checkpoint import CheckpointLayout, check_servable, write_checkpoint
 from routereplay.engines.vllm_workarounds import (
@@ -221,8 +221,7 @@ class VLLMEngine:
         progress: Callable[[int, int], None] | None = None,
     ) -> list[Rollout]:
         """Sample one response per prompt (seed `params.seed + index`), with log-probs and routes."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
+        check_prompts(prompts)
         token_prompts = [[int(t) for t in p] for p in prompts]
         longest = max(len(p) for p in token_prompts) + params.max_new_tokens
         if longest > (self.config.max_model_len or 0):
