@@ -44,7 +44,7 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
     from routereplay.engines.hf import SamplingParams
     from routereplay.engines.vllm_checkpoint import write_checkpoint
     from routereplay.engines.vllm_colocated import VLLMEngine, import_vllm
-    from routereplay.engines.vllm_workarounds import file_stdout, in_process, kept_random_state
+    from routereplay.engines.vllm_workarounds import file_stdout, in_process, kept_random_state, kept_thread_settings
     from routereplay.rl.model import demo_config, vllm_overrides
     from routereplay.rl.tasks import build_tokenizer
 
@@ -64,7 +64,7 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
         write_checkpoint(model, tokenizer, folder, dtype=engine.config.dtype)
         report("starting vLLM (routes off)")
         kwargs = {**engine.config.llm_kwargs(), "enable_return_routed_experts": False}
-        with kept_random_state(), file_stdout(), in_process():
+        with kept_random_state(), kept_thread_settings(), file_stdout(), in_process():
             plain = vllm.LLM(model=folder, **kwargs)
         try:
             inputs = [{"prompt_token_ids": p} for p in prompts]
