@@ -10,6 +10,18 @@ reasons, not because noise was injected. It returns what vLLM returns:
 - a `RouteTrace` per sequence of prompt + response - 1 rows, since the last sampled token is never
   fed back.
 
+Fully-async RL needs two more things of `generate`, and both are keyword arguments:
+- `stop(sampled) -> bool` is asked at every token boundary (before the prefill with 0, then after each
+  sampled token). When it says yes, the call ends there, every unfinished sequence comes back with
+  `aborted=True`, and nothing already sampled is lost: the tokens, their log-probs and the routes of
+  every fed position. A call stopped before its prefill returns empty responses and no traces.
+- `prefix_routes` (one `RouteTrace` or None per prompt) is engine-side prefix replay. The prefill of a
+  resumed request (prompt + everything generated so far) replays the routes those positions were
+  computed with when they were first fed, so the KV cache and the continuation use one consistent
+  routing. -1 rows, and the position the first call never fed, route live. The traces' token ids are
+  checked against the prompts (`TokenMismatchError`). The returned trace holds the routes used,
+  forced or live.
+
 Prompts are left-padded and position ids count attended tokens only. Build the trainer batch the
 same way (`position_ids_for`) so that trainer and engine compute the same function. Legend:
 B = sequences, P = padded prompt length, V = vocabulary, S = positions fed.
@@ -19,15 +31,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
 from routereplay.enums import Source
 from routereplay.errors import ConfigError
 from routereplay.layout.padding import unpad
-from routereplay.runtime import attach
+from routereplay.runtime import Recording, attach
 from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
 
@@ -64,8 +78,9 @@ class Rollout:
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]  # engine log-prob of each response token
-    trace: RouteTrace | None  # prompt + response - 1 rows; None when capture is off
-    finished: bool = field(default=False)  # ended with EOS (else cut at max_new_tokens)
+    trace: RouteTrace | None  # prompt + response - 1 rows; None when capture is off or stopped before the prefill
+    finished: bool = field(default=False)  # ended with EOS (else cut at max_new_tokens, or aborted)
+    aborted: bool = field(default=False)  # stopped early by `stop` (not finished, fewer than max_new_tokens)
 
     @property
     def token_ids(self) -> list[int]:
@@ -99,18 +114,26 @@ class HFEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         progress: Callable[[int, int], None] | None = None,
+        *,
+        stop: Callable[[int], bool] | None = None,
+        prefix_routes: Sequence[RouteTrace | None] | None = None,
     ) -> list[Rollout]:
+        """Sample one response per prompt; `stop` and `prefix_routes` are described in the module docstring."""
         check_prompts(prompts)
+        if prefix_routes is not None and self.replayer is None:
+            raise ConfigError("prefix_routes needs route capture: build the HFEngine with capture=True")
+        if prefix_routes is not None and len(prefix_routes) != len(prompts):
+            raise ConfigError(f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one each")
         ids_BP, mask_BP = left_pad(prompts, params.pad_token_id)
+        if stop is not None and stop(0):  # aborted before any forward: nothing computed, nothing to lose
+            return [Rollout(list(p), [], [], None, aborted=True) for p in prompts]
         generator = torch.Generator().manual_seed(params.seed)
-        if self.replayer is None:
-            tokens_BR, logprobs_BR = self._sample(ids_BP, mask_BP, params, generator, progress)
-            routes = None
-        else:
-            with self.replayer.record() as rec:
-                tokens_BR, logprobs_BR = self._sample(ids_BP, mask_BP, params, generator, progress)
-            routes = rec.routes  # (B, P + R - 1, L, K): prefill plus every fed sampled token
-        return self._rollouts(prompts, mask_BP, tokens_BR, logprobs_BR, routes, params)
+        tokens_BR, logprobs_BR, routes = self._sample(ids_BP, mask_BP, params, generator, progress, stop, prefix_routes)
+        rollouts = self._rollouts(prompts, mask_BP, tokens_BR, logprobs_BR, routes, params)
+        if tokens_BR.shape[1] < params.max_new_tokens:
+            for rollout in rollouts:
+                rollout.aborted = not rollout.finished
+        return rollouts
 
     def _sample(
         self,
@@ -119,28 +142,58 @@ class HFEngine:
         params: SamplingParams,
         generator: torch.Generator,
         progress: Callable[[int, int], None] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stop: Callable[[int], bool] | None,
+        prefix_routes: Sequence[RouteTrace | None] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Tokens (B, R), their log-probs (B, R) and the routes used (B, P + R - 1, L, K), or None without capture."""
         mask = mask_BP
-        output = self.model(input_ids=ids_BP, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True)
-        tokens, logprobs = [], []
-        for step in range(params.max_new_tokens):
-            token_B, logprob_B = sample_tokens(output.logits[:, -1].float(), params, generator)
-            tokens.append(token_B)
-            logprobs.append(logprob_B)
-            if progress is not None:
-                progress(step + 1, params.max_new_tokens)
-            if step + 1 == params.max_new_tokens:
-                break  # the last sampled token is never fed back (engines return num_tokens - 1 rows)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = position_ids_for(mask)[:, -1:]
+        with self._prefill_routing(ids_BP, mask_BP, prefix_routes) as prefill:
             output = self.model(
-                input_ids=token_B[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=output.past_key_values,
-                use_cache=True,
+                input_ids=ids_BP, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True
             )
-        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+        tokens, logprobs = [], []
+        with self.replayer.record() if self.replayer is not None else nullcontext() as decode:
+            for step in range(params.max_new_tokens):
+                token_B, logprob_B = sample_tokens(output.logits[:, -1].float(), params, generator)
+                tokens.append(token_B)
+                logprobs.append(logprob_B)
+                if progress is not None:
+                    progress(step + 1, params.max_new_tokens)
+                if step + 1 == params.max_new_tokens or (stop is not None and stop(step + 1)):
+                    break  # the last sampled token is never fed back (engines return num_tokens - 1 rows)
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                positions = position_ids_for(mask)[:, -1:]
+                output = self.model(
+                    input_ids=token_B[:, None],
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=output.past_key_values,
+                    use_cache=True,
+                )
+        routes = None
+        if prefill is not None and decode is not None:
+            fed = [prefill.routes] + ([decode.routes] if decode.steps else [])
+            routes = torch.cat(fed, dim=1)  # (B, P + R - 1, L, K): prefill plus every fed sampled token
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), routes
+
+    def _prefill_routing(
+        self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, prefix_routes: Sequence[RouteTrace | None] | None
+    ) -> AbstractContextManager[Recording | None]:
+        """Record the prefill's routing, or replay `prefix_routes` over it (engine-side prefix replay)."""
+        if self.replayer is None:
+            return nullcontext()
+        if prefix_routes is None:
+            return self.replayer.record()
+        lengths = mask_BP.sum(dim=1).tolist()
+        traces = [self._unrouted(n) if t is None else t for t, n in zip(prefix_routes, lengths, strict=True)]
+        return self.replayer.replay(traces, mask_BP, input_ids=ids_BP)
+
+    def _unrouted(self, tokens: int) -> RouteTrace:
+        """An all -1 trace of a prompt without prefix routes: its whole prefill routes live."""
+        assert self.replayer is not None
+        rows = max(tokens - 1, 0)
+        experts = np.full((rows, len(self.replayer.layers), self.replayer.top_k), -1, np.int16)
+        return RouteTrace(experts, self.replayer.num_experts, self.replayer.layers)
 
     def _rollouts(
         self,
