@@ -90,6 +90,8 @@ class Rollout:
 class HFEngine:
     """Samples from its own copy of `model`, cast to `dtype`, capturing routes like vLLM does."""
 
+    supports_prefix_replay = True  # `generate(prefix_routes=...)` forces a resumed prefix's routes
+
     def __init__(
         self,
         model: nn.Module,
@@ -123,7 +125,9 @@ class HFEngine:
         if prefix_routes is not None and self.replayer is None:
             raise ConfigError("prefix_routes needs route capture: build the HFEngine with capture=True")
         if prefix_routes is not None and len(prefix_routes) != len(prompts):
-            raise ConfigError(f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one each")
+            raise ConfigError(
+                f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one (or None) each"
+            )
         ids_BP, mask_BP = left_pad(prompts, params.pad_token_id)
         if stop is not None and stop(0):  # aborted before any forward: nothing computed, nothing to lose
             return [Rollout(list(p), [], [], None, aborted=True) for p in prompts]

@@ -153,7 +153,8 @@ class GRPOTrainer:
         return self.history
 
     def step(self, step: int) -> dict[str, Any]:
-        config, task, seconds = self.config, self.task, {}
+        """Sample a batch from the engine (synced to the trainer's weights first), then `learn` from it."""
+        config, task = self.config, self.task
         begin = time.perf_counter()
         sync = getattr(self.engine, "sync_weights", None)
         if callable(sync):  # colocated engines (built-in, vLLM) sample from the trainer's current weights
@@ -168,13 +169,35 @@ class GRPOTrainer:
             pad_token_id=task.pad_token_id,
         )
         rollouts = self.engine.generate(prompts, params)
-        rewards_B = torch.tensor(
-            [task.reward(problems[i // config.group_size], r.response_ids) for i, r in enumerate(rollouts)]
-        )
+        rewards = [task.reward(problems[i // config.group_size], r.response_ids) for i, r in enumerate(rollouts)]
+        return self.learn(step, rollouts, rewards, seconds={"rollout": time.perf_counter() - begin})
+
+    def learn(
+        self,
+        step: int,
+        rollouts: Sequence[Rollout],
+        rewards: Sequence[float],
+        *,
+        seconds: dict[str, float] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """One GRPO update from sampled rollouts, `group_size` consecutive ones per prompt.
+
+        Advantages are normalised within each group; the old-log-prob pass and the update mini-steps
+        run under this trainer's mode. `extra` is merged into the step's record (the async loop's
+        staleness and resume counts); the record is logged and returned."""
+        config, seconds = self.config, dict(seconds or {})
+        if len(rollouts) != len(rewards) or not rollouts or len(rollouts) % config.group_size:
+            raise ConfigError(
+                f"learn needs one reward per rollout and whole groups of {config.group_size}; got {len(rollouts)} "
+                f"rollouts and {len(rewards)} rewards"
+            )
+        if len(rollouts) % config.mini_steps:
+            raise ConfigError(f"mini_steps={config.mini_steps} must divide the batch of {len(rollouts)} rollouts")
+        rewards_B = torch.tensor([float(r) for r in rewards])
         grouped = rewards_B.reshape(-1, config.group_size)
         advantages_B = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).reshape(-1)
-        batch = batch_of(rollouts, task.pad_token_id)
-        seconds["rollout"] = time.perf_counter() - begin
+        batch = batch_of(rollouts, self.task.pad_token_id)
 
         begin = time.perf_counter()
         self.replayer.stats.reset()
@@ -211,6 +234,7 @@ class GRPOTrainer:
             "grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),
             "fallback_rows": self.replayer.stats.fallback_rows,
             "seconds": seconds,
+            **(extra or {}),
         }
         self.history.append(record)
         if self.log_path is not None:
@@ -219,7 +243,7 @@ class GRPOTrainer:
                 stream.write(json.dumps(record) + "\n")
         if self.writer is not None:
             for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
                     self.writer.add_scalar(f"{self.mode}/{key}", value, step)
             self.writer.flush()
         return record
