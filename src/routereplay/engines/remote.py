@@ -9,25 +9,22 @@ request (run `concurrency` at a time) with its own seed `params.seed + index`, s
 - SGLang: POST /generate with `input_ids`, `return_logprob: true`, `return_routed_experts: true`;
   reads `output_ids`, `meta_info.output_token_logprobs` ([logprob, token_id, text] triples) and
   `meta_info.routed_experts`.
-Both servers must run with --enable-return-routed-experts. Requests go through `BoundedHTTP`
-(engines/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect to last byte;
-default 2 x timeout),
-`max_response_bytes` and `retries` / `backoff` are keyword arguments of both clients. Token ids
-must be ints in [0, 2**31), log-probs real numbers (not NaN, not +inf), one per token
-(`ResponseFieldError`); a response whose `"model"` is not the client's `model` is refused
-(`ModelMismatchError`). httpx is needed only when a request is made (`pip install 'routereplay[serve]'`).
+Both servers must run with --enable-return-routed-experts. The request loop, the model check and the
+response field checks both clients share are `RemoteEngine` (engines/remote_engine.py). Requests go
+through `BoundedHTTP` (engines/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect
+to last byte; default 2 x timeout), `max_response_bytes` and `retries` / `backoff` are keyword
+arguments of both clients. Token ids must be ints in [0, 2**31), log-probs real numbers (not NaN, not
++inf), one per token (`ResponseFieldError`); a response whose `"model"` is not the client's `model` is
+refused (`ModelMismatchError`). httpx is needed only when a request is made
+(`pip install 'routereplay[serve]'`).
 """
 
 from __future__ import annotations
 
-import math
-import reprlib
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Sequence
 from typing import Any
 
-from routereplay.engines.hf import Rollout, SamplingParams, check_prompts
+from routereplay.engines.hf import Rollout, SamplingParams
 from routereplay.engines.http import (
     DEFAULT_BACKOFF,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -37,16 +34,15 @@ from routereplay.engines.http import (
     BoundedHTTP,
     HTTPPolicy,
 )
+from routereplay.engines.remote_engine import RemoteEngine, checked_logprobs, checked_token_ids, excerpt
 from routereplay.engines.sglang import decode_sglang
 from routereplay.engines.vllm import decode_vllm
 from routereplay.errors import (
-    ConfigError,
     DeadlineExceededError,
     EngineDeadError,
     EngineModelError,
     EngineRequestError,
     EngineTimeoutError,
-    MissingRoutesError,
     ModelMismatchError,
     PayloadError,
     ResponseFieldError,
@@ -55,103 +51,9 @@ from routereplay.errors import (
 from routereplay.trace import RouteTrace
 
 ENGINE_DEAD_MARKER = "EngineCore encountered an issue"  # vLLM V1's HTTP 500 body once its engine process died
-MAX_TOKEN_ID = 2**31  # token ids are ints in [0, MAX_TOKEN_ID): what a trainer's int32/int64 ids hold
 
 
-def _short(value: Any) -> str:
-    """A bounded excerpt of any parsed JSON value (depth, items and characters capped)."""
-    excerpt = reprlib.Repr()
-    excerpt.maxlevel, excerpt.maxlist, excerpt.maxdict = 2, 4, 4
-    excerpt.maxstring = excerpt.maxlong = excerpt.maxother = 40
-    return excerpt.repr(value)
-
-
-class _RemoteEngine(ABC):
-    """Shared plumbing: the bounded HTTP policy, concurrency, response checks, EOS cut."""
-
-    name = "remote"
-    generate_path = "/"
-
-    def __init__(
-        self, url: str, model: str | None, policy: HTTPPolicy, concurrency: int, policy_version: int | None
-    ) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ConfigError(f"url={url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ConfigError(f"concurrency={concurrency!r} must be an int >= 1")
-        self.url = url.rstrip("/")
-        self.model = model
-        self.policy, self.concurrency = policy, concurrency
-        self.policy_version = policy_version  # set it after each weight sync, like HFEngine.sync_weights
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> list[Rollout]:
-        """Sample one response per prompt; `progress(done, total)` is called as requests finish."""
-        check_prompts(prompts)
-        results: dict[int, Rollout] = {}
-        workers = min(self.concurrency, len(prompts))
-        with self._http(workers) as http:
-            pool = ThreadPoolExecutor(max_workers=workers)
-            try:
-                futures = {
-                    pool.submit(self._rollout, http, i, [int(t) for t in p], params): i for i, p in enumerate(prompts)
-                }
-                for future in as_completed(futures):
-                    results[futures[future]] = future.result()
-                    if progress is not None:
-                        progress(len(results), len(prompts))
-            finally:
-                pool.shutdown(wait=True, cancel_futures=True)
-        return [results[i] for i in range(len(prompts))]
-
-    def _http(self, connections: int = 1) -> BoundedHTTP:
-        return BoundedHTTP(self.policy, server=self.name, max_connections=connections, tls=self.url.startswith("https"))
-
-    def _rollout(self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams) -> Rollout:
-        data = http.call("POST", self.url + self.generate_path, self._body(prompt, params, params.seed + index))
-        where = f"{self.name} {self.url}, sequence {index}"
-        if not isinstance(data, dict):
-            raise PayloadError(f"{where}: expected a JSON object, got {type(data).__name__}")
-        self._check_model(data, where)
-        try:
-            response_ids, logprobs = self._tokens(data, where)
-            trace = self._decode(data, num_tokens=len(prompt) + len(response_ids), sequence=index)
-        except MissingRoutesError as exc:
-            raise MissingRoutesError(f"{self.name} server {self.url}: {exc}") from None
-        return _cut_at_eos(prompt, response_ids, logprobs, trace, params.eos_token_id)
-
-    def _check_model(self, data: dict[str, Any], where: str) -> None:
-        """Refuse a response whose `"model"` names another model than the client asked for."""
-        served = data.get("model")
-        if served is None or self.model is None:
-            return
-        if not isinstance(served, str):
-            raise ResponseFieldError(f'{where}: "model" must be a string, got {_short(served)}')
-        if served != self.model:
-            raise ModelMismatchError(
-                f"{where}: the response comes from model {served!r}, not model={self.model!r} that the client "
-                f"asked for; point the client at a server of {self.model!r}, or pass model={served!r} if that is "
-                "the same model under another name (vLLM answers with its first --served-model-name)"
-            )
-
-    @abstractmethod
-    def _body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
-        """The request body for one prompt (server-specific)."""
-
-    @abstractmethod
-    def _tokens(self, data: dict[str, Any], where: str) -> tuple[list[int], list[float]]:
-        """Response token ids and their log-probs (server-specific)."""
-
-    @abstractmethod
-    def _decode(self, data: dict[str, Any], *, num_tokens: int, sequence: int) -> RouteTrace:
-        """The response's routes as a validated trace (server-specific decoder)."""
-
-
-class VLLMClient(_RemoteEngine):
+class VLLMClient(RemoteEngine):
     """Rollouts from a vLLM (>= 0.22) OpenAI-compatible server started with --enable-return-routed-experts.
 
     `num_experts`, `moe_layers` (which of the payload's all-hidden-layer axis to keep), `layers` and
@@ -193,7 +95,7 @@ class VLLMClient(_RemoteEngine):
             data = http.call("GET", self.url + "/v1/models")
         models = data.get("data") if isinstance(data, dict) else None
         if not isinstance(models, list):
-            raise ResponseFieldError(f'vLLM server {self.url}: /v1/models has no "data" list ({_short(data)})')
+            raise ResponseFieldError(f'vLLM server {self.url}: /v1/models has no "data" list ({excerpt(data)})')
         served = [str(m.get("id"))[:EXCERPT_CHARS] for m in models if isinstance(m, dict)]
         if self.model not in served:
             raise EngineModelError(
@@ -242,7 +144,7 @@ class VLLMClient(_RemoteEngine):
     def _tokens(self, data: dict[str, Any], where: str) -> tuple[list[int], list[float]]:
         choices = data.get("choices")
         if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-            raise PayloadError(f"{where}: expected exactly one choice, got {_short(choices)}")
+            raise PayloadError(f"{where}: expected exactly one choice, got {excerpt(choices)}")
         token_ids = choices[0].get("token_ids")
         if token_ids is None:
             raise PayloadError(
@@ -252,10 +154,10 @@ class VLLMClient(_RemoteEngine):
         if not isinstance(logprobs, dict):
             raise ResponseFieldError(
                 f"{where}: choices[0].logprobs must be an object with token_logprobs (the request asks for "
-                f"logprobs=1), got {_short(logprobs)}"
+                f"logprobs=1), got {excerpt(logprobs)}"
             )
-        ids = _token_ids(token_ids, where, "choices[0].token_ids")
-        values = _logprobs(logprobs.get("token_logprobs"), where, "choices[0].logprobs.token_logprobs", len(ids))
+        ids = checked_token_ids(token_ids, where, "choices[0].token_ids")
+        values = checked_logprobs(logprobs.get("token_logprobs"), where, "choices[0].logprobs.token_logprobs", len(ids))
         return ids, values
 
     def _decode(self, data: dict[str, Any], *, num_tokens: int, sequence: int) -> RouteTrace:
@@ -271,7 +173,7 @@ class VLLMClient(_RemoteEngine):
         )
 
 
-class SGLangClient(_RemoteEngine):
+class SGLangClient(RemoteEngine):
     """Rollouts from an SGLang server (native /generate) started with --enable-return-routed-experts.
 
     `num_layers` is the payload's layer count (every hidden layer); `moe_layers` keeps the MoE ones.
@@ -347,12 +249,12 @@ class SGLangClient(_RemoteEngine):
         meta = data.get("meta_info")
         triples = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
         if not isinstance(triples, list) or not all(isinstance(t, list) and len(t) >= 2 for t in triples):
-            raise PayloadError(f"{where}: {field} must be [logprob, token_id, text] triples, got {_short(triples)}")
-        ids = _token_ids([t[1] for t in triples], where, f"the token ids of {field}")
+            raise PayloadError(f"{where}: {field} must be [logprob, token_id, text] triples, got {excerpt(triples)}")
+        ids = checked_token_ids([t[1] for t in triples], where, f"the token ids of {field}")
         output_ids = data.get("output_ids")
-        if output_ids is not None and _token_ids(output_ids, where, "output_ids") != ids:
+        if output_ids is not None and checked_token_ids(output_ids, where, "output_ids") != ids:
             raise PayloadError(f"{where}: output_ids and the token ids of {field} disagree")
-        return ids, _logprobs([t[0] for t in triples], where, f"the log-probs of {field}", len(ids))
+        return ids, checked_logprobs([t[0] for t in triples], where, f"the log-probs of {field}", len(ids))
 
     def _decode(self, data: dict[str, Any], *, num_tokens: int, sequence: int) -> RouteTrace:
         return decode_sglang(
@@ -365,48 +267,6 @@ class SGLangClient(_RemoteEngine):
             sequence=sequence,
             policy_version=self.policy_version,
         )
-
-
-def _token_ids(values: Any, where: str, field: str) -> list[int]:
-    """`values` as token ids: a list of ints (not bools, not floats) in [0, MAX_TOKEN_ID)."""
-    if not isinstance(values, list):
-        raise ResponseFieldError(f"{where}: {field} must be a list of token ids, got {_short(values)}")
-    for position, value in enumerate(values):
-        if type(value) is not int or not 0 <= value < MAX_TOKEN_ID:
-            raise ResponseFieldError(
-                f"{where}: {field}[{position}] = {_short(value)} is not a token id (an int in [0, 2**31)); "
-                "the server sent a malformed response (a proxy rewriting it, or another API's answer?)"
-            )
-    return values
-
-
-def _logprobs(values: Any, where: str, field: str, num_tokens: int) -> list[float]:
-    """`values` as one log-prob per response token: real numbers, not NaN, not +inf."""
-    if not isinstance(values, list) or len(values) != num_tokens:
-        count = len(values) if isinstance(values, list) else _short(values)
-        raise ResponseFieldError(
-            f"{where}: {field} must give one log-prob per response token ({num_tokens} tokens, {count} log-probs)"
-        )
-    for position, value in enumerate(values):
-        if value is None:
-            raise ResponseFieldError(f"{where}: {field} holds null log-probs for response tokens")
-        if type(value) not in (int, float) or math.isnan(value) or value == math.inf:
-            raise ResponseFieldError(
-                f"{where}: {field}[{position}] = {_short(value)} is not a log-prob (a real number, not NaN or +inf)"
-            )
-    return [float(v) for v in values]
-
-
-def _cut_at_eos(
-    prompt: list[int], response_ids: list[int], logprobs: list[float], trace: RouteTrace, eos_token_id: int | None
-) -> Rollout:
-    """Cut after the first EOS (inclusive) with its log-probs and trace rows (prompt + response - 1)."""
-    finished = eos_token_id is not None and eos_token_id in response_ids
-    length = response_ids.index(eos_token_id) + 1 if eos_token_id is not None and finished else len(response_ids)
-    rows = len(prompt) + length - 1
-    if trace.num_tokens != rows:
-        trace = trace.slice(trace.start, trace.start + rows)
-    return Rollout(prompt, response_ids[:length], logprobs[:length], trace, finished)
 
 
 __all__ = [
