@@ -269,6 +269,11 @@ class UnservableModelError(ConfigError):
     """vLLM cannot serve this model as configured (a shape its CPU kernels refuse, a family it lacks)."""
 
 
+class UnsupportedByEngineError(ConfigError):
+    """The engine cannot do what was asked (vLLM 0.30 cannot force routes on a prefill); the message names an
+    engine or setting that can."""
+
+
 class EngineStartError(RouteReplayError):
     """A local inference server did not start (it exited, or was not ready in time); the message has its log."""
 

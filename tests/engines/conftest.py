@@ -52,3 +52,12 @@ def vllm_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]
 def vllm_dense_first(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """vLLM serving the tiny dense-first Qwen3-MoE (layer 0 dense, layers 1-2 routed)."""
     yield from _serve("qwen3_moe_dense_first", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def colocated_qwen3() -> Iterator[Any]:
+    """The colocated vLLM engine (`VLLMEngine`, in this process) on the tiny Qwen3-MoE, shared by every module
+    that drives it; a `tests.engines.colocated_engine.Colocated`."""
+    from tests.engines.colocated_engine import start
+
+    yield from start("qwen3_moe")

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
-import pickle
-import random
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +25,7 @@ from routereplay.enums import Source
 from routereplay.errors import ConfigError, UnservableModelError, WeightSyncError
 from routereplay.metrics import routing_agreement
 from routereplay.trace import RouteTrace
+from tests.engines.colocated_engine import MAX_MODEL_LEN, Colocated, bf16_rounded, prompts, start
 from tests.runtime.models import experts_inputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
@@ -36,60 +33,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-li
 NATURAL_DISAGREEMENT = 0.10  # bf16 vLLM vs fp32 HF routing on the same weights: about 1% of rows measured
 LOGPROB_TOLERANCE = 0.05  # nats, bf16 kernels vs fp32 on bf16 weights under R3: max 0.0097 measured after a sync
 PERTURBATION = 0.05  # std of the noise added to every trainer weight (init std 0.02): log-probs move ~1-2 nats
-MAX_MODEL_LEN = 256
-
-
-@dataclass(slots=True)
-class Colocated:
-    """A running engine, the trainer model it was built from, and the RNG states around its start."""
-
-    engine: Any  # routereplay.engines.vllm_colocated.VLLMEngine
-    model: nn.Module
-    rng_kept: bool
-    env_before: str | None  # VLLM_ENABLE_V1_MULTIPROCESSING before the engine started
-
-
-def bf16_rounded(model: nn.Module) -> nn.Module:
-    """Round every float tensor to bf16 in place (kept fp32): the values the engine holds."""
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if tensor.is_floating_point():
-                tensor.copy_(tensor.to(torch.bfloat16).to(tensor.dtype))
-    return model
-
-
-def rng_states() -> bytes:
-    """Python's, NumPy's and torch's global generator states, comparable."""
-    return pickle.dumps((random.getstate(), np.random.get_state(), torch.random.get_rng_state().tolist()))
-
-
-def start(family: str) -> Iterator[Colocated]:
-    from routereplay.engines.vllm_colocated import EngineConfig, VLLMEngine
-    from routereplay.vllm_tiny import tiny_vllm_model, word_tokenizer
-
-    model = bf16_rounded(tiny_vllm_model(family))
-    before = rng_states()
-    env_before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    engine = VLLMEngine(model, word_tokenizer(), config=EngineConfig(max_model_len=MAX_MODEL_LEN), policy_version=0)
-    try:
-        yield Colocated(engine, model, rng_states() == before, env_before)
-    finally:
-        engine.close()
 
 
 @pytest.fixture(scope="module")
-def qwen3() -> Iterator[Colocated]:
-    yield from start("qwen3_moe")
+def qwen3(colocated_qwen3: Colocated) -> Colocated:
+    """The session's colocated Qwen3-MoE engine (shared with test_vllm_abort)."""
+    return colocated_qwen3
 
 
 @pytest.fixture(scope="module")
 def dense_first() -> Iterator[Colocated]:
     yield from start("qwen3_moe_dense_first")
-
-
-def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(4, 1000, size=n).tolist() for n in lengths]
 
 
 def hf_logprobs(model: nn.Module, rollout: Rollout, *, replay: bool) -> torch.Tensor:

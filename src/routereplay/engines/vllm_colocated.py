@@ -7,6 +7,15 @@ loop can swap one for the other:
   validated `RouteTrace` per sequence (source vllm, the engine's policy version, token ids on the
   trace so replay checks alignment). vLLM's payload has every hidden layer; the trace keeps only the
   model's MoE layers (`CheckpointLayout.decode_kwargs`), so dense layers are never replayed as expert 0.
+  For fully-async RL, `generate(..., stop=...)` means what it means for the built-in engine: `stop(n)`
+  is asked at every token boundary (0 before anything runs), and when it says yes the unfinished
+  requests are aborted through vLLM's own abort and come back `aborted=True` with every token, vLLM
+  log-prob and route received before it (prompt + response - 1 rows); requests that finished first
+  come back as usual; stopped at 0, every rollout is empty with no trace. vLLM 0.30 itself drops an
+  aborted request's routes in this engine; how they are kept, and what n counts when requests do not
+  advance together, is in `engines/vllm_requests`. `prefix_routes` (engine-side prefix replay) is
+  refused with `UnsupportedByEngineError`: vLLM 0.30 cannot force routes on a prefill
+  (`supports_prefix_replay` is False; the built-in engine's is True).
 - `sync_weights(model, policy_version)`: the colocated-RL weight update, no restart. The trainer's
   state dict, under its HF checkpoint names (`revert_weight_conversion`: what `save_pretrained`
   writes) and cast to the engine dtype, must have exactly the checkpoint's tensors and shapes
@@ -47,6 +56,7 @@ from torch import nn
 from routereplay.engines.hf import Rollout, SamplingParams, check_prompts
 from routereplay.engines.vllm import decode_vllm
 from routereplay.engines.vllm_checkpoint import CheckpointLayout, check_servable, write_checkpoint
+from routereplay.engines.vllm_requests import StoppableRun
 from routereplay.engines.vllm_workarounds import (
     file_stdout,
     forget_cpu_moe_kernels,
@@ -55,7 +65,14 @@ from routereplay.engines.vllm_workarounds import (
     kept_thread_settings,
     quiet_reload_warnings,
 )
-from routereplay.errors import ConfigError, MissingDependencyError, UnservableModelError, WeightSyncError
+from routereplay.errors import (
+    ConfigError,
+    MissingDependencyError,
+    UnservableModelError,
+    UnsupportedByEngineError,
+    WeightSyncError,
+)
+from routereplay.trace import RouteTrace
 
 INSTALL_HINT = "pip install 'routereplay[vllm]'"
 DEFAULT_KV_CACHE_BYTES = 256 << 20
@@ -183,6 +200,8 @@ def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.
 class VLLMEngine:
     """An in-process vLLM serving the trainer's model, with routes; see the module docstring."""
 
+    supports_prefix_replay: bool = False  # vLLM 0.30 cannot force a prefill's routes (`prefix_routes` is refused)
+
     def __init__(
         self,
         model: nn.Module,
@@ -219,9 +238,15 @@ class VLLMEngine:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         progress: Callable[[int, int], None] | None = None,
+        *,
+        stop: Callable[[int], bool] | None = None,
+        prefix_routes: Sequence[RouteTrace | None] | None = None,
     ) -> list[Rollout]:
-        """Sample one response per prompt (seed `params.seed + index`), with log-probs and routes."""
+        """Sample one response per prompt (seed `params.seed + index`), with log-probs and routes.
+
+        `stop` and `prefix_routes` are described in the module docstring."""
         check_prompts(prompts)
+        self._refuse_prefix_routes(prompts, prefix_routes)
         token_prompts = [[int(t) for t in p] for p in prompts]
         longest = max(len(p) for p in token_prompts) + params.max_new_tokens
         if longest > (self.config.max_model_len or 0):
@@ -230,15 +255,41 @@ class VLLMEngine:
                 f"exceeds the engine's max_model_len={self.config.max_model_len}; start VLLMEngine with "
                 "EngineConfig(max_model_len=...) of at least that"
             )
+        if stop is not None and stop(0):  # stopped before anything ran: nothing computed, nothing to lose
+            return [Rollout(p, [], [], None, aborted=True) for p in token_prompts]
         sampling = [self._sampling(params, params.seed + i) for i in range(len(token_prompts))]
         inputs = [{"prompt_token_ids": p} for p in token_prompts]
-        outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
+        if stop is None:
+            outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
+            received = [(out, False) for out in outputs]
+        else:
+            received = [(r.output, r.aborted) for r in StoppableRun(self.llm).run(inputs, sampling, stop)]
         rollouts = [
-            self._rollout(i, p, out, params) for i, (p, out) in enumerate(zip(token_prompts, outputs, strict=True))
+            self._rollout(i, p, out, params, aborted)
+            for i, (p, (out, aborted)) in enumerate(zip(token_prompts, received, strict=True))
         ]
         if progress is not None:
             progress(len(rollouts), len(rollouts))
         return rollouts
+
+    def _refuse_prefix_routes(
+        self, prompts: Sequence[Sequence[int]], prefix_routes: Sequence[RouteTrace | None] | None
+    ) -> None:
+        """`UnsupportedByEngineError` for any prefix route to force: vLLM 0.30 cannot route a prefill as told."""
+        if prefix_routes is None:
+            return
+        if len(prefix_routes) != len(prompts):
+            raise ConfigError(
+                f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one each"
+            )
+        given = [i for i, trace in enumerate(prefix_routes) if trace is not None]
+        if given:
+            raise UnsupportedByEngineError(
+                f"prefix_routes given for prompt(s) {given[:8]}: vLLM 0.30 cannot force routes on a prefill (it has "
+                "no API to set a request's experts), so VLLMEngine cannot do engine-side prefix replay. Use the "
+                "built-in engine (engines.hf.HFEngine), which supports it, or resume with policy 'first' or "
+                "'latest' (pass prefix_routes=None)"
+            )
 
     def _sampling(self, params: SamplingParams, seed: int) -> Any:
         stop = [] if params.eos_token_id is None else [params.eos_token_id]
@@ -253,9 +304,11 @@ class VLLMEngine:
             detokenize=False,
         )
 
-    def _rollout(self, index: int, prompt: list[int], output: Any, params: SamplingParams) -> Rollout:
+    def _rollout(self, index: int, prompt: list[int], output: Any, params: SamplingParams, aborted: bool) -> Rollout:
         completion = output.outputs[0]
         response = [int(t) for t in completion.token_ids]
+        if aborted and not response:  # aborted before its prefill ran (it waited for a slot): nothing computed
+            return Rollout(prompt, [], [], None, aborted=True)
         logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs, response, strict=True)]
         trace = decode_vllm(
             completion.routed_experts,
@@ -266,7 +319,7 @@ class VLLMEngine:
         )
         fed = prompt + response[:-1]  # the last sampled token is never fed back: one id per route row
         finished = params.eos_token_id is not None and params.eos_token_id in response
-        return Rollout(prompt, response, logprobs, trace.with_token_ids(fed), finished)
+        return Rollout(prompt, response, logprobs, trace.with_token_ids(fed), finished, aborted)
 
     # --- weight sync -----------------------------------------------------------------------------
 
