@@ -68,6 +68,18 @@ seed_int = bounded_int(0, MAX_SEED)
 positive_float = bounded_float(0.0, open_minimum=True)
 non_negative_float = bounded_float(0.0)
 probability = bounded_float(0.0, 1.0, open_minimum=True)  # top-p: (0, 1]
+MAX_SYNC_TOKENS = 1 << 20  # --sync-tokens: a trainer step lasting more engine tokens than this is a typo
+
+
+def token_range(text: str) -> tuple[int, int]:
+    """An argparse type: `LOW,HIGH` engine tokens, 0 <= LOW <= HIGH <= MAX_SYNC_TOKENS."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(_NUMBER.fullmatch(p.strip()) for p in parts):
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH (two integers, e.g. 1,3), got {text!r}")
+    low, high = (int(p) for p in parts)
+    if low > high or high > MAX_SYNC_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be LOW,HIGH with 0 <= LOW <= HIGH <= {MAX_SYNC_TOKENS}, got {text!r}")
+    return low, high
 
 
 def layer_list(text: str, *, max_layer: int = MAX_LAYER_NUMBER) -> list[int]:
@@ -196,5 +208,6 @@ __all__ = [
     "positive_int",
     "probability",
     "seed_int",
+    "token_range",
     "trace_file_limits",
 ]

@@ -10,6 +10,14 @@ weights are not updated (a note says so), so its rollouts come from a fixed poli
 command reports reward, engine-vs-trainer routing disagreement and k3 KL, routing drift from the
 old-log-prob pass to the updates, ppo_kl, clip fraction, grad norm, fallback rows and time. It can
 also write a JSONL log and a per-step plot.
+
+`--async` trains fully-asynchronously (`rl.async_grpo`): the engine keeps sampling while the trainer
+updates, each weight sync aborts the in-flight requests at a token boundary and resumes them under
+the new version, and the trainer takes groups at most `--max-staleness` versions old. How a resumed
+prefix's routes are kept is `--resume-routes` (default: prefix-replay with the built-in engine, which
+re-prefills the prefix replaying its sampling routes; first with vLLM, which cannot force routes).
+The table then adds the policy version, stale rows, aborts, resumes, prefix conflicts, dropped groups
+and samples per second. `--schedule seeded` makes the aborts land where a seeded schedule says.
 """
 
 from __future__ import annotations
@@ -23,11 +31,14 @@ from typing import Any
 from routereplay.cli.arguments import (
     add_json_argument,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
     seed_int,
+    token_range,
 )
 from routereplay.cli.threads import add_threads_argument
+from routereplay.cli.train_tables import render, render_async, step_rows
 
 # stdout carries the command's table or --json: vLLM's own log (stdout, INFO by default) goes to stderr
 VLLM_CLI_LOGGING = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -80,6 +91,43 @@ def add_parser(subparsers: Any) -> None:
     )
     rl.add_argument("--max-new-tokens", type=positive_int, default=5, help="tokens sampled per prompt (default 5)")
     rl.add_argument("--seed", type=seed_int, default=0, help="seed of prompts and sampling")
+    fully = parser.add_argument_group("fully-async (--async)")
+    fully.add_argument(
+        "--async",
+        dest="fully_async",
+        action="store_true",
+        help="sample on while the trainer trains; weight syncs abort and resume in-flight requests",
+    )
+    fully.add_argument(
+        "--max-staleness",
+        type=non_negative_int,
+        default=1,
+        help="train on groups whose oldest token is at most this many policy versions old (default 1)",
+    )
+    fully.add_argument(
+        "--resume-routes",
+        choices=["prefix-replay", "first", "latest"],
+        help="routes of a resumed prefix: prefix-replay (engine replays them; built-in engine only), first "
+        "(routes at sampling), latest (the resumed call's, verl's fix). Default: the best the engine supports",
+    )
+    fully.add_argument(
+        "--schedule",
+        choices=["threaded", "seeded"],
+        default="threaded",
+        help="threaded: a real rollout thread (default); seeded: aborts where a seeded schedule says (reproducible)",
+    )
+    fully.add_argument(
+        "--sync-tokens",
+        type=token_range,
+        default=(1, 3),
+        metavar="LOW,HIGH",
+        help="seeded schedule: engine tokens one trainer step lasts, drawn in [LOW, HIGH] (default 1,3)",
+    )
+    fully.add_argument(
+        "--in-flight",
+        type=positive_int,
+        help="prompt groups kept in flight (default 2 x --prompts-per-step)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--log", help="append one JSON record per step to this JSONL file")
     out.add_argument("--plot", help="write a per-step plot (PNG) here")
@@ -100,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine != "hf" and args.url:
         needs["httpx"] = f"--engine {args.engine} (the remote client)"
     require("train", needs)  # before training the demo model, not after
+    _check_async(args)
     colocated = args.engine == "vllm" and not args.url
     if colocated:
         _check_colocated(args)  # vLLM importable, the demo model servable: before any training
@@ -154,8 +203,23 @@ def run(args: argparse.Namespace) -> int:
         task = AdditionTask(tokenizer)
         engine = _engine(args, model, tokenizer)
         try:
-            trainer = GRPOTrainer(model, task, engine, config, log_path=args.log, tensorboard_dir=args.tensorboard)
-            phase = f"GRPO steps ({config.mode})"
+            trainer: Any
+            if not args.fully_async:
+                trainer = GRPOTrainer(model, task, engine, config, log_path=args.log, tensorboard_dir=args.tensorboard)
+            else:
+                from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
+
+                fully = AsyncConfig(
+                    max_staleness=args.max_staleness,
+                    in_flight_groups=args.in_flight or 0,
+                    resume_routes=args.resume_routes,
+                    schedule=args.schedule,
+                    sync_tokens=args.sync_tokens,
+                )
+                trainer = AsyncGRPOTrainer(
+                    model, task, engine, config, fully, log_path=args.log, tensorboard_dir=args.tensorboard
+                )
+            phase = f"{'async ' if args.fully_async else ''}GRPO steps ({config.mode})"
             report(phase, 0, config.steps)
             history = trainer.train(lambda _phase, done, total: report(phase, done, total))  # one bar, up to its total
         finally:
@@ -171,58 +235,40 @@ def run(args: argparse.Namespace) -> int:
             plot_steps({"modes": {config.mode: {}}, "steps": step_rows(history)}, Path(args.plot))
     if args.json:
         print(json.dumps(history, indent=2))
+    elif args.fully_async:
+        render_async(history)
     else:
         render(history)
     return 0
 
 
-def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per-step rows for `report.plot_steps`: k3 KL, engine-vs-trainer disagreement, drift."""
-    return [
-        {
-            "step": r["step"],
-            "mode": r["mode"],
-            "k3_kl": r["k3_kl"],
-            "routing_disagreement": sum(r["rollout_disagreement_per_mini_step"])
-            / len(r["rollout_disagreement_per_mini_step"]),
-            "drift": r["max_drift"],
-            "reward_mean": r["reward_mean"],
-        }
-        for r in history
-    ]
+def _check_async(args: argparse.Namespace) -> None:
+    """Refuse async options without --async, and --async with a remote server, before any work."""
+    from routereplay.errors import ConfigError
 
-
-def render(history: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    if not history:
-        return
-    table = Table(title=f"GRPO, mode {history[0]['mode']}", title_justify="left")
-    columns = ("step", "reward", "≠eng old", "≠eng upd", "k3 KL", "drift", "ppo_kl", "clip", "|grad|", "fallback", "s")
-    for name in columns:
-        table.add_column(name, justify="right")
-    table.caption = (
-        "≠eng: routing disagreement with the engine's routes (old-log-prob pass; mean over update mini-steps); "
-        "drift: max over mini-steps of the disagreement with the old-log-prob pass's routing"
-    )
-    for r in history:
-        updates = r["rollout_disagreement_per_mini_step"]
-        table.add_row(
-            str(r["step"]),
-            f"{r['reward_mean']:.1%}",
-            f"{r['rollout_routing_disagreement']:.2%}",
-            f"{sum(updates) / len(updates):.2%}",
-            f"{r['k3_kl']:.2e}",
-            f"{r['max_drift']:.2%}",
-            f"{r['ppo_kl']:.2e}",
-            f"{r['clip_frac']:.1%}",
-            f"{r['grad_norm']:.3f}",
-            str(r["fallback_rows"]),
-            f"{sum(r['seconds'].values()):.1f}",
+    given = [
+        flag
+        for flag, value, default in (
+            ("--resume-routes", args.resume_routes, None),
+            ("--schedule", args.schedule, "threaded"),
+            ("--sync-tokens", args.sync_tokens, (1, 3)),
+            ("--in-flight", args.in_flight, None),
+            ("--max-staleness", args.max_staleness, 1),
         )
-    console = Console()
-    Console(width=max(console.width, 124)).print(table)  # 11 columns: do not squeeze into 80
+        if value != default
+    ]
+    if given and not args.fully_async:
+        raise ConfigError(f"{', '.join(given)} only apply to fully-async training: add --async")
+    if args.fully_async and args.url:
+        raise ConfigError(
+            f"--async syncs weights into the engine while it samples, and a remote server's (--url {args.url}) "
+            "never are: drop --url (built-in engine, or --engine vllm in this process)"
+        )
+    if args.fully_async and args.engine == "vllm" and args.resume_routes == "prefix-replay":
+        raise ConfigError(
+            "--resume-routes prefix-replay needs an engine that forces routes on a resumed prefill, and vLLM 0.30 "
+            "has no API for it: use --engine hf, or --resume-routes first|latest"
+        )
 
 
 def _check_colocated(args: argparse.Namespace) -> None:
