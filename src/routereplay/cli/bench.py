@@ -16,14 +16,15 @@ from routereplay.cli.arguments import add_json_argument, non_negative_int, posit
 from routereplay.cli.threads import add_threads_argument
 
 SUITES = ("codec", "layout", "store", "replay", "engine")  # what `bench all` runs
-# run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm]
-SEPARATE_SUITES = ("load", "vllm")
+# run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm];
+# `async` trains the demo model (cached) and runs nine GRPO runs
+SEPARATE_SUITES = ("load", "vllm", "async")
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="run a benchmark suite (codec, layout, store, replay, engine, load, vllm, or all) and print medians",
+        help="run a benchmark suite (codec, layout, store, replay, engine, load, vllm, async, all) and print medians",
         description=(
             "Run a benchmark suite; every ratio is measured side by side in the same run. "
             "`codec`: bytes per (token, layer) row and encode/decode speed of routereplay's codec against JSON lists, "
@@ -38,6 +39,8 @@ def add_parser(subparsers: Any) -> None:
             "spinning on the cores (loaded / quiet; not part of `all`). "
             "`vllm`: a real in-process vLLM's generation time with route capture on and off (interleaved), and "
             "its colocated sync_weights time (needs routereplay[vllm]; not part of `all`). "
+            "`async`: fully-async GRPO's resume-route policies (latest, first, prefix-replay) under off, R2 and R3 "
+            "on one seeded schedule, and async vs sync samples per second (not part of `all`). "
             "`all`: every suite, then BENCHMARKS.md (--output) and the README table (--readme). "
             "Progress goes to stderr."
         ),
@@ -67,6 +70,9 @@ def add_parser(subparsers: Any) -> None:
     sizes.add_argument("--repeats", type=positive_int, help="timed repeats per measurement (default: per suite)")
     sizes.add_argument("--seed", type=seed_int, default=0, help="seed of the random routes and inputs")
     sizes.add_argument("--quick", action="store_true", help="small sizes for a smoke run (figures not comparable)")
+    sizes.add_argument(
+        "--rl-steps", type=positive_int, default=24, help="async: trainer steps per resume-policy run (default 24)"
+    )
     load = parser.add_argument_group("load")
     load.add_argument(
         "--busy", type=non_negative_int, default=2, help="load: busy processes started for the loaded half (default 2)"
@@ -127,6 +133,16 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
             prompts=8 if quick else 64,
             grpo_prompts=4 if quick else 8,
             threads=args.threads,
+            seed=args.seed,
+        )
+    if name == "async":
+        from routereplay.bench import fully_async
+
+        return fully_async, fully_async.AsyncBenchConfig(
+            steps=2 if quick else args.rl_steps,
+            prompts_per_step=4 if quick else 16,
+            throughput_steps=2 if quick else 6,
+            repeats=repeats or 3,
             seed=args.seed,
         )
     if name == "engine":

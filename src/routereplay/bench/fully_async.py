@@ -1,0 +1,216 @@
+"""Fully-async GRPO benchmark: resume-route policies side by side, and async against sync throughput.
+
+Two parts, both on the trained demo model (`rl.model.load_or_train`, cached) and the built-in engine
+(bf16, as in the demo):
+- `policies`: for every mode (off, R2, R3) and every resume-route policy (latest, first,
+  prefix-replay), one seeded async run of `steps` trainer steps from the same weights and seed (the
+  `seeded` schedule, so the aborts land alike until the runs' weights diverge). Per run the means
+  over steps of k3 KL engine-vs-trainer on the old-log-prob pass, ppo_kl, routing disagreement on
+  the engine's routed rows (old-log-prob pass and update mini-steps), stale and resumed row
+  fractions, the prefix conflicts (stored rows a resumed prefill routed otherwise), aborts, and the
+  reward of the first and last steps.
+- `throughput`: samples trained per second for `throughput_steps` steps of synchronous GRPO (one
+  intra-op thread, and two) and of async GRPO on the realistic `threaded` schedule (a rollout thread
+  and the trainer, one intra-op thread each), interleaved over `repeats` repeats. The ratio is the
+  median of per-repeat ratios async / sync, on the same machine in the same run.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from routereplay.bench.timing import interleave, median_ratio, spread
+from routereplay.environment import collect
+from routereplay.threads import ThreadPolicy
+
+MODES = ("off", "R2", "R3")
+POLICIES = ("latest", "first", "prefix-replay")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AsyncBenchConfig:
+    steps: int = 24  # trainer steps per policy run
+    prompts_per_step: int = 16
+    group_size: int = 4
+    mini_steps: int = 4
+    max_new_tokens: int = 5
+    sync_tokens: tuple[int, int] = (1, 3)
+    max_staleness: int = 2
+    throughput_steps: int = 6
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "mini_steps", "throughput_steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"async bench: {name}={getattr(self, name)} must be >= 1")
+
+
+def _policy_run(model: Any, task: Any, config: AsyncBenchConfig, mode: str, policy: str) -> dict[str, Any]:
+    from routereplay.engines.hf import HFEngine
+    from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
+
+    policy_model = copy.deepcopy(model)
+    trainer = AsyncGRPOTrainer(
+        policy_model,
+        task,
+        HFEngine(policy_model),
+        _grpo(config, mode, config.steps),
+        AsyncConfig(
+            schedule="seeded",
+            sync_tokens=config.sync_tokens,
+            resume_routes=policy,
+            max_staleness=config.max_staleness,
+        ),
+    )
+    history = trainer.train()
+
+    def mean(key: str) -> float:
+        return statistics.fmean(float(r[key]) for r in history)
+
+    return {
+        "mode": mode,
+        "resume_routes": policy,
+        "k3_kl": mean("k3_kl"),
+        "ppo_kl": mean("ppo_kl"),
+        "disagreement_old": mean("rollout_routing_disagreement"),
+        "disagreement_update": statistics.fmean(
+            statistics.fmean(r["rollout_disagreement_per_mini_step"]) for r in history
+        ),
+        "resumed_row_fraction": mean("resumed_row_fraction"),
+        "stale_row_fraction": mean("stale_row_fraction"),
+        "prefix_conflicts": sum(r["prefix_conflicts"] for r in history),
+        "aborts": sum(r["aborts"] for r in history),
+        "reward_first": history[0]["reward_mean"],
+        "reward_last": history[-1]["reward_mean"],
+        "reward_mean": mean("reward_mean"),
+    }
+
+
+def _grpo(config: AsyncBenchConfig, mode: str, steps: int) -> Any:
+    from routereplay.rl.grpo import GRPOConfig
+
+    return GRPOConfig(
+        mode=mode,
+        steps=steps,
+        prompts_per_step=config.prompts_per_step,
+        group_size=config.group_size,
+        mini_steps=config.mini_steps,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.seed,
+    )
+
+
+def _throughput_workloads(model: Any, task: Any, config: AsyncBenchConfig) -> dict[str, Callable[[], Any]]:
+    from routereplay.engines.hf import HFEngine
+    from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
+    from routereplay.rl.grpo import GRPOTrainer
+
+    grpo = _grpo(config, "R3", config.throughput_steps)
+
+    def sync(threads: int) -> Callable[[], Any]:
+        def run() -> None:
+            policy = copy.deepcopy(model)
+            with ThreadPolicy(threads=threads).applied():
+                GRPOTrainer(policy, task, HFEngine(policy), grpo).train()
+
+        return run
+
+    def fully_async() -> None:
+        policy = copy.deepcopy(model)
+        fully = AsyncConfig(schedule="threaded", max_staleness=config.max_staleness)
+        with ThreadPolicy(threads=1).applied():
+            AsyncGRPOTrainer(policy, task, HFEngine(policy), grpo, fully).train()
+
+    return {"sync_1_thread": sync(1), "sync_2_threads": sync(2), "async_threaded": fully_async}
+
+
+def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    import transformers
+
+    from routereplay.rl.model import load_or_train
+    from routereplay.rl.tasks import AdditionTask
+
+    report = progress or (lambda _name: None)
+    transformers.utils.logging.disable_progress_bar()
+    with ThreadPolicy(threads=1).applied() as choice:
+        report("the demo model (trained once, cached)")
+        model, tokenizer, _ = load_or_train("qwen3_moe", threads=1)
+        task = AdditionTask(tokenizer)
+        runs = []
+        for mode in MODES:
+            for policy in POLICIES:
+                report(f"policies: {mode}, {policy} ({config.steps} steps)")
+                began = time.perf_counter()
+                result = _policy_run(model, task, config, mode, policy)
+                result["seconds"] = time.perf_counter() - began
+                runs.append(result)
+        seconds = interleave(_throughput_workloads(model, task, config), config.repeats, report)
+    samples = config.throughput_steps * config.prompts_per_step * config.group_size
+    rates = {name: samples / statistics.median(s) for name, s in seconds.items()}
+    ratios = {
+        "async_over_sync_1_thread": median_ratio(seconds["sync_1_thread"], seconds["async_threaded"]),
+        "async_over_sync_2_threads": median_ratio(seconds["sync_2_threads"], seconds["async_threaded"]),
+    }
+    return {
+        "suite": "async",
+        "machine": collect(),
+        "config": asdict(config),
+        "threads": choice.to_dict(),
+        "policies": runs,
+        "throughput": {
+            "samples_per_run": samples,
+            "seconds": spread(seconds),
+            "samples_per_second": rates,
+        },
+        "ratios": ratios,
+        "targets": {},
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    config, machine = result["config"], result["machine"]
+    lines = [
+        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, by "
+        f"`routereplay bench async`. Trained demo model, built-in engine (bf16), {config['prompts_per_step']} prompts "
+        f"x {config['group_size']} per step, {config['mini_steps']} mini-steps, seeded schedule: a trainer step lasts "
+        f"{config['sync_tokens'][0]}-{config['sync_tokens'][1]} engine tokens, max staleness "
+        f"{config['max_staleness']}, {config['steps']} steps per run (means over steps).",
+        "",
+        "| mode | resume routes | k3 KL | ppo_kl | ≠eng old | ≠eng upd | resumed rows | stale rows | conflicts | "
+        "aborts | reward first → last |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["policies"]:
+        lines.append(
+            f"| {r['mode']} | {r['resume_routes']} | {r['k3_kl']:.2e} | {r['ppo_kl']:.2e} | "
+            f"{r['disagreement_old']:.2%} | {r['disagreement_update']:.2%} | {r['resumed_row_fraction']:.1%} | "
+            f"{r['stale_row_fraction']:.1%} | {r['prefix_conflicts']} | {r['aborts']} | "
+            f"{r['reward_first']:.1%} → {r['reward_last']:.1%} |"
+        )
+    throughput = result["throughput"]
+    lines += [
+        "",
+        f"Throughput: {config['throughput_steps']} R3 steps ({throughput['samples_per_run']} samples) per run, "
+        f"{config['repeats']} interleaved repeats (median).",
+        "",
+        "| run | samples/s (median) | s low | s high |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, rate in throughput["samples_per_second"].items():
+        timing = throughput["seconds"][name]
+        lines.append(f"| {name} | {rate:.1f} | {timing['low']:.2f} | {timing['high']:.2f} |")
+    ratios = result["ratios"]
+    lines.append(
+        f"\nasync / sync samples per second (median of per-repeat ratios): {ratios['async_over_sync_1_thread']:.2f} "
+        f"against sync on 1 intra-op thread, {ratios['async_over_sync_2_threads']:.2f} against sync on 2."
+    )
+    return "\n".join(lines)
+
+
+__all__ = ["MODES", "POLICIES", "AsyncBenchConfig", "markdown", "run"]
