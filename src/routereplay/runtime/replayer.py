@@ -34,7 +34,9 @@ sequence (`PaddingMismatchError`), and a batch whose token ids differ from the t
 Saving and copying: the attachment lives in a forward pre-hook of the model and a `forward`
 attribute of each router scope. Both pickle and deep-copy as inert stand-ins (no Replayer state),
 so `pickle.dumps(model)`, `torch.save(model)` and `copy.deepcopy(model)` work while attached and
-give an unattached copy; after `detach()` nothing of routereplay is left on the model.
+give an unattached copy; after `detach()` nothing of routereplay is left on the model
+(`runtime/attachment.py`). A context's state, its `Recording` and the `ReplayStats` counters are
+`runtime/session.py`.
 
 Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S tokens in a call.
 """
@@ -44,28 +46,30 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from routereplay.enums import ReplayMode, Source, StrEnum
+from routereplay.enums import ReplayMode, StrEnum
 from routereplay.errors import (
     AlreadyAttachedError,
-    BatchShapeError,
     ConfigError,
     ForeignThreadError,
     KernelBypassError,
     NoRoutersError,
-    RecomputeError,
     ReplayStateError,
     UnsupportedRouterError,
 )
 from routereplay.runtime.alignment import check_padding, check_tokens, refuse_meta
+from routereplay.runtime.attachment import _ModelCallHook as _ModelCallHook  # pickles of earlier releases
+from routereplay.runtime.attachment import _unwrapped as _unwrapped  # name these two here
+from routereplay.runtime.attachment import attached_replayer, bind, unbind
 from routereplay.runtime.discovery import RouterSite, discover
 from routereplay.runtime.interception import TopKInterceptor, in_backward, on_thread
-from routereplay.runtime.routes import check_routes, mask_array, routes_to_traces, traces_to_routes
+from routereplay.runtime.routes import check_routes, mask_array, traces_to_routes
+from routereplay.runtime.session import Recording, ReplayStats, Session, guard_backward
 from routereplay.trace import RouteTrace
 
 JITTER_ATTRS = ("jitter_noise", "moe_jitter_eps", "router_jitter_noise")
@@ -84,33 +88,6 @@ class JitterPolicy(StrEnum):
     OFF = "off"  # jitter switched off inside record/replay contexts (restored when the context exits)
 
 
-@dataclass(slots=True)
-class ReplayStats:
-    """Counters of what the routers did; `Replayer.stats`, reset with `.reset()`."""
-
-    forwards: int = 0
-    router_calls: int = 0
-    recompute_calls: int = 0  # router calls made during backward (checkpoint recompute)
-    recorded_rows: int = 0  # (token, layer) rows recorded
-    replayed_rows: int = 0  # (token, layer) rows forced from routes, on attended positions only
-    fallback_rows: int = 0  # (token, layer) rows of -1 on attended positions, served by the live router
-    fallback_rows_by_layer: dict[int, int] = field(default_factory=dict)
-    checked_sequences: int = 0  # sequences whose token ids were checked against the batch (traces with ids)
-
-    def reset(self) -> None:
-        for name in (
-            "forwards",
-            "router_calls",
-            "recompute_calls",
-            "recorded_rows",
-            "replayed_rows",
-            "fallback_rows",
-            "checked_sequences",
-        ):
-            setattr(self, name, 0)
-        self.fallback_rows_by_layer.clear()
-
-
 @dataclass(frozen=True, slots=True)
 class Binding:
     """What `attach` bound: one router per MoE layer."""
@@ -120,153 +97,6 @@ class Binding:
     family: str
     top_k: int
     num_experts: int
-
-
-class _Session:
-    """State of one record or replay context: its owner thread, steps (forward calls) and routes."""
-
-    def __init__(
-        self,
-        replayer: Replayer,
-        mode: ReplayMode,
-        routes_BSLK: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        traces: Sequence[RouteTrace] | None = None,
-    ) -> None:
-        self.replayer, self.mode, self.open = replayer, mode, True
-        self.thread = threading.get_ident()  # the context belongs to the thread that opened it
-        self.attended_T = None if attention_mask is None else torch.as_tensor(attention_mask).reshape(-1).bool()
-        self.traces = None if traces is None or all(t.token_ids is None for t in traces) else list(traces)
-        self.mask_BS = None if attention_mask is None or self.traces is None else mask_array(attention_mask)
-        self.routes_LTK: torch.Tensor | None = None
-        self.batch_shape: tuple[int, int] | None = None
-        if routes_BSLK is not None:
-            batch, positions, layers, k = routes_BSLK.shape
-            self.batch_shape = (batch, positions)
-            self.routes_LTK = routes_BSLK.permute(2, 0, 1, 3).reshape(layers, batch * positions, k).contiguous()
-        self.steps: list[tuple[tuple[int, int], dict[int, torch.Tensor]]] = []
-        self._attended_on: dict[torch.device, torch.Tensor] = {}  # attended_T per device of the router calls
-
-    def owned_here(self) -> bool:
-        """True when the current router call belongs to this context (see "Threads" above)."""
-        return on_thread(self.thread)
-
-    # -- steps -------------------------------------------------------------------------------------
-    def begin_step(self, shape: tuple[int, int], input_ids: torch.Tensor | None = None) -> None:
-        if self.mode is ReplayMode.REPLAY and self.batch_shape is not None and shape != self.batch_shape:
-            raise BatchShapeError(
-                f"replay routes are for a batch of (B, S) = {self.batch_shape} but the model is called with "
-                f"{shape}; routes must be aligned with the model input"
-            )
-        if self.traces is not None and self.mask_BS is not None and input_ids is not None:
-            self.replayer.stats.checked_sequences += check_tokens(self.traces, self.mask_BS, input_ids)
-        self.steps.append((shape, {}))
-
-    def forced(self, site: RouterSite, rows: int) -> torch.Tensor | None:
-        index = self.replayer.layer_index[site.layer]
-        if self.mode is ReplayMode.RECORD:
-            if not in_backward():
-                return None
-            for _, recorded in reversed(self.steps):  # recompute: reuse this layer's recorded choice
-                found = recorded.get(site.layer)
-                if found is not None and found.shape[0] == rows:
-                    return found.to(torch.long)
-            raise RecomputeError(
-                f"layer {site.layer} ({site.name}) is recomputed during backward with {rows} tokens, but no "
-                "forward of this record context routed that many tokens there"
-            )
-        assert self.routes_LTK is not None
-        if rows != self.routes_LTK.shape[1]:
-            raise BatchShapeError(
-                f"layer {site.layer} ({site.name}) routes {rows} tokens but the replay routes hold "
-                f"{self.routes_LTK.shape[1]} (B * S = {self.batch_shape}); routes must be aligned with the input"
-            )
-        return self.routes_LTK[index]
-
-    def sink(self, site: RouterSite, chosen_TK: torch.Tensor, fallback_T: torch.Tensor | None) -> None:
-        stats = self.replayer.stats
-        if in_backward():
-            return
-        if not self.steps:
-            self.begin_step((1, chosen_TK.shape[0]))
-        self.steps[-1][1][site.layer] = chosen_TK.detach().to(torch.int32)  # replay: the routes used
-        if self.mode is ReplayMode.RECORD:
-            stats.recorded_rows += chosen_TK.shape[0]
-        else:
-            rows, device = chosen_TK.shape[0], chosen_TK.device
-            fallback_T = torch.zeros(rows, dtype=torch.bool, device=device) if fallback_T is None else fallback_T
-            forced_T = ~fallback_T
-            if self.attended_T is not None and self.attended_T.numel() == rows:
-                attended_T = self._attended_on.get(device)
-                if attended_T is None:
-                    attended_T = self._attended_on[device] = self.attended_T.to(device)
-                fallback_T, forced_T = fallback_T & attended_T, forced_T & attended_T  # padding is neither
-            fallbacks, forced = torch.stack([fallback_T.sum(), forced_T.sum()]).tolist()  # one device sync
-            stats.replayed_rows += forced
-            stats.fallback_rows += fallbacks
-            if fallbacks:
-                stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
-
-
-class Recording:
-    """What a context captured. `.routes` is (B, S, L, K); `.traces(mask)` per sequence; `.stats`.
-
-    Under `record()` these are the routers' own choices; under `replay()` the routes actually used
-    (the forced ids, and the live choice on -1 rows).
-
-    Forward calls in one context are steps: incremental decoding with a KV cache (prefill, then one
-    position per step) concatenates along S. Independent micro-batches belong in separate contexts,
-    or read `.steps`.
-    """
-
-    def __init__(self, session: _Session, layers: tuple[int, ...], num_experts: int) -> None:
-        self._session, self.layers, self.num_experts = session, layers, num_experts
-
-    @property
-    def stats(self) -> ReplayStats:
-        """The Replayer's counters (cumulative; `.reset()` them between passes)."""
-        return self._session.replayer.stats
-
-    @property
-    def steps(self) -> list[torch.Tensor]:
-        """One (B, S_i, L, K) int tensor per forward call."""
-        out = []
-        for (batch, positions), recorded in self._session.steps:
-            missing = [layer for layer in self.layers if layer not in recorded]
-            if missing:
-                raise KernelBypassError(
-                    f"layers {missing} recorded nothing in a forward: their routers never ran (a fused kernel "
-                    "replaced the MoE block?) or ran outside this model's forward"
-                )
-            stacked = torch.stack([recorded[layer] for layer in self.layers], dim=1)  # (T, L, K)
-            out.append(stacked.reshape(batch, positions, len(self.layers), -1))
-        return out
-
-    @property
-    def routes(self) -> torch.Tensor:
-        steps = self.steps
-        if not steps:
-            raise ReplayStateError("nothing was recorded: call the model inside `with replayer.record():`")
-        if len({s.shape[0] for s in steps}) != 1:
-            raise ReplayStateError(
-                f"steps have different batch sizes {[s.shape[0] for s in steps]}; read .steps for independent calls"
-            )
-        return torch.cat(steps, dim=1)
-
-    def traces(
-        self,
-        attention_mask: torch.Tensor,
-        *,
-        source: Source | str = Source.TRAINER,
-        policy_version: int | None = None,
-        input_ids: torch.Tensor | None = None,
-    ) -> list[RouteTrace]:
-        """Per-sequence traces: attended positions only (left or right padding dropped).
-
-        With the batch's `input_ids` the traces carry their token ids, so a later replay checks them."""
-        return routes_to_traces(
-            self.routes, attention_mask, self.layers, self.num_experts, source, policy_version, input_ids
-        )
 
 
 class Replayer:
@@ -314,12 +144,10 @@ class Replayer:
         self.num_experts = max(s.num_choices for s in sites)
         self.stats = ReplayStats()
         self.mode = ReplayMode.OFF
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._pending_replay: int | None = None  # thread of a replayed forward whose backward may still run
         self._saved_jitter: list[tuple[nn.Module, str, float]] = []
-        self._handles = [model.register_forward_pre_hook(_ModelCallHook(self), with_kwargs=True)]
-        for site in sites:
-            site.scope.forward = _RouterForward(self, site, site.scope.forward)  # instance attribute; class untouched
+        self._handles = bind(self)
 
     # -- contexts ----------------------------------------------------------------------------------
     @contextmanager
@@ -388,15 +216,7 @@ class Replayer:
         """Unbind every router and remove every hook: the model is exactly as before `attach`."""
         if self._session is not None:
             raise ReplayStateError("detach() inside a record/replay context; leave the context first")
-        for site in self.sites:
-            wrapper = site.scope.__dict__.get("forward")
-            if isinstance(wrapper, _RouterForward) and wrapper.replayer is self:
-                del site.scope.__dict__["forward"]
-                if not _is_bound_class_forward(wrapper.original, site.scope):
-                    site.scope.forward = wrapper.original  # another library's wrapper, set before attach
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        unbind(self, self._handles)
 
     def describe(self) -> str:
         lines = [
@@ -413,7 +233,7 @@ class Replayer:
         routes: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         traces: Sequence[RouteTrace] | None = None,
-    ) -> _Session:
+    ) -> Session:
         current = self._session
         if current is not None and current.thread != threading.get_ident():
             raise ForeignThreadError(
@@ -424,7 +244,7 @@ class Replayer:
             )
         if current is not None:
             raise ReplayStateError(f"already inside a {self.mode} context; contexts do not nest")
-        self._session = _Session(self, mode, routes, attention_mask, traces)
+        self._session = Session(self, mode, routes, attention_mask, traces)
         self.mode = mode
         if self.jitter is JitterPolicy.OFF:  # jitter acts in the block, before the router: off for the context
             for module in {
@@ -437,7 +257,7 @@ class Replayer:
                         setattr(module, name, 0.0)
         return self._session
 
-    def _exit(self, session: _Session) -> None:
+    def _exit(self, session: Session) -> None:
         for module, name, value in self._saved_jitter:
             setattr(module, name, value)
         self._saved_jitter.clear()
@@ -482,7 +302,7 @@ class Replayer:
 
     def _call(
         self,
-        session: _Session,
+        session: Session,
         site: RouterSite,
         original: Callable[..., Any],
         args: tuple[Any, ...],
@@ -505,61 +325,8 @@ class Replayer:
         session.sink(site, *interceptor.last)
         if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled() and not backward:
             self._pending_replay = session.thread
-            _guard_backward(output, session, site)
+            guard_backward(output, session, site)
         return output
-
-
-class _ModelCallHook:
-    """The model's forward pre-hook (steps of the open context). It pickles and deep-copies as an inert
-    hook, so a saved or copied model carries no Replayer state and is not attached."""
-
-    __slots__ = ("replayer",)
-
-    def __init__(self, replayer: Replayer | None) -> None:
-        self.replayer = replayer
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        replayer = self.replayer
-        if replayer is not None and module is replayer.model and replayer._handles:
-            replayer._on_model_call(module, args, kwargs)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_ModelCallHook, (None,))
-
-
-class _RouterForward:
-    """A bound router scope's `forward` (an instance attribute; the class is untouched). It pickles and
-    deep-copies as the forward it wraps, so a copy of the model routes naturally and is not attached."""
-
-    __slots__ = ("original", "replayer", "site")
-
-    def __init__(self, replayer: Replayer, site: RouterSite, original: Callable[..., Any]) -> None:
-        self.replayer, self.site, self.original = replayer, site, original
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.replayer._route(self.site, self.original, args, kwargs)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        if _is_bound_class_forward(self.original, self.site.scope):
-            return (getattr, (self.site.scope, "forward"))  # re-resolved on the copy: its class's forward
-        return (_unwrapped, (self.original,))
-
-
-def _unwrapped(original: Callable[..., Any]) -> Callable[..., Any]:
-    return original
-
-
-def _is_bound_class_forward(forward: Any, scope: nn.Module) -> bool:
-    return getattr(forward, "__self__", None) is scope and getattr(forward, "__func__", None) is type(scope).forward
-
-
-def attached_replayer(model: nn.Module) -> Replayer | None:
-    """The Replayer attached to `model` (found by its forward pre-hook), or None."""
-    for hook in getattr(model, "_forward_pre_hooks", {}).values():
-        replayer = getattr(hook, "replayer", None) if isinstance(hook, _ModelCallHook) else None
-        if replayer is not None and replayer.model is model and replayer._handles:
-            return replayer
-    return None
 
 
 def attach(
@@ -584,23 +351,6 @@ def _attributes(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
-
-
-def _guard_backward(output: Any, session: _Session, site: RouterSite) -> None:
-    """A gradient reaching this router's output after its replay context closed is an error."""
-    tensors = output if isinstance(output, (tuple, list)) else (output,)
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-
-            def check(grad: torch.Tensor) -> None:
-                if not session.open:
-                    raise ReplayStateError(
-                        f"backward reached layer {site.layer} ({site.name}) after its replay context closed; "
-                        "activation recompute would route naturally. Call backward inside `with replayer.replay(...)`"
-                    )
-
-            tensor.register_hook(check)
-            return
 
 
 def _input_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
