@@ -44,9 +44,11 @@ class AsyncBenchConfig:
     throughput_steps: int = 6
     repeats: int = 3
     seed: int = 0
+    train_steps: int = 800  # supervised steps of the demo model (the demo's default; cached after the first run)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "group_size", "mini_steps", "throughput_steps", "repeats"):
+        names = ("steps", "prompts_per_step", "group_size", "mini_steps", "throughput_steps", "repeats", "train_steps")
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"async bench: {name}={getattr(self, name)} must be >= 1")
 
@@ -140,7 +142,7 @@ def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None)
     transformers.utils.logging.disable_progress_bar()
     with ThreadPolicy(threads=1).applied() as choice:
         report("the demo model (trained once, cached)")
-        model, tokenizer, _ = load_or_train("qwen3_moe", threads=1)
+        model, tokenizer, _ = load_or_train("qwen3_moe", threads=1, steps=config.train_steps)
         task = AdditionTask(tokenizer)
         runs = []
         for mode in MODES:

@@ -1,0 +1,43 @@
+"""`routereplay bench async` (issue 13 item 4): every policy x mode run and the throughput part land in
+one record, R3 is exact under every resume policy, and bad sizes are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from routereplay.bench import fully_async
+from routereplay.cli.main import EXIT_ERROR, main
+
+pytestmark = pytest.mark.hf
+
+
+def test_bench_async_records_every_policy_and_mode(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Missing figures: the record holds the nine policy x mode runs and the three throughput runs side by
+    side, R3's disagreement with the engine is 0 under every resume policy, and the markdown names them."""
+    monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    config = fully_async.AsyncBenchConfig(
+        steps=2, prompts_per_step=2, group_size=2, mini_steps=2, throughput_steps=1, repeats=1, train_steps=25
+    )
+    result = fully_async.run(config)
+    runs = {(r["mode"], r["resume_routes"]): r for r in result["policies"]}
+    assert set(runs) == {(m, p) for m in fully_async.MODES for p in fully_async.POLICIES}
+    for policy in fully_async.POLICIES:
+        assert runs[("R3", policy)]["disagreement_old"] == 0.0 == runs[("R3", policy)]["disagreement_update"]
+        assert runs[("R3", "prefix-replay")]["prefix_conflicts"] == 0
+    assert set(result["throughput"]["samples_per_second"]) == {"sync_1_thread", "sync_2_threads", "async_threaded"}
+    assert all(rate > 0 for rate in result["throughput"]["samples_per_second"].values())
+    assert set(result["ratios"]) == {"async_over_sync_1_thread", "async_over_sync_2_threads"}
+    text = fully_async.markdown(result)
+    assert "| R3 | prefix-replay |" in text and "async / sync samples per second" in text
+
+
+def test_bench_async_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad input: a zero size is refused by the config, and by the CLI when the flag is parsed."""
+    with pytest.raises(ValueError, match="steps=0 must be >= 1"):
+        fully_async.AsyncBenchConfig(steps=0)
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "async", "--rl-steps", "0"])
+    assert info.value.code == EXIT_ERROR
+    assert "argument --rl-steps: must be an integer >= 1" in capsys.readouterr().err
