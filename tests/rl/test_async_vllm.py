@@ -1,0 +1,250 @@
+"""Fully-async GRPO with the colocated vLLM (issue 13): partial rollouts across real vLLM aborts, R3 exact.
+
+One `VLLMEngine` serves the module (a demo sibling vLLM's CPU backend serves, head_dim 64, trained
+briefly and saved with its tokenizer so the CLI can load it); every `AsyncGRPOTrainer.train` syncs its
+own copy of the weights in at policy version 0 first, so the tests share the engine. As in
+`test_async_resume`, every engine call's raw output is logged as it reaches the pool (the samples it
+continued, the rollouts vLLM returned, the engine's policy version, the thread that called vLLM) and
+every batch the trainer learns from is captured. The expected routes of a row are those vLLM returned
+in the first call that fed it, with that call's version: vLLM cannot replay a prefix, so the resume
+policy is `first` (`latest` would keep the resumed call's re-routing instead).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from routereplay.cli.main import EXIT_ERROR, EXIT_OK, main
+from routereplay.cli.train import VLLM_CLI_LOGGING
+from routereplay.engines.hf import Rollout
+from routereplay.errors import ConfigError
+from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
+from routereplay.rl.grpo import GRPOConfig
+from routereplay.rl.rollout_pool import CallInputs, Group
+from routereplay.rl.tasks import AdditionTask
+
+pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
+
+TRAIN_STEPS = 60  # a model that runs; rewards do not matter to what is checked here
+ASYNC_KEYS = ("policy_version", "aborts", "resumed_samples", "prefix_conflicts", "rows_by_version")
+
+
+@pytest.fixture(scope="module")
+def servable(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Any, Path]:
+    """(model, tokenizer, checkpoint folder) of a small demo sibling that vLLM's CPU backend serves."""
+    from routereplay.rl.model import train_demo_model
+
+    model, tokenizer = train_demo_model(
+        "qwen3_moe", steps=TRAIN_STEPS, num_experts=16, num_hidden_layers=3, head_dim=64
+    )
+    folder = tmp_path_factory.mktemp("servable-async")
+    model.save_pretrained(folder)  # type: ignore[operator]
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer, folder
+
+
+@pytest.fixture(scope="module")
+def engine(servable: tuple[torch.nn.Module, Any, Path]) -> Iterator[Any]:
+    """The module's one colocated vLLM; each trainer syncs its own weights in (version 0) when it starts."""
+    from routereplay.engines.vllm_colocated import VLLMEngine
+
+    model, tokenizer, _ = servable
+    with VLLMEngine(copy.deepcopy(model), tokenizer, policy_version=0) as running:
+        yield running
+
+
+@dataclass
+class Run:
+    """One async run: its trainer, vLLM's raw outputs per call, and the batches learnt."""
+
+    trainer: AsyncGRPOTrainer
+    calls: list[tuple[CallInputs, list[Rollout], int]] = field(default_factory=list)
+    threads: list[str] = field(default_factory=list)  # the thread each engine call ran on
+    batches: list[tuple[list[int], list[Rollout]]] = field(default_factory=list)  # sample ids, rollouts learnt
+
+
+def _run(servable: Any, engine: Any, *, schedule: str, steps: int, resume: str | None = None) -> Run:
+    model, tokenizer, _ = servable
+    policy = copy.deepcopy(model)
+    config = GRPOConfig(
+        mode="R3", steps=steps, prompts_per_step=4, group_size=2, mini_steps=2, lr=3e-3, max_new_tokens=6, seed=5
+    )
+    fully = AsyncConfig(
+        schedule=schedule, sync_tokens=(1, 2), resume_routes=resume, max_staleness=3, wait_seconds=300.0
+    )
+    trainer = AsyncGRPOTrainer(policy, AdditionTask(tokenizer), engine, config, fully)
+    run = Run(trainer)
+    receive, take, learn = trainer.pool.receive, trainer.pool.take, trainer.trainer.learn
+    taken: list[list[Group]] = []
+
+    def logged_receive(call: CallInputs, rollouts: Sequence[Rollout], version: int) -> None:
+        run.calls.append((call, copy.deepcopy(list(rollouts)), version))  # as vLLM returned them
+        run.threads.append(threading.current_thread().name)
+        receive(call, rollouts, version)
+
+    def logged_take(count: int, **kwargs: Any) -> list[Group] | None:
+        groups = take(count, **kwargs)
+        if groups is not None:
+            taken.append(groups)
+        return groups
+
+    def logged_learn(step: int, rollouts: Sequence[Rollout], rewards: Sequence[float], **kwargs: Any) -> Any:
+        run.batches.append(([s.sample_id for g in taken[-1] for s in g.samples], list(rollouts)))
+        return learn(step, rollouts, rewards, **kwargs)
+
+    trainer.pool.receive = logged_receive  # type: ignore[method-assign]
+    trainer.pool.take = logged_take  # type: ignore[method-assign]
+    trainer.trainer.learn = logged_learn  # type: ignore[method-assign]
+    trainer.train()
+    return run
+
+
+def _fed_by(run: Run, sample_id: int) -> Iterator[tuple[list[int], Rollout, int]]:
+    """(input fed, rollout vLLM returned, engine version) of every call that continued the sample."""
+    for call, rollouts, version in run.calls:
+        for sample, fed, rollout in zip(call.samples, call.prompts, rollouts, strict=True):
+            if sample.sample_id == sample_id:
+                yield fed, rollout, version
+
+
+def _sampled_routes(run: Run, sample_id: int, rows: int) -> tuple[np.ndarray, list[int | None]]:
+    """Per row, the routes and policy version of the first vLLM call that fed it (from the raw log)."""
+    experts: list[np.ndarray | None] = [None] * rows
+    versions: list[int | None] = [None] * rows
+    for _fed, rollout, version in _fed_by(run, sample_id):
+        if rollout.trace is None:
+            continue
+        for t in range(min(rollout.trace.num_tokens, rows)):
+            if experts[t] is None:
+                experts[t], versions[t] = rollout.trace.experts[t], version
+    assert all(e is not None for e in experts), "some row was never fed by any call"
+    return np.stack(experts), versions  # type: ignore[arg-type]
+
+
+def _row_versions(trace: Any) -> list[int | None]:
+    versions: list[int | None] = [None] * trace.num_tokens
+    for segment in trace.segments:
+        versions[segment.begin : segment.end] = [segment.policy_version] * (segment.end - segment.begin)
+    return versions
+
+
+def _learnt(run: Run) -> list[tuple[int, Rollout]]:
+    return [(sid, r) for ids, rollouts in run.batches for sid, r in zip(ids, rollouts, strict=True)]
+
+
+def _check_learnt_traces_are_vllms(run: Run) -> None:
+    """Every learnt trace is, row by row and version by version, what vLLM returned when the row was first fed,
+    and each call's rows carry the version vLLM itself stamped (the engine and the trainer agree on it)."""
+    for _call, rollouts, version in run.calls:
+        for rollout in rollouts:
+            if rollout.trace is not None:
+                assert {s.policy_version for s in rollout.trace.segments} == {version}
+    for sample_id, rollout in _learnt(run):
+        trace = rollout.trace
+        assert trace is not None and trace.num_tokens == len(rollout.token_ids) - 1
+        assert trace.token_ids is not None and list(trace.token_ids) == rollout.token_ids[:-1]
+        expected, versions = _sampled_routes(run, sample_id, trace.num_tokens)
+        assert np.array_equal(np.sort(trace.experts, -1), np.sort(expected, -1)), f"sample {sample_id}'s routes"
+        assert _row_versions(trace) == versions, f"sample {sample_id}'s row versions"
+
+
+def _check_r3_exact(run: Run) -> None:
+    for record in run.trainer.history:
+        assert record["rollout_routing_disagreement"] == 0.0
+        assert record["rollout_disagreement_per_mini_step"] == [0.0, 0.0]
+
+
+def test_seeded_async_r3_keeps_vllms_routes_across_repeated_aborts(servable: Any, engine: Any) -> None:
+    """Issue 13 with a real vLLM. Defects guarded: routes of a request vLLM aborted are lost (verl #5344;
+    vLLM 0.30's synchronous engine drops them), a resumed prefix's routes spliced at the wrong row or
+    replaced by the resumed prefill's, rows stamped with another policy version than the vLLM call that
+    routed them, a resume policy vLLM cannot honour chosen by default, and R3 replaying anything but
+    vLLM's routes (disagreement above 0 in the old-log-prob pass or a mini-step)."""
+    run = _run(servable, engine, schedule="seeded", steps=4)
+    learnt = _learnt(run)
+    aborts = {sid: sum(1 for _f, r, _v in _fed_by(run, sid) if r.aborted and r.response_ids) for sid, _ in learnt}
+    assert max(aborts.values()) >= 2, f"no learnt sample was aborted twice by vLLM: {aborts}"
+    twice = [r for sid, r in learnt if aborts[sid] >= 2]
+    assert any(len(set(_row_versions(r.trace))) >= 3 for r in twice), "no trace holds rows of 3+ policy versions"
+    resumed = {sid for sid, r in learnt if any(len(fed) > len(r.prompt_ids) for fed, _r, _v in _fed_by(run, sid))}
+    assert resumed, "no learnt sample was resumed, so nothing is tested"
+    _check_learnt_traces_are_vllms(run)
+    _check_r3_exact(run)
+    history = run.trainer.history
+    assert [r["policy_version"] for r in history] == [0, 1, 2, 3]
+    assert {r["resume_routes"] for r in history} == {"first"}, "vLLM cannot replay a prefix: the default is first"
+    assert sum(r["aborts"] for r in history) >= sum(aborts.values())
+
+
+def test_threaded_async_calls_vllm_from_the_rollout_thread_with_r3_exact(servable: Any, engine: Any) -> None:
+    """Issue 13 threaded schedule with a real vLLM. Defects guarded: the in-process vLLM failing or hanging
+    when a rollout thread calls it (and syncs its weights) while the caller's thread trains, and routes or
+    versions going astray when the aborts land where the threads' timing puts them."""
+    run = _run(servable, engine, schedule="threaded", steps=3)
+    assert run.calls and set(run.threads) == {"routereplay-rollout"}, set(run.threads)
+    assert threading.current_thread() is threading.main_thread()
+    history = run.trainer.history
+    assert [r["policy_version"] for r in history] == [0, 1, 2]
+    _check_learnt_traces_are_vllms(run)
+    _check_r3_exact(run)
+
+
+def test_prefix_replay_with_vllm_is_refused_before_anything_runs(servable: Any, engine: Any) -> None:
+    """Silent misroute (issue 13): vLLM 0.30 cannot force routes on a resumed prefill, so 'prefix-replay'
+    with VLLMEngine must be refused when the trainer is built, naming why and what to use, before any
+    weights are synced or anything sampled."""
+    model, tokenizer, _ = servable
+    before = engine.last_sync, engine.policy_version
+    config = GRPOConfig(mode="R3", steps=1, prompts_per_step=4, group_size=2)
+    fully = AsyncConfig(schedule="seeded", resume_routes="prefix-replay")
+    with pytest.raises(ConfigError, match=r"'prefix-replay' needs an engine that forces routes.*VLLMEngine cannot"):
+        AsyncGRPOTrainer(copy.deepcopy(model), AdditionTask(tokenizer), engine, config, fully)
+    assert (engine.last_sync, engine.policy_version) == before
+
+
+def test_train_cli_async_seeded_with_vllm_reports_async_keys(
+    servable: Any, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Silent misroute / missing report (issue 13): `routereplay train --async --schedule seeded --engine vllm
+    --model DIR` trains with the colocated vLLM, prints only JSON on stdout, and each record carries the
+    async keys (policy version, aborts, resumes, prefix conflicts, rows per version) with R3 exact."""
+    for name in VLLM_CLI_LOGGING:  # the command sets them for its process; restored after the test
+        monkeypatch.delenv(name, raising=False)
+    args = ["train", "--async", "--schedule", "seeded", "--engine", "vllm", "--model", str(servable[2])]
+    args += ["--mode", "R3", "--steps", "2", "--prompts-per-step", "4", "--group-size", "2", "--mini-steps", "2"]
+    assert main([*args, "--json"]) == EXIT_OK
+    history = json.loads(capfd.readouterr().out)
+    assert [r["policy_version"] for r in history] == [0, 1]
+    for record in history:
+        assert all(key in record for key in ASYNC_KEYS), sorted(record)
+        assert record["resume_routes"] == "first"
+        assert sum(record["rows_by_version"].values()) > 0
+        assert record["rollout_routing_disagreement"] == 0.0
+        assert record["rollout_disagreement_per_mini_step"] == [0.0, 0.0]
+
+
+def test_train_cli_async_vllm_refuses_prefix_replay_naming_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Misleading message (issue 13): `--async --engine vllm --resume-routes prefix-replay` exits with an
+    error naming the cause (vLLM cannot force routes on a resumed prefill) and the choices that work,
+    before loading a model or starting vLLM."""
+    monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path / "cache"))
+    for name in VLLM_CLI_LOGGING:
+        monkeypatch.delenv(name, raising=False)
+    args = ["train", "--async", "--engine", "vllm", "--resume-routes", "prefix-replay", "--steps", "1"]
+    assert main(args) == EXIT_ERROR
+    message = capsys.readouterr().err
+    assert "--resume-routes prefix-replay" in message and "vLLM 0.30 has no API" in message
+    assert "--resume-routes first|latest" in message and "--engine hf" in message
+    assert not (tmp_path / "cache").exists(), "the demo model was trained before the refusal"
