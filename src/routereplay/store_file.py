@@ -1,0 +1,97 @@
+"""The route store file's envelope: fixed header, JSON header, data section and CRC32.
+
+`RouteStore.to_bytes` builds the JSON header and the data section and `pack_envelope` frames them;
+`check_envelope` checks magic, version, lengths and the CRC before the header is parsed (within
+`JsonLimits`). `check_json` refuses sample metadata that `load` would refuse or change.
+
+File format (`save` / `load`), little-endian, one file per batch, written atomically:
+
+    0   4    magic b"RRST"
+    4   u8   version (1), then 3 reserved zero bytes
+    8   u64  header length H      16  u64  data length D
+    24  H    UTF-8 JSON header: {"geometry": null | {"num_experts", "layers", "top_k"},
+             "samples": [{"id", "tokens": count, "routes": blob bytes | null, "metadata",
+             "conflicting_rows"}, ...]}
+        D    per sample in header order: its token ids as int64, then its codec blob
+             (`routereplay.codec.encode(trace, mode="ordered")`: exact ids and provenance)
+        u32  CRC32 (zlib) of every byte before it
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from typing import TYPE_CHECKING, Any
+
+from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError, ConfigError, StoreHeaderError
+from routereplay.jsondocument import JsonLimits, load_json
+
+if TYPE_CHECKING:
+    from routereplay.store_sample import SampleId
+
+MAGIC = b"RRST"
+VERSION = 1
+_FIXED = struct.Struct("<4sB3xQQ")  # magic, version, reserved, header length, data length
+_CRC = struct.Struct("<I")
+HEADER_DEPTH = 3  # levels of the header around a sample's metadata: {"samples": [{"metadata": ...}]}
+
+
+def pack_envelope(header: dict[str, Any], data: bytes) -> bytes:
+    """The whole file: fixed header, the JSON `header`, the data section, and the CRC32 of all before it."""
+    text = json.dumps(header, allow_nan=False).encode()
+    body = _FIXED.pack(MAGIC, VERSION, len(text), len(data)) + text + data
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def check_envelope(data: bytes, limits: JsonLimits | None) -> tuple[dict[str, Any], bytes]:
+    if data[:4] != MAGIC:
+        raise CodecFormatError(f"bad magic {data[:4]!r} at byte offset 0 (expected {MAGIC!r}): not a route store file")
+    if len(data) < _FIXED.size + _CRC.size:
+        raise CodecFormatError(f"truncated route store file: {len(data)} bytes; re-save the store")
+    _, version, header_size, data_size = _FIXED.unpack_from(data)
+    if version != VERSION:
+        raise CodecVersionError(
+            f"route store file version {version} (byte offset 4); this release reads version {VERSION}: "
+            "upgrade routereplay"
+        )
+    expected = _FIXED.size + header_size + data_size + _CRC.size
+    if len(data) != expected:
+        what = "truncated" if len(data) < expected else "followed by trailing bytes"
+        raise CodecFormatError(f"route store file is {len(data)} bytes, its header declares {expected}: it was {what}")
+    (stored,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+    actual = zlib.crc32(memoryview(data)[: -_CRC.size])
+    if stored != actual:
+        raise ChecksumError(
+            f"route store CRC32 mismatch: stored {stored:#010x}, computed {actual:#010x}: the file was corrupted or "
+            "tampered with; re-save the store"
+        )
+    header_end = _FIXED.size + header_size
+    header = load_json(
+        data[_FIXED.size : header_end], what="route store header (corrupt file)", error=StoreHeaderError, limits=limits
+    )
+    if not isinstance(header, dict):
+        raise StoreHeaderError("route store header is not a JSON object: corrupt file")
+    return header, data[header_end : header_end + data_size]
+
+
+def check_json(metadata: dict[str, Any], sample_id: SampleId) -> None:
+    """Refuse metadata that `load` would refuse or change (the header limits apply to it too)."""
+    defaults = JsonLimits()
+    limits = JsonLimits(
+        max_bytes=defaults.max_bytes,
+        max_depth=defaults.max_depth - HEADER_DEPTH,
+        max_number_digits=defaults.max_number_digits,
+    )
+    try:
+        text = json.dumps(metadata, allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError) as error:
+        raise ConfigError(
+            f"sample {sample_id!r}: metadata is not JSON ({error}); store plain str/int/float/list/dict"
+        ) from None
+    exact = load_json(text, what=f"sample {sample_id!r} metadata", error=ConfigError, limits=limits) == metadata
+    if not exact:
+        raise ConfigError(
+            f"sample {sample_id!r}: metadata {metadata!r} changes through JSON (tuples, non-str keys); store lists "
+            "and str keys so that load(save(store)) == store"
+        )
