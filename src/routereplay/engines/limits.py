@@ -139,6 +139,19 @@ def checked_sequence_name(value: Any) -> str | int | None:
     raise ConfigError(f"sequence must be a str, an int or None, got {type(value).__name__}")
 
 
+def checked_decoder_args(
+    max_bytes: Any, policy_version: Any, validate: Any, sequence: Any
+) -> tuple[int, int | None, bool, str | int | None]:
+    """The arguments every engine decoder takes, checked in this order: `max_bytes`, `policy_version`,
+    `validate` and the `sequence` label of its errors (a ConfigError names the first bad one)."""
+    return (
+        checked_int(max_bytes, "max_bytes"),
+        checked_optional_int(policy_version, "policy_version"),
+        checked_bool(validate, "validate"),
+        checked_sequence_name(sequence),
+    )
+
+
 def _brief(value: Any) -> str:
     """A short, always-printable picture of a bad argument (never the repr of a huge object)."""
     if is_int(value):
@@ -162,6 +175,7 @@ __all__ = [
     "WIRE_INT_DTYPES",
     "WireLimits",
     "checked_bool",
+    "checked_decoder_args",
     "checked_int",
     "checked_layers",
     "checked_optional_int",

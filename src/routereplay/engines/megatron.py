@@ -20,10 +20,8 @@ from routereplay.engines.assembler import Expectation, assemble
 from routereplay.engines.limits import (
     DEFAULT_LIMITS,
     WireLimits,
-    checked_bool,
+    checked_decoder_args,
     checked_int,
-    checked_optional_int,
-    checked_sequence_name,
 )
 from routereplay.engines.payload import (
     DEFAULT_MAX_BYTES,
@@ -81,10 +79,7 @@ def decode_megatron(
         limits=limits,
     )
     index = checked_int(index, "index")
-    max_bytes = checked_int(max_bytes, "max_bytes")
-    policy_version = checked_optional_int(policy_version, "policy_version")
-    validate = checked_bool(validate, "validate")
-    sequence = checked_sequence_name(sequence)
+    max_bytes, policy_version, validate, sequence = checked_decoder_args(max_bytes, policy_version, validate, sequence)
     where = sequence if sequence is not None else f"request {index}"
     routes = _locate(value, index, where)
     what = f"{location(where)} {FIELD}"

@@ -29,10 +29,8 @@ from routereplay.engines.limits import (
     DEFAULT_LIMITS,
     MAX_INT_ARGUMENT,
     WireLimits,
-    checked_bool,
+    checked_decoder_args,
     checked_int,
-    checked_optional_int,
-    checked_sequence_name,
     is_int,
 )
 from routereplay.engines.payload import (
@@ -111,10 +109,7 @@ def decode_sglang(
     )
     index = checked_int(index, "index")
     choice = checked_int(choice, "choice")
-    max_bytes = checked_int(max_bytes, "max_bytes")
-    policy_version = checked_optional_int(policy_version, "policy_version")
-    validate = checked_bool(validate, "validate")
-    sequence = checked_sequence_name(sequence)
+    max_bytes, policy_version, validate, sequence = checked_decoder_args(max_bytes, policy_version, validate, sequence)
     where = sequence if sequence is not None else (f"request {index}" if isinstance(value, list) else None)
     meta, routes = _locate(value, index, choice, where)
     if expect.num_tokens is None and meta is not None:

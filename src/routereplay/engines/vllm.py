@@ -21,10 +21,8 @@ from routereplay.engines.assembler import Expectation, assemble
 from routereplay.engines.limits import (
     DEFAULT_LIMITS,
     WireLimits,
-    checked_bool,
+    checked_decoder_args,
     checked_int,
-    checked_optional_int,
-    checked_sequence_name,
 )
 from routereplay.engines.payload import (
     DEFAULT_MAX_BYTES,
@@ -94,10 +92,7 @@ def decode_vllm(
         limits=limits,
     )
     choice = checked_int(choice, "choice")
-    max_bytes = checked_int(max_bytes, "max_bytes")
-    policy_version = checked_optional_int(policy_version, "policy_version")
-    validate = checked_bool(validate, "validate")
-    sequence = checked_sequence_name(sequence)
+    max_bytes, policy_version, validate, sequence = checked_decoder_args(max_bytes, policy_version, validate, sequence)
     where = f"choice {choice}" if sequence is None else sequence
     value, prompt_value = _locate(value, prompt_value, choice, where)
     what = f"{location(where)} routed_experts"
