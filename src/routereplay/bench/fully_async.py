@@ -75,10 +75,13 @@ def _policy_run(model: Any, task: Any, config: AsyncBenchConfig, mode: str, poli
     def mean(key: str) -> float:
         return statistics.fmean(float(r[key]) for r in history)
 
+    current = [r["k3_kl_current"] for r in history if r["k3_kl_current"] is not None]
     return {
         "mode": mode,
         "resume_routes": policy,
         "k3_kl": mean("k3_kl"),
+        "k3_kl_current": statistics.fmean(current) if current else None,
+        "current_steps": len(current),
         "ppo_kl": mean("ppo_kl"),
         "disagreement_old": mean("rollout_routing_disagreement"),
         "disagreement_update": statistics.fmean(
@@ -108,18 +111,25 @@ def _grpo(config: AsyncBenchConfig, mode: str, steps: int) -> Any:
     )
 
 
-def _throughput_workloads(model: Any, task: Any, config: AsyncBenchConfig) -> dict[str, Callable[[], Any]]:
+def _throughput_workloads(
+    model: Any, task: Any, config: AsyncBenchConfig, steady: dict[str, list[float]]
+) -> dict[str, Callable[[], Any]]:
+    """The three timed runs; each also appends its steady-state seconds per step to `steady[name]`:
+    from the end of step 0 to the end of the last step, so the async run's initial fill of the
+    pool (and sync's first step) is left out."""
     from routereplay.engines.hf import HFEngine
     from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
     from routereplay.rl.grpo import GRPOTrainer
 
     grpo = _grpo(config, "R3", config.throughput_steps)
+    later = max(config.throughput_steps - 1, 1)
 
-    def sync(threads: int) -> Callable[[], Any]:
+    def sync(name: str, threads: int) -> Callable[[], Any]:
         def run() -> None:
             policy = copy.deepcopy(model)
             with ThreadPolicy(threads=threads).applied():
-                GRPOTrainer(policy, task, HFEngine(policy), grpo).train()
+                history = GRPOTrainer(policy, task, HFEngine(policy), grpo).train()
+            steady.setdefault(name, []).append(sum(sum(r["seconds"].values()) for r in history[1:]) / later)
 
         return run
 
@@ -127,9 +137,14 @@ def _throughput_workloads(model: Any, task: Any, config: AsyncBenchConfig) -> di
         policy = copy.deepcopy(model)
         fully = AsyncConfig(schedule="threaded", max_staleness=config.max_staleness)
         with ThreadPolicy(threads=1).applied():
-            AsyncGRPOTrainer(policy, task, HFEngine(policy), grpo, fully).train()
+            history = AsyncGRPOTrainer(policy, task, HFEngine(policy), grpo, fully).train()
+        steady.setdefault("async_threaded", []).append((history[-1]["elapsed"] - history[0]["elapsed"]) / later)
 
-    return {"sync_1_thread": sync(1), "sync_2_threads": sync(2), "async_threaded": fully_async}
+    return {
+        "sync_1_thread": sync("sync_1_thread", 1),
+        "sync_2_threads": sync("sync_2_threads", 2),
+        "async_threaded": fully_async,
+    }
 
 
 def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -152,12 +167,19 @@ def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None)
                 result = _policy_run(model, task, config, mode, policy)
                 result["seconds"] = time.perf_counter() - began
                 runs.append(result)
-        seconds = interleave(_throughput_workloads(model, task, config), config.repeats, report)
-    samples = config.throughput_steps * config.prompts_per_step * config.group_size
+        steady: dict[str, list[float]] = {}
+        seconds = interleave(_throughput_workloads(model, task, config, steady), config.repeats, report)
+        for name in steady:  # interleave's untimed warm-up call appended first: keep the timed repeats
+            steady[name] = steady[name][-config.repeats :]
+    batch = config.prompts_per_step * config.group_size
+    samples = config.throughput_steps * batch
     rates = {name: samples / statistics.median(s) for name, s in seconds.items()}
+    steady_rates = {name: batch / statistics.median(s) for name, s in steady.items()}
     ratios = {
         "async_over_sync_1_thread": median_ratio(seconds["sync_1_thread"], seconds["async_threaded"]),
         "async_over_sync_2_threads": median_ratio(seconds["sync_2_threads"], seconds["async_threaded"]),
+        "steady_async_over_sync_1_thread": median_ratio(steady["sync_1_thread"], steady["async_threaded"]),
+        "steady_async_over_sync_2_threads": median_ratio(steady["sync_2_threads"], steady["async_threaded"]),
     }
     return {
         "suite": "async",
@@ -169,6 +191,7 @@ def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None)
             "samples_per_run": samples,
             "seconds": spread(seconds),
             "samples_per_second": rates,
+            "steady_samples_per_second": steady_rates,
         },
         "ratios": ratios,
         "targets": {},
@@ -184,13 +207,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"{config['sync_tokens'][0]}-{config['sync_tokens'][1]} engine tokens, max staleness "
         f"{config['max_staleness']}, {config['steps']} steps per run (means over steps).",
         "",
-        "| mode | resume routes | k3 KL | ppo_kl | ≠eng old | ≠eng upd | resumed rows | stale rows | conflicts | "
-        "aborts | reward first → last |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | resume routes | k3 KL | k3 KL, current tokens | ppo_kl | ≠eng old | ≠eng upd | resumed rows | "
+        "stale rows | conflicts | aborts | reward first → last |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["policies"]:
         lines.append(
-            f"| {r['mode']} | {r['resume_routes']} | {r['k3_kl']:.2e} | {r['ppo_kl']:.2e} | "
+            f"| {r['mode']} | {r['resume_routes']} | {r['k3_kl']:.2e} | "
+            + (f"{r['k3_kl_current']:.2e} | " if r["k3_kl_current"] is not None else "n/a | ")
+            + f"{r['ppo_kl']:.2e} | "
             f"{r['disagreement_old']:.2%} | {r['disagreement_update']:.2%} | {r['resumed_row_fraction']:.1%} | "
             f"{r['stale_row_fraction']:.1%} | {r['prefix_conflicts']} | {r['aborts']} | "
             f"{r['reward_first']:.1%} → {r['reward_last']:.1%} |"
@@ -201,16 +226,20 @@ def markdown(result: dict[str, Any]) -> str:
         f"Throughput: {config['throughput_steps']} R3 steps ({throughput['samples_per_run']} samples) per run, "
         f"{config['repeats']} interleaved repeats (median).",
         "",
-        "| run | samples/s (median) | s low | s high |",
-        "|---|---:|---:|---:|",
+        "| run | samples/s, whole run (median) | s low | s high | samples/s, steady state (median) |",
+        "|---|---:|---:|---:|---:|",
     ]
     for name, rate in throughput["samples_per_second"].items():
         timing = throughput["seconds"][name]
-        lines.append(f"| {name} | {rate:.1f} | {timing['low']:.2f} | {timing['high']:.2f} |")
+        steady = throughput["steady_samples_per_second"][name]
+        lines.append(f"| {name} | {rate:.1f} | {timing['low']:.2f} | {timing['high']:.2f} | {steady:.1f} |")
     ratios = result["ratios"]
     lines.append(
-        f"\nasync / sync samples per second (median of per-repeat ratios): {ratios['async_over_sync_1_thread']:.2f} "
-        f"against sync on 1 intra-op thread, {ratios['async_over_sync_2_threads']:.2f} against sync on 2."
+        f"\nasync / sync samples per second (median of per-repeat ratios), whole run: "
+        f"{ratios['async_over_sync_1_thread']:.2f} against sync on 1 intra-op thread, "
+        f"{ratios['async_over_sync_2_threads']:.2f} against sync on 2; steady state (after step 0, so without the "
+        f"async pool's initial fill): {ratios['steady_async_over_sync_1_thread']:.2f} and "
+        f"{ratios['steady_async_over_sync_2_threads']:.2f}."
     )
     return "\n".join(lines)
 

@@ -18,7 +18,9 @@ Two schedules decide where aborts happen:
   The engine keeps the old weights for those tokens, then syncs, so the same seed gives the same
   aborts, the same rollouts and the same training.
 
-Per step the record adds to `GRPOTrainer`'s: the trainer's policy version, rows per policy version,
+Per step the record adds to `GRPOTrainer`'s: `k3_kl_current`, the engine-vs-trainer k3 KL over the
+response tokens sampled by the version being trained (the plain `k3_kl` also holds the policy lag of
+older tokens), the trainer's policy version, rows per policy version,
 stale rows (routed by an older version than the one trained), samples aborted and resumed, aborts
 before any output, the fraction of rows whose routing a resume re-computed, prefix conflicts (rows a
 resumed prefill routed otherwise than stored), groups dropped as too stale, and samples per second.
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from routereplay.engines.hf import SamplingParams
@@ -203,7 +206,9 @@ class AsyncGRPOTrainer:
         rewards = [self.task.reward(g.problem, s.response_ids) for g in groups for s in g.samples]
         extra = self._async_record(groups)
         began = time.perf_counter()
-        self.trainer.learn(len(self.history), rollouts, rewards, extra=extra)
+        self.trainer.learn(
+            len(self.history), rollouts, rewards, extra=extra, token_subsets={"current": self._current(groups)}
+        )
         record = self.history[-1]
         record["seconds"]["learn"] = time.perf_counter() - began
         self.version += 1
@@ -212,6 +217,19 @@ class AsyncGRPOTrainer:
         record["elapsed"] = now - self._began
         self._last_step_at = now
         return copy.deepcopy(self.trainer.model)  # attached models deep-copy as inert, unattached copies
+
+    def _current(self, groups: list[Group]) -> torch.Tensor:
+        """(B, S) mask of the response tokens sampled by the version being trained: their engine-vs-trainer
+        k3 KL has no policy lag in it, only the numerics and routing mismatch R3 is about."""
+        samples = [s for g in groups for s in g.samples]
+        width = max(len(s.token_ids) for s in samples)
+        current_BS = torch.zeros((len(samples), width), dtype=torch.bool)
+        for b, sample in enumerate(samples):
+            start = len(sample.prompt_ids)
+            current_BS[b, start : start + len(sample.versions)] = torch.tensor(
+                [v == self.version for v in sample.versions], dtype=torch.bool
+            )
+        return current_BS
 
     def _async_record(self, groups: list[Group]) -> dict[str, Any]:
         samples = [s for g in groups for s in g.samples]

@@ -180,12 +180,15 @@ class GRPOTrainer:
         *,
         seconds: dict[str, float] | None = None,
         extra: dict[str, Any] | None = None,
+        token_subsets: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """One GRPO update from sampled rollouts, `group_size` consecutive ones per prompt.
 
         Advantages are normalised within each group; the old-log-prob pass and the update mini-steps
         run under this trainer's mode. `extra` is merged into the step's record (the async loop's
-        staleness and resume counts); the record is logged and returned."""
+        staleness and resume counts); the record is logged and returned. `token_subsets` maps a name
+        to a (B, S) bool mask laid out like the batch (right-padded prompt + response): the record
+        gets `k3_kl_<name>` over the response tokens it selects (None when it selects none)."""
         config, seconds = self.config, dict(seconds or {})
         if len(rollouts) != len(rewards) or not rollouts or len(rollouts) % config.group_size:
             raise ConfigError(
@@ -209,6 +212,12 @@ class GRPOTrainer:
         engine_BSLK = engine_routes(rollouts, batch.ids_BS.shape, len(self.replayer.layers), self.replayer.top_k)
         rollout_routing = routing_agreement(old_routes, engine_BSLK, batch.mask_BS.bool())
         mismatch = logprob_mismatch(old_BS, infer_BS, batch.response_BS)
+        subsets: dict[str, float | None] = {}
+        for name, subset_BS in (token_subsets or {}).items():
+            selected_BS = subset_BS[:, : batch.response_BS.shape[1]].bool() & batch.response_BS
+            subsets[f"k3_kl_{name}"] = (
+                logprob_mismatch(old_BS, infer_BS, selected_BS)["k3_kl"] if selected_BS.any() else None
+            )
         seconds["old_logprob"] = time.perf_counter() - begin
 
         begin = time.perf_counter()
@@ -234,6 +243,7 @@ class GRPOTrainer:
             "grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),
             "fallback_rows": self.replayer.stats.fallback_rows,
             "seconds": seconds,
+            **subsets,
             **(extra or {}),
         }
         self.history.append(record)
