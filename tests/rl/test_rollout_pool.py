@@ -175,3 +175,20 @@ def test_two_threads_receive_and_take_without_losing_a_sample() -> None:
     assert not errors
     assert sorted(g.index for g in taken) == list(range(total))
     assert all(len(g.rollouts()) == 2 for g in taken)
+
+
+def test_a_call_holds_at_most_the_engines_concurrency_oldest_first() -> None:
+    """Wasted aborts: vLLM runs max_num_seqs requests at once and queues the rest; a weight sync then aborts
+    the queue before any prefill. A call is capped at the engine's concurrency, the oldest samples first,
+    so resumed samples are never starved by newer ones."""
+    pool = RolloutPool(group_size=2, max_new_tokens=4, resume="first", eos_token_id=None)
+    for index in range(3):
+        pool.admit(index, index, PROMPT)
+    call = pool.next_call(3)
+    assert call is not None and [s.sample_id for s in call.samples] == [0, 1, 2]
+    pool.receive(call, [_rollout(PROMPT, [20], 0, aborted=True)] * 3, version=0)
+    resumed = pool.next_call(2)
+    assert resumed is not None and [s.sample_id for s in resumed.samples] == [0, 1]
+    assert resumed.max_new_tokens == 3  # the budget of the samples in the call, not of the ones waiting
+    everything = pool.next_call()
+    assert everything is not None and len(everything.samples) == 6 and everything.max_new_tokens == 4

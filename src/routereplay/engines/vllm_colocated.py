@@ -202,6 +202,12 @@ class VLLMEngine:
 
     supports_prefix_replay: bool = False  # vLLM 0.30 cannot force a prefill's routes (`prefix_routes` is refused)
 
+    @property
+    def max_concurrent_sequences(self) -> int:
+        """Requests vLLM runs at once (`max_num_seqs`); the async loop sends no more per call, so a weight sync
+        does not abort a queue of requests that never reached their prefill."""
+        return int(self.config.max_num_seqs)
+
     def __init__(
         self,
         model: nn.Module,

@@ -145,6 +145,8 @@ class AsyncGRPOTrainer:
                 f"in_flight_groups={self.capacity} is fewer than prompts_per_step={config.prompts_per_step}: "
                 "the trainer could never take a batch"
             )
+        # a call holds at most the engine's concurrent sequences (vLLM's max_num_seqs; the built-in engine: all)
+        self.concurrency: int | None = getattr(engine, "max_concurrent_sequences", None)
         self.version = 0  # the trainer's policy version: updates done
         self.engine_version = 0
         self.calls = 0
@@ -280,7 +282,7 @@ class AsyncGRPOTrainer:
                         progress(f"async GRPO ({self.trainer.mode}, seeded)", len(self.history), self.config.steps)
                     continue
             self._refill()
-            call = self.pool.next_call()
+            call = self.pool.next_call(self.concurrency)
             if call is None:  # every admitted group finished and waits for the trainer: the engine idles
                 if pending is None:
                     raise ConfigError("the pool is full of finished groups but none is ready: this is a bug")
@@ -324,7 +326,7 @@ class AsyncGRPOTrainer:
                     if weights is not None:
                         self._sync(weights, version)
                     self._refill()
-                    call = self.pool.next_call()
+                    call = self.pool.next_call(self.concurrency)
                     if call is None:  # everything admitted is finished: wait for the trainer to take some
                         with changed:
                             changed.wait_for(lambda: fresh.is_set() or done.is_set(), timeout=0.05)

@@ -148,10 +148,13 @@ class RolloutPool:
             self._next_sample += self.group_size
             self._groups[index] = Group(index, problem, samples, RouteStore())
 
-    def next_call(self) -> CallInputs | None:
-        """The unfinished samples, continued in one engine call (None when every admitted sample finished)."""
+    def next_call(self, limit: int | None = None) -> CallInputs | None:
+        """The unfinished samples, continued in one engine call (None when every admitted sample finished).
+
+        `limit` caps the call at the engine's concurrency (vLLM's `max_num_seqs`): the oldest samples go
+        first, so the ones waiting are the newest and staleness stays bounded."""
         with self._lock:
-            samples = [s for g in self._groups.values() for s in g.samples if not s.finished]
+            samples = [s for g in self._groups.values() for s in g.samples if not s.finished][:limit]
             if not samples:
                 return None
             budget = max(self.max_new_tokens - len(s.response_ids) for s in samples)
