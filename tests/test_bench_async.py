@@ -14,11 +14,12 @@ pytestmark = pytest.mark.hf
 def test_bench_async_records_every_policy_and_mode(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Missing figures: the record holds the nine policy x mode runs and the three throughput runs side by
-    side, R3's disagreement with the engine is 0 under every resume policy, and the markdown names them."""
+    """Missing figures: the record holds the nine policy x mode runs and the four throughput runs (the engine
+    process's among them) side by side, R3's disagreement with the engine is 0 under every resume policy,
+    and the markdown names them."""
     monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
     config = fully_async.AsyncBenchConfig(
-        steps=2, prompts_per_step=2, group_size=2, mini_steps=2, throughput_steps=1, repeats=1, train_steps=25
+        steps=2, prompts_per_step=2, group_size=2, mini_steps=2, throughput_steps=2, repeats=1, train_steps=25
     )
     result = fully_async.run(config)
     runs = {(r["mode"], r["resume_routes"]): r for r in result["policies"]}
@@ -26,17 +27,24 @@ def test_bench_async_records_every_policy_and_mode(
     for policy in fully_async.POLICIES:
         assert runs[("R3", policy)]["disagreement_old"] == 0.0 == runs[("R3", policy)]["disagreement_update"]
         assert runs[("R3", "prefix-replay")]["prefix_conflicts"] == 0
-    assert set(result["throughput"]["samples_per_second"]) == {"sync_1_thread", "sync_2_threads", "async_threaded"}
-    assert all(rate > 0 for rate in result["throughput"]["samples_per_second"].values())
-    assert set(result["ratios"]) == {"async_over_sync_1_thread", "async_over_sync_2_threads"}
+    workloads = {"sync_1_thread", "sync_2_threads", "async_threaded", "async_process"}
+    for key in ("samples_per_second", "steady_samples_per_second"):
+        assert set(result["throughput"][key]) == workloads
+        assert all(rate > 0 for rate in result["throughput"][key].values())
+    pairs = {f"{a}_over_{b}" for a in ("async", "process") for b in ("sync_1_thread", "sync_2_threads")}
+    pairs.add("process_over_async_threaded")
+    assert set(result["ratios"]) == pairs | {f"steady_{pair}" for pair in pairs}
     text = fully_async.markdown(result)
     assert "| R3 | prefix-replay |" in text and "async / sync samples per second" in text
+    assert "| async_process |" in text and "engine in a child process" in text
 
 
 def test_bench_async_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     """Bad input: a zero size is refused by the config, and by the CLI when the flag is parsed."""
     with pytest.raises(ValueError, match="steps=0 must be >= 1"):
         fully_async.AsyncBenchConfig(steps=0)
+    with pytest.raises(ValueError, match="throughput_steps=1 must be >= 2"):
+        fully_async.AsyncBenchConfig(throughput_steps=1)
     with pytest.raises(SystemExit) as info:
         main(["bench", "async", "--rl-steps", "0"])
     assert info.value.code == EXIT_ERROR

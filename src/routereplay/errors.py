@@ -282,6 +282,31 @@ class WeightSyncError(RouteReplayError):
     """Loading the trainer's weights into a running engine left parameters unloaded or stale KV in its cache."""
 
 
+# --- the built-in engine in a child process (engines/hf_process.py) --------------------------------
+
+
+class EngineProcessError(RouteReplayError, RuntimeError):
+    """The built-in engine's child process failed: it did not start in time, or stopped answering."""
+
+
+class EngineProcessDiedError(EngineProcessError):
+    """The engine's child process exited (killed, out of memory, crashed); `exitcode` is its exit code
+    (negative: the signal that ended it). Its state is lost: build a new engine."""
+
+    def __init__(self, message: str, *, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+
+
+class EngineProcessRaisedError(EngineProcessError):
+    """The engine's child process raised an exception that could not be sent back as itself (it does not
+    pickle); `type_name` names its type and the message carries the child's traceback."""
+
+    def __init__(self, message: str, *, type_name: str = "", traceback_text: str = "") -> None:
+        super().__init__(message)
+        self.type_name, self.traceback_text = type_name, traceback_text
+
+
 # --- optional dependencies -------------------------------------------------------------------------
 
 

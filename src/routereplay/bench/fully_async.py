@@ -11,8 +11,11 @@ Two parts, both on the trained demo model (`rl.model.load_or_train`, cached) and
   reward of the first and last steps.
 - `throughput`: samples trained per second for `throughput_steps` steps of synchronous GRPO (one
   intra-op thread, and two) and of async GRPO on the realistic `threaded` schedule (a rollout thread
-  and the trainer, one intra-op thread each), interleaved over `repeats` repeats. The ratio is the
-  median of per-repeat ratios async / sync, on the same machine in the same run.
+  and the trainer, one intra-op thread each), with the engine in the rollout thread
+  (`async_threaded`, so both share the GIL) and in a child process (`async_process`,
+  `engines.hf_process.HFProcessEngine`; its start-up is inside the timed run, the steady state leaves
+  it out), interleaved over `repeats` repeats. The ratios are medians of per-repeat ratios async /
+  sync, on the same machine in the same run.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ class AsyncBenchConfig:
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"async bench: {name}={getattr(self, name)} must be >= 1")
+        if self.throughput_steps < 2:
+            raise ValueError(
+                f"async bench: throughput_steps={self.throughput_steps} must be >= 2 (the steady state is timed "
+                "from the end of step 0)"
+            )
 
 
 def _policy_run(model: Any, task: Any, config: AsyncBenchConfig, mode: str, policy: str) -> dict[str, Any]:
@@ -114,10 +122,11 @@ def _grpo(config: AsyncBenchConfig, mode: str, steps: int) -> Any:
 def _throughput_workloads(
     model: Any, task: Any, config: AsyncBenchConfig, steady: dict[str, list[float]]
 ) -> dict[str, Callable[[], Any]]:
-    """The three timed runs; each also appends its steady-state seconds per step to `steady[name]`:
+    """The four timed runs; each also appends its steady-state seconds per step to `steady[name]`:
     from the end of step 0 to the end of the last step, so the async run's initial fill of the
     pool (and sync's first step) is left out."""
     from routereplay.engines.hf import HFEngine
+    from routereplay.engines.hf_process import HFProcessEngine
     from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
     from routereplay.rl.grpo import GRPOTrainer
 
@@ -133,17 +142,26 @@ def _throughput_workloads(
 
         return run
 
-    def fully_async() -> None:
-        policy = copy.deepcopy(model)
-        fully = AsyncConfig(schedule="threaded", max_staleness=config.max_staleness)
-        with ThreadPolicy(threads=1).applied():
-            history = AsyncGRPOTrainer(policy, task, HFEngine(policy), grpo, fully).train()
-        steady.setdefault("async_threaded", []).append((history[-1]["elapsed"] - history[0]["elapsed"]) / later)
+    def fully_async(name: str, engine_type: Callable[..., Any]) -> Callable[[], Any]:
+        def run() -> None:
+            policy = copy.deepcopy(model)
+            fully = AsyncConfig(schedule="threaded", max_staleness=config.max_staleness)
+            with ThreadPolicy(threads=1).applied():
+                engine = engine_type(policy)
+                try:
+                    history = AsyncGRPOTrainer(policy, task, engine, grpo, fully).train()
+                finally:
+                    if isinstance(engine, HFProcessEngine):
+                        engine.close()
+            steady.setdefault(name, []).append((history[-1]["elapsed"] - history[0]["elapsed"]) / later)
+
+        return run
 
     return {
         "sync_1_thread": sync("sync_1_thread", 1),
         "sync_2_threads": sync("sync_2_threads", 2),
-        "async_threaded": fully_async,
+        "async_threaded": fully_async("async_threaded", HFEngine),
+        "async_process": fully_async("async_process", lambda policy: HFProcessEngine(policy, threads=1)),
     }
 
 
@@ -180,6 +198,12 @@ def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None)
         "async_over_sync_2_threads": median_ratio(seconds["sync_2_threads"], seconds["async_threaded"]),
         "steady_async_over_sync_1_thread": median_ratio(steady["sync_1_thread"], steady["async_threaded"]),
         "steady_async_over_sync_2_threads": median_ratio(steady["sync_2_threads"], steady["async_threaded"]),
+        "process_over_sync_1_thread": median_ratio(seconds["sync_1_thread"], seconds["async_process"]),
+        "process_over_sync_2_threads": median_ratio(seconds["sync_2_threads"], seconds["async_process"]),
+        "process_over_async_threaded": median_ratio(seconds["async_threaded"], seconds["async_process"]),
+        "steady_process_over_sync_1_thread": median_ratio(steady["sync_1_thread"], steady["async_process"]),
+        "steady_process_over_sync_2_threads": median_ratio(steady["sync_2_threads"], steady["async_process"]),
+        "steady_process_over_async_threaded": median_ratio(steady["async_threaded"], steady["async_process"]),
     }
     return {
         "suite": "async",
@@ -240,6 +264,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"{ratios['async_over_sync_2_threads']:.2f} against sync on 2; steady state (after step 0, so without the "
         f"async pool's initial fill): {ratios['steady_async_over_sync_1_thread']:.2f} and "
         f"{ratios['steady_async_over_sync_2_threads']:.2f}."
+    )
+    lines.append(
+        f"\nWith the engine in a child process (`async_process`), whole run (its start-up included): "
+        f"{ratios['process_over_sync_1_thread']:.2f} against sync on 1 intra-op thread, "
+        f"{ratios['process_over_sync_2_threads']:.2f} against sync on 2, "
+        f"{ratios['process_over_async_threaded']:.2f} against the rollout thread; steady state: "
+        f"{ratios['steady_process_over_sync_1_thread']:.2f}, {ratios['steady_process_over_sync_2_threads']:.2f} and "
+        f"{ratios['steady_process_over_async_threaded']:.2f}."
     )
     return "\n".join(lines)
 

@@ -17,7 +17,10 @@ the new version, and the trainer takes groups at most `--max-staleness` versions
 prefix's routes are kept is `--resume-routes` (default: prefix-replay with the built-in engine, which
 re-prefills the prefix replaying its sampling routes; first with vLLM, which cannot force routes).
 The table then adds the policy version, stale rows, aborts, resumes, prefix conflicts, dropped groups
-and samples per second. `--schedule seeded` makes the aborts land where a seeded schedule says.
+and samples per second. `--schedule seeded` makes the aborts land where a seeded schedule says. With
+the built-in engine, `--async` runs it in a child process (`engines.hf_process.HFProcessEngine`), so
+rollouts and training overlap instead of sharing the GIL; `--rollout-in-thread` keeps it in this
+process (the rollout thread's engine, as before).
 """
 
 from __future__ import annotations
@@ -124,6 +127,11 @@ def add_parser(subparsers: Any) -> None:
         help="seeded schedule: engine tokens one trainer step lasts, drawn in [LOW, HIGH] (default 1,3)",
     )
     fully.add_argument(
+        "--rollout-in-thread",
+        action="store_true",
+        help="--engine hf: run the engine in this process (a rollout thread) instead of a child process (default)",
+    )
+    fully.add_argument(
         "--in-flight",
         type=positive_int,
         help="prompt groups kept in flight (default 2 x --prompts-per-step)",
@@ -202,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
             )
         task = AdditionTask(tokenizer)
         engine = _engine(args, model, tokenizer)
+        owned = colocated or _engine_process(args)  # engines this command started and must stop
         try:
             trainer: Any
             if not args.fully_async:
@@ -223,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             report(phase, 0, config.steps)
             history = trainer.train(lambda _phase, done, total: report(phase, done, total))  # one bar, up to its total
         finally:
-            if colocated:
+            if owned:
                 engine.close()
     if args.plot:
         from pathlib import Path
@@ -254,11 +263,17 @@ def _check_async(args: argparse.Namespace) -> None:
             ("--sync-tokens", args.sync_tokens, (1, 3)),
             ("--in-flight", args.in_flight, None),
             ("--max-staleness", args.max_staleness, 1),
+            ("--rollout-in-thread", args.rollout_in_thread, False),
         )
         if value != default
     ]
     if given and not args.fully_async:
         raise ConfigError(f"{', '.join(given)} only apply to fully-async training: add --async")
+    if args.rollout_in_thread and args.engine != "hf":
+        raise ConfigError(
+            f"--rollout-in-thread chooses where the built-in engine runs; --engine {args.engine} runs where it "
+            "always does: drop --rollout-in-thread"
+        )
     if args.fully_async and args.url:
         raise ConfigError(
             f"--async syncs weights into the engine while it samples, and a remote server's (--url {args.url}) "
@@ -285,12 +300,21 @@ def _check_colocated(args: argparse.Namespace) -> None:
     vllm_overrides(args.arch)  # the demo model's vLLM-servable variant; UnservableModelError if the arch has none
 
 
+def _engine_process(args: argparse.Namespace) -> bool:
+    """Whether the built-in engine runs in a child process: --async with --engine hf, unless --rollout-in-thread."""
+    return args.engine == "hf" and args.fully_async and not args.rollout_in_thread
+
+
 def _engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
     from pathlib import Path
 
     from routereplay.engines.hf import HFEngine
     from routereplay.runtime import attach
 
+    if _engine_process(args):
+        from routereplay.engines.hf_process import HFProcessEngine
+
+        return HFProcessEngine(model, threads=args.threads)  # the rollouts overlap training outside the GIL
     if args.engine == "hf":
         return HFEngine(model)
     if args.engine == "vllm" and not args.url:

@@ -15,6 +15,9 @@ Fully-async RL needs two more things of `generate`, and both are keyword argumen
   sampled token). When it says yes, the call ends there, every unfinished sequence comes back with
   `aborted=True`, and nothing already sampled is lost: the tokens, their log-probs and the routes of
   every fed position. A call stopped before its prefill returns empty responses and no traces.
+  `TokenBudget(n)` is the stop rule "n tokens sampled" as plain data: an engine in another process
+  (`engines.hf_process`) evaluates it there, exactly, where an arbitrary callable can only be asked
+  from the parent.
 - `prefix_routes` (one `RouteTrace` or None per prompt) is engine-side prefix replay. The prefill of a
   resumed request (prompt + everything generated so far) replays the routes those positions were
   computed with when they were first fed, so the KV cache and the continuation use one consistent
@@ -30,7 +33,7 @@ B = sequences, P = padded prompt length, V = vocabulary, S = positions fed.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -63,6 +66,20 @@ class SamplingParams:
             raise ConfigError(f"temperature={self.temperature} must be > 0 (use a small value for near-greedy)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBudget:
+    """The `stop` rule "stop once `tokens` tokens are sampled", as picklable data (see the module docstring)."""
+
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
+            raise ConfigError(f"TokenBudget(tokens={self.tokens!r}): the budget must be an integer >= 0")
+
+    def __call__(self, sampled: int) -> bool:
+        return sampled >= self.tokens
 
 
 def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
@@ -107,7 +124,11 @@ class HFEngine:
 
     def sync_weights(self, model: nn.Module, policy_version: int | None = None) -> None:
         """Load the trainer's current weights, cast to the engine dtype (the RL weight sync)."""
-        self.model.load_state_dict({k: v.to(self.dtype) for k, v in model.state_dict().items()})
+        self.load_weights(model.state_dict(), policy_version)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], policy_version: int | None = None) -> None:
+        """Load a state dict (any dtype and device), cast to the engine dtype; `sync_weights` without the model."""
+        self.model.load_state_dict({k: v.to(self.dtype) for k, v in state.items()})
         self.policy_version = policy_version
 
     @torch.no_grad()
@@ -285,4 +306,13 @@ def sample_tokens(
     return token_B, logprobs_BV.gather(1, token_B[:, None])[:, 0]
 
 
-__all__ = ["HFEngine", "Rollout", "SamplingParams", "check_prompts", "left_pad", "position_ids_for", "sample_tokens"]
+__all__ = [
+    "HFEngine",
+    "Rollout",
+    "SamplingParams",
+    "TokenBudget",
+    "check_prompts",
+    "left_pad",
+    "position_ids_for",
+    "sample_tokens",
+]

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from routereplay.engines.hf import SamplingParams
+from routereplay.engines.hf import SamplingParams, TokenBudget
 from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, RouteReplayError
 from routereplay.rl.grpo import Engine, GRPOConfig, GRPOTrainer
@@ -291,7 +291,7 @@ class AsyncGRPOTrainer:
                 pending = None
                 continue
             budget = None if pending is None else pending[2] - clock
-            stop = None if budget is None else (lambda sampled, budget=budget: sampled >= budget)
+            stop = None if budget is None else TokenBudget(budget)  # data: exact in an engine process too
             self._run_call(call, stop)
             clock += call.max_new_tokens if budget is None else min(budget, call.max_new_tokens)
             if pending is not None and clock >= pending[2]:
