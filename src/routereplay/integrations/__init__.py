@@ -1,0 +1,11 @@
+"""Router replay inside other frameworks' RL trainers.
+
+Each integration imports the core and its framework, never the other way round, and imports the
+framework lazily behind an extra: `routereplay.integrations.trl` needs `pip install 'routereplay[trl]'`
+and raises `MissingDependencyError` naming it when TRL is absent. This package itself imports nothing.
+
+- `trl`: `RouterReplayGRPOTrainer`, TRL's `GRPOTrainer` with R2 / R3 (`trl_state`, `trl_layout`,
+  `trl_vllm` are its parts).
+"""
+
+__all__: list[str] = []
