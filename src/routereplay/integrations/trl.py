@@ -48,6 +48,7 @@ from routereplay.errors import (
 from routereplay.integrations.trl_layout import engine_routes, generation_traces
 from routereplay.integrations.trl_state import (
     ENGINE_ROUTES_KEY,
+    IDS_KEY,
     METRIC_PREFIX,
     OLD_ROUTES_KEY,
     Phase,
@@ -229,6 +230,7 @@ class RouterReplayGRPOTrainer(GRPOTrainer):
                 output["old_per_token_logps"] = state.forced_logps
             assert state.old_routes_BSLK is not None
             output[OLD_ROUTES_KEY] = state.old_routes_BSLK
+            output[IDS_KEY] = ids_BS
             if state.engine_routes_BSLK is not None:
                 output[ENGINE_ROUTES_KEY] = state.engine_routes_BSLK
             digest = routes_digest(state.old_routes_BSLK, mask_BS)

@@ -11,8 +11,9 @@ No TRL import here. A generation batch goes through three phases of TRL's loop:
 
 The routes travel in TRL's batch dict under `OLD_ROUTES_KEY` and `ENGINE_ROUTES_KEY`: (B, S, L, K)
 tensors aligned with `cat(prompt_ids, completion_ids)`, so TRL's `shuffle_sequence_dict` and
-`split_tensor_dict` move them with their rows. Every update leaves a `RoutingCounts`; the trainer sums
-them over processes and logs the fractions.
+`split_tensor_dict` move them with their rows. `IDS_KEY` holds the ids they were laid out for; every
+update checks them against the batch's (`TokenMismatchError` if rows moved without their routes).
+Every pass leaves a `RoutingCounts`; the trainer sums them over processes and logs the fractions.
 
 Legend: B = completions, S = prompt + completion positions, L = bound layers, K = top-k.
 """
@@ -27,13 +28,14 @@ from typing import Any
 import torch
 
 from routereplay.enums import StrEnum
-from routereplay.errors import ConfigError, MissingRoutesError, ReplayStateError
+from routereplay.errors import ConfigError, MissingRoutesError, ReplayStateError, TokenMismatchError
 from routereplay.metrics import routing_agreement
 from routereplay.runtime import Recording, Replayer
 from routereplay.trace import RouteTrace
 
 OLD_ROUTES_KEY = "router_replay_old_routes"  # (B, S, L, K): the routes the old-log-prob pass used
 ENGINE_ROUTES_KEY = "router_replay_engine_routes"  # (B, S, L, K): the generation's routes, -1 where none
+IDS_KEY = "router_replay_input_ids"  # (B, S): the ids the routes above were laid out for, checked at every update
 METRIC_PREFIX = "router_replay/"
 
 
@@ -129,6 +131,24 @@ def compared(a_BSLK: torch.Tensor, b_BSLK: torch.Tensor, mask_BS: torch.Tensor) 
     return round(result["routing_disagreement"] * rows), rows
 
 
+def check_rows(inputs: dict[str, Any]) -> None:
+    """The batch's ids are the ids its routes were laid out for (`TokenMismatchError` naming the first row)."""
+    ids_BS = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    routed_BS = inputs.get(IDS_KEY)
+    if routed_BS is None:
+        raise MissingRoutesError(f"the training batch has no {IDS_KEY!r}: its routes cannot be checked against its ids")
+    if tuple(routed_BS.shape) != tuple(ids_BS.shape) or not torch.equal(routed_BS.to(ids_BS.device), ids_BS):
+        same = tuple(routed_BS.shape) == tuple(ids_BS.shape)
+        rows = (routed_BS.to(ids_BS.device) != ids_BS).any(dim=1).nonzero().flatten().tolist() if same else []
+        where = f"row {rows[0]} ({len(rows)} of {ids_BS.shape[0]} rows differ)" if rows else "the shapes differ"
+        raise TokenMismatchError(
+            f"the training batch's routes were laid out for other token ids than it holds: {where}, ids "
+            f"{tuple(ids_BS.shape)}, routes laid out for {tuple(routed_BS.shape)}. Its rows were reordered or split "
+            f"without the {IDS_KEY!r} / router_replay_* entries; move every key of the batch dict with one "
+            "permutation (TRL's shuffle_sequence_dict and split_tensor_dict do)"
+        )
+
+
 def routes_digest(routes_BSLK: torch.Tensor, mask_BS: torch.Tensor) -> str:
     """A short hex digest of the routes on attended positions."""
     attended = routes_BSLK.detach().cpu()[mask_BS.detach().cpu().bool()].to(torch.int32)
@@ -217,6 +237,7 @@ class TrlRouting:
                 f"the training batch has no {OLD_ROUTES_KEY!r}: it did not come from RouterReplayGRPOTrainer's "
                 "_generate_and_score_completions (a subclass replaced it, or dropped the key)"
             )
+        check_rows(inputs)
         mask_BS = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         context: AbstractContextManager[Recording]
         if self.mode is RouterReplay.R2:
@@ -264,6 +285,7 @@ class TrlRouting:
 
 __all__ = [
     "ENGINE_ROUTES_KEY",
+    "IDS_KEY",
     "METRIC_PREFIX",
     "OLD_ROUTES_KEY",
     "Phase",
@@ -273,6 +295,7 @@ __all__ = [
     "RoutingCounts",
     "TrlRouting",
     "UpdateRecord",
+    "check_rows",
     "compared",
     "routes_digest",
 ]
