@@ -137,7 +137,7 @@ def test_bad_settings_are_refused_with_the_fix(demo: tuple[Any, Any], tmp_path: 
         run(*demo, tmp_path, "R4")
     with pytest.raises(ConfigError, match=r"reference_routing='replay' with router_replay=None"):
         run(*demo, tmp_path, None, reference_routing="replay")
-    with pytest.raises(UnsupportedByEngineError, match=r"vllm_mode='server'.*returns token ids and log-probs only"):
+    with pytest.raises(UnsupportedByEngineError, match=r"vllm_mode='server': TRL's VLLMClient keeps only"):
         run(*demo, tmp_path, "R3", use_vllm=True, vllm_mode="server")
 
 

@@ -14,9 +14,10 @@
   optimisation step. Generation routes come from `model.generate` (`use_vllm=False`: its forwards are
   recorded on the trainer's own model, nothing replayed there) or from TRL's colocated vLLM
   (`vllm_mode="colocate"`, built with `enable_return_routed_experts`: `trl_vllm`). Refused, with the
-  reason: `vllm_mode="server"` (`trl vllm-serve`'s /generate/ returns ids and log-probs only), TRL's
-  continuous batching, tools / environments and `rollout_func` (their completions hold tokens no
-  generation routed).
+  reason: `vllm_mode="server"` (TRL's `VLLMClient.generate` keeps only ids and log-probs of the
+  server's /v1/completions choices, `vllm_client.py` l.455-466, so routes a server started with
+  `--enable-return-routed-experts` sends are dropped), TRL's continuous batching, tools / environments
+  and `rollout_func` (their completions hold tokens no generation routed).
 - None: TRL's natural routing, measured (drift, engine disagreement) but not changed.
 
 `reference_routing` ("natural" or "replay") says how the reference model (`beta != 0`) routes; with
@@ -49,14 +50,12 @@ from routereplay.integrations.trl_layout import engine_routes, generation_traces
 from routereplay.integrations.trl_state import (
     ENGINE_ROUTES_KEY,
     IDS_KEY,
-    METRIC_PREFIX,
     OLD_ROUTES_KEY,
     Phase,
     ReplaySettings,
     RouterReplay,
     RoutingCounts,
     TrlRouting,
-    UpdateRecord,
     routes_digest,
 )
 from routereplay.runtime import attach
@@ -113,9 +112,10 @@ class RouterReplayGRPOTrainer(GRPOTrainer):
         colocate = args is not None and bool(args.use_vllm) and args.vllm_mode == "colocate"
         if args is not None and args.use_vllm and not colocate and settings.router_replay is RouterReplay.R3:
             raise UnsupportedByEngineError(
-                f"router_replay='R3' with vllm_mode={args.vllm_mode!r}: `trl vllm-serve`'s /generate/ returns token "
-                "ids and log-probs only, no routes; use vllm_mode='colocate' (this trainer builds vLLM with "
-                "enable_return_routed_experts) or use_vllm=False, or router_replay='R2'"
+                f"router_replay='R3' with vllm_mode={args.vllm_mode!r}: TRL's VLLMClient keeps only the token ids and "
+                "log-probs of the server's /v1/completions choices, so no routes reach the trainer; use "
+                "vllm_mode='colocate' (this trainer builds vLLM with enable_return_routed_experts) or use_vllm=False, "
+                "or router_replay='R2'"
             )
         if colocate:  # TRL's own VLLMGeneration (l.1105) builds its LLM without routes: build ours instead
             args.use_vllm = False
@@ -359,31 +359,8 @@ class RouterReplayGRPOTrainer(GRPOTrainer):
         """Sum `counts` over processes, log them in TRL's metrics and keep an `UpdateRecord`."""
         values = counts.as_tensor().to(self.accelerator.device)
         total = RoutingCounts.from_tensor(self.accelerator.gather(values).reshape(-1, values.numel()).sum(0))
-        drift = total.drift_differ / total.drift_rows if total.drift_rows else None
-        engine = total.engine_differ / total.engine_rows if total.engine_rows else None
         metrics = self._metrics["train" if self.policy.training else "eval"]
-        if phase == "update":
-            metrics[METRIC_PREFIX + "replayed_rows"].append(float(total.replayed_rows))
-            metrics[METRIC_PREFIX + "fallback_rows"].append(float(total.fallback_rows))
-            if drift is not None:
-                metrics[METRIC_PREFIX + "drift"].append(drift)
-            if engine is not None:
-                metrics[METRIC_PREFIX + "engine_disagreement"].append(engine)
-        else:
-            metrics[METRIC_PREFIX + "old_pass_forced"].append(float(forced))
-            if engine is not None:
-                metrics[METRIC_PREFIX + "old_engine_disagreement"].append(engine)
-        record = UpdateRecord(
-            phase,
-            self.state.global_step,
-            total.replayed_rows,
-            total.fallback_rows,
-            total.recompute_calls,
-            drift,
-            engine,
-            digest,
-        )
-        self.router_replay.records.append(record)
+        self.router_replay.log(phase, total, digest, metrics, step=self.state.global_step, forced=forced)
 
 
 def _joined(

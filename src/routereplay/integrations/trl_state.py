@@ -274,6 +274,37 @@ class TrlRouting:
             counts.engine_differ, counts.engine_rows = compared(used_BSLK, engine_BSLK, mask_BS)
         return counts, routes_digest(used_BSLK, mask_BS)
 
+    # -- metrics ----------------------------------------------------------------------------------
+    def log(
+        self,
+        phase: str,
+        total: RoutingCounts,
+        digest: str,
+        metrics: dict[str, list[float]],
+        *,
+        step: int,
+        forced: bool = False,
+    ) -> UpdateRecord:
+        """Append one pass's figures (`total`: summed over processes) to TRL's `metrics` and to `records`."""
+        drift = total.drift_differ / total.drift_rows if total.drift_rows else None
+        engine = total.engine_differ / total.engine_rows if total.engine_rows else None
+        if phase == "update":
+            metrics[METRIC_PREFIX + "replayed_rows"].append(float(total.replayed_rows))
+            metrics[METRIC_PREFIX + "fallback_rows"].append(float(total.fallback_rows))
+            if drift is not None:
+                metrics[METRIC_PREFIX + "drift"].append(drift)
+            if engine is not None:
+                metrics[METRIC_PREFIX + "engine_disagreement"].append(engine)
+        else:
+            metrics[METRIC_PREFIX + "old_pass_forced"].append(float(forced))
+            if engine is not None:
+                metrics[METRIC_PREFIX + "old_engine_disagreement"].append(engine)
+        record = UpdateRecord(
+            phase, step, total.replayed_rows, total.fallback_rows, total.recompute_calls, drift, engine, digest
+        )
+        self.records.append(record)
+        return record
+
     def abandon_update(self) -> None:
         """Close an update context left open by an exception (no counts)."""
         stack = self._stack
