@@ -344,3 +344,27 @@ def test_train_cli_refuses_rollout_in_thread_where_it_means_nothing(
 
     assert main(["train", *extra]) == EXIT_ERROR
     assert message in capsys.readouterr().err
+
+
+def test_interpreter_exit_leaves_no_live_child(tmp_path: Any) -> None:
+    """Leaked engine processes, or an exit that hangs on its child: a script that builds the engine and exits
+    without closing it ends, and leaves no child behind (closed and joined at interpreter exit)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "from routereplay.engines.hf_process import HFProcessEngine\n"
+        "from tests.runtime.models import tiny_qwen3\n"
+        "if __name__ == '__main__':\n"
+        "    engine = HFProcessEngine(tiny_qwen3())\n"
+        "    print(engine.pid, flush=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, check=True, timeout=300
+    )
+    pid = int(done.stdout.split()[-1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -1,10 +1,11 @@
 """The child process's side of `HFProcessEngine` (engines/hf_process.py): the messages, the engine server.
 
 The parent starts `serve` with the `spawn` context. The child hides CUDA, sets torch's intra-op
-threads to the parent's choice, builds the model (`ModelRecipe`: a transformers model from its
-class and config plus the shared weights, any other module unpickled whole) and an `HFEngine` on it,
-says READY, and answers GENERATE and SYNC requests one at a time until CLOSE, or EOF when the parent
-is gone. A callable `stop` that stays in the parent is `ParentStop` here: each token boundary is
+threads to the parent's choice, builds the model (`ModelRecipe`: a transformers model from its class
+and config plus the shared weights, any other module unpickled whole) and an `HFEngine` on it, says
+READY, and answers GENERATE and SYNC requests one at a time until CLOSE, or EOF when the parent is
+gone; then it exits at once (`os._exit`: the interpreter's teardown would add about 1 s to
+`close()`). A callable `stop` that stays in the parent is `ParentStop` here: each token boundary is
 reported (STEP) and answered with the parent's verdict on the previous boundary (VERDICT), so a stop
 lands exactly one boundary after the parent's yes. An exception goes back as an ERROR message:
 pickled when it survives a pickle round trip, with its type name, message and traceback text.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -182,6 +184,10 @@ def serve(conn: Connection, recipe: ModelRecipe, shared: Mapping[str, torch.Tens
     del model, recipe
     conn.send((Message.READY, {"pid": os.getpid(), "threads": torch.get_num_threads()}))
     EngineChild(conn, engine, shared).run()
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown (about 1 s with transformers imported): nothing is left to do
 
 
 __all__ = ["ChildOptions", "EngineChild", "Message", "ModelRecipe", "ParentStop", "error_message", "serve"]
