@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -174,6 +175,7 @@ def error_message(error: BaseException) -> tuple[Any, ...]:
 def serve(conn: Connection, recipe: ModelRecipe, shared: Mapping[str, torch.Tensor], options: ChildOptions) -> None:
     """The child process's entry point (importable, as `spawn` needs)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # never touch the parent's GPUs; CUDA is initialised lazily
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     torch.set_num_threads(options.threads)
     try:
         model = recipe.build(shared)
