@@ -10,21 +10,20 @@ the last chunk was computed with" can be checked to float tolerance by a full fo
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from routereplay.engines.hf import HFEngine, Rollout
+from routereplay.engines.hf import HFEngine
 from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
 from routereplay.rl.grpo import GRPOConfig
-from routereplay.rl.rollout_pool import CallInputs, Group
 from routereplay.rl.scoring import score
 from routereplay.rl.tasks import AdditionTask
 from routereplay.runtime import attach
+from tests.rl.async_log import AsyncLog, row_versions, watch
 
 pytestmark = pytest.mark.hf
 
@@ -48,12 +47,10 @@ class WeightLog(HFEngine):
         self.weights[policy_version] = copy.deepcopy(self.model)
 
 
-@dataclass
-class Run:
+@dataclass(kw_only=True)
+class Run(AsyncLog):
     trainer: AsyncGRPOTrainer
     engine: WeightLog
-    calls: list[tuple[CallInputs, list[Rollout], int]] = field(default_factory=list)
-    batches: list[tuple[list[int], list[Rollout]]] = field(default_factory=list)  # sample ids, rollouts learnt
 
 
 def _run(trained: tuple[torch.nn.Module, object], resume: str, *, steps: int = 4) -> Run:
@@ -65,85 +62,30 @@ def _run(trained: tuple[torch.nn.Module, object], resume: str, *, steps: int = 4
     engine = WeightLog(policy)
     schedule = AsyncConfig(schedule="seeded", sync_tokens=(1, 2), resume_routes=resume, max_staleness=3)
     trainer = AsyncGRPOTrainer(policy, AdditionTask(tokenizer), engine, config, schedule)
-    run = Run(trainer, engine)
-    receive, take, learn = trainer.pool.receive, trainer.pool.take, trainer.trainer.learn
-    taken: list[list[Group]] = []
-
-    def logged_receive(call: CallInputs, rollouts: Sequence[Rollout], version: int) -> None:
-        run.calls.append((call, copy.deepcopy(list(rollouts)), version))  # as the engine returned them
-        receive(call, rollouts, version)
-
-    def logged_take(count: int, **kwargs: Any) -> list[Group] | None:
-        groups = take(count, **kwargs)
-        if groups is not None:
-            taken.append(groups)
-        return groups
-
-    def logged_learn(step: int, rollouts: Sequence[Rollout], rewards: Sequence[float], **kwargs: Any) -> Any:
-        run.batches.append(([s.sample_id for g in taken[-1] for s in g.samples], list(rollouts)))
-        return learn(step, rollouts, rewards, **kwargs)
-
-    trainer.pool.receive = logged_receive  # type: ignore[method-assign]
-    trainer.pool.take = logged_take  # type: ignore[method-assign]
-    trainer.trainer.learn = logged_learn  # type: ignore[method-assign]
+    run = Run(trainer=trainer, engine=engine)
+    watch(trainer, run)
     trainer.train()
     return run
-
-
-def _sampled_routes(run: Run, sample_id: int, rows: int) -> tuple[np.ndarray, list[int | None]]:
-    """Per row, the routes and policy version of the first engine call that fed it (from the raw log)."""
-    experts: list[np.ndarray | None] = [None] * rows
-    versions: list[int | None] = [None] * rows
-    for call, rollouts, version in run.calls:
-        for sample, _fed, rollout in zip(call.samples, call.prompts, rollouts, strict=True):
-            if sample.sample_id != sample_id or rollout.trace is None:
-                continue
-            for t in range(min(rollout.trace.num_tokens, rows)):
-                if experts[t] is None:
-                    experts[t], versions[t] = rollout.trace.experts[t], version
-    assert all(e is not None for e in experts), "some row was never fed by any call"
-    return np.stack(experts), versions  # type: ignore[arg-type]
-
-
-def _row_versions(trace: Any) -> list[int | None]:
-    versions: list[int | None] = [None] * trace.num_tokens
-    for segment in trace.segments:
-        versions[segment.begin : segment.end] = [segment.policy_version] * (segment.end - segment.begin)
-    return versions
 
 
 def _last_chunk(run: Run, sample_id: int) -> tuple[int, int, list[float]]:
     """(version, first position, engine log-probs) of the last call that sampled tokens for the sample."""
     found = None
-    for call, rollouts, version in run.calls:
-        for sample, fed, rollout in zip(call.samples, call.prompts, rollouts, strict=True):
-            if sample.sample_id == sample_id and rollout.response_ids:
-                found = (version, len(fed), rollout.logprobs)
+    for fed, rollout, version in run.fed_by(sample_id):
+        if rollout.response_ids:
+            found = (version, len(fed), rollout.logprobs)
     assert found is not None
     return found
-
-
-def _learnt(run: Run) -> list[tuple[int, Rollout]]:
-    return [(sid, r) for ids, rollouts in run.batches for sid, r in zip(ids, rollouts, strict=True)]
-
-
-def _resumed(run: Run) -> set[int]:
-    resumed: set[int] = set()
-    for call, rollouts, _ in run.calls:
-        for sample, fed, rollout in zip(call.samples, call.prompts, rollouts, strict=True):
-            if rollout.trace is not None and len(fed) > len(sample.prompt_ids):
-                resumed.add(sample.sample_id)
-    return resumed
 
 
 def _matches_sampling(run: Run) -> list[bool]:
     """Per learnt sample: its trace is, row by row and version by version, the routes at sampling."""
     out = []
-    for sample_id, rollout in _learnt(run):
+    for sample_id, rollout in run.learnt():
         assert rollout.trace is not None
-        expected, versions = _sampled_routes(run, sample_id, rollout.trace.num_tokens)
+        expected, versions = run.sampled_routes(sample_id, rollout.trace.num_tokens)
         same_routes = bool(np.array_equal(np.sort(rollout.trace.experts, -1), np.sort(expected, -1)))
-        out.append(same_routes and _row_versions(rollout.trace) == versions)
+        out.append(same_routes and row_versions(rollout.trace) == versions)
     return out
 
 
@@ -151,8 +93,8 @@ def _last_chunk_error(run: Run) -> float:
     """Largest |engine log-prob - forward log-prob| over the last chunks of resumed samples, where the
     forward uses the last chunk's weights (engine precision, fp32) and replays the final trace."""
     worst = 0.0
-    resumed = _resumed(run)
-    for sample_id, rollout in _learnt(run):
+    resumed = run.resumed()
+    for sample_id, rollout in run.learnt():
         if sample_id not in resumed:
             continue
         version, begin, logprobs = _last_chunk(run, sample_id)
@@ -172,7 +114,7 @@ def test_routes_survive_repeated_aborts_with_versions_and_r3_disagreement_zero(t
     sliced or concatenated wrongly (#6029/#6046), rows stamped with the wrong policy version, and a
     trainer that replays anything other than the engine's routes."""
     run = _run(trained, "prefix-replay")
-    learnt = _learnt(run)
+    learnt = run.learnt()
     aborts = {sid: 0 for sid, _ in learnt}
     for call, rollouts, _ in run.calls:
         for sample, rollout in zip(call.samples, rollouts, strict=True):
@@ -180,7 +122,7 @@ def test_routes_survive_repeated_aborts_with_versions_and_r3_disagreement_zero(t
                 aborts[sample.sample_id] += 1
     assert max(aborts.values()) >= 2, f"no sample was aborted twice: {aborts}"
     multi = [r for sid, r in learnt if aborts[sid] >= 2]
-    assert any(len({v for v in _row_versions(r.trace)}) >= 3 for r in multi), "rows of 3+ versions in one trace"
+    assert any(len({v for v in row_versions(r.trace)}) >= 3 for r in multi), "rows of 3+ versions in one trace"
     assert all(_matches_sampling(run))
     for _sample_id, rollout in learnt:
         assert rollout.trace is not None and rollout.trace.num_tokens == len(rollout.token_ids) - 1
@@ -198,7 +140,7 @@ def test_prefix_replay_is_both_the_sampling_routes_and_the_last_chunks_routing(t
     (a) but fails (b): the resumed prefill re-routed the prefix. 'latest' keeps (b) but fails (a)."""
     runs = {policy: _run(trained, policy) for policy in ("prefix-replay", "first", "latest")}
     for policy, run in runs.items():
-        assert _resumed(run), f"{policy}: no sample was resumed, so nothing is tested"
+        assert run.resumed(), f"{policy}: no sample was resumed, so nothing is tested"
     assert all(_matches_sampling(runs["prefix-replay"]))
     assert _last_chunk_error(runs["prefix-replay"]) < 1e-4
     assert all(_matches_sampling(runs["first"]))

@@ -15,8 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,11 @@ import torch
 
 from routereplay.cli.main import EXIT_ERROR, EXIT_OK, main
 from routereplay.cli.train import VLLM_CLI_LOGGING
-from routereplay.engines.hf import Rollout
 from routereplay.errors import ConfigError
 from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
 from routereplay.rl.grpo import GRPOConfig
-from routereplay.rl.rollout_pool import CallInputs, Group
 from routereplay.rl.tasks import AdditionTask
+from tests.rl.async_log import AsyncLog, row_versions, watch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
 
@@ -63,14 +62,11 @@ def engine(servable: tuple[torch.nn.Module, Any, Path]) -> Iterator[Any]:
         yield running
 
 
-@dataclass
-class Run:
-    """One async run: its trainer, vLLM's raw outputs per call, and the batches learnt."""
+@dataclass(kw_only=True)
+class Run(AsyncLog):
+    """One async run: its trainer, and the log of vLLM's raw outputs per call and the batches learnt."""
 
     trainer: AsyncGRPOTrainer
-    calls: list[tuple[CallInputs, list[Rollout], int]] = field(default_factory=list)
-    threads: list[str] = field(default_factory=list)  # the thread each engine call ran on
-    batches: list[tuple[list[int], list[Rollout]]] = field(default_factory=list)  # sample ids, rollouts learnt
 
 
 def _run(servable: Any, engine: Any, *, schedule: str, steps: int, resume: str | None = None) -> Run:
@@ -83,63 +79,10 @@ def _run(servable: Any, engine: Any, *, schedule: str, steps: int, resume: str |
         schedule=schedule, sync_tokens=(1, 2), resume_routes=resume, max_staleness=3, wait_seconds=300.0
     )
     trainer = AsyncGRPOTrainer(policy, AdditionTask(tokenizer), engine, config, fully)
-    run = Run(trainer)
-    receive, take, learn = trainer.pool.receive, trainer.pool.take, trainer.trainer.learn
-    taken: list[list[Group]] = []
-
-    def logged_receive(call: CallInputs, rollouts: Sequence[Rollout], version: int) -> None:
-        run.calls.append((call, copy.deepcopy(list(rollouts)), version))  # as vLLM returned them
-        run.threads.append(threading.current_thread().name)
-        receive(call, rollouts, version)
-
-    def logged_take(count: int, **kwargs: Any) -> list[Group] | None:
-        groups = take(count, **kwargs)
-        if groups is not None:
-            taken.append(groups)
-        return groups
-
-    def logged_learn(step: int, rollouts: Sequence[Rollout], rewards: Sequence[float], **kwargs: Any) -> Any:
-        run.batches.append(([s.sample_id for g in taken[-1] for s in g.samples], list(rollouts)))
-        return learn(step, rollouts, rewards, **kwargs)
-
-    trainer.pool.receive = logged_receive  # type: ignore[method-assign]
-    trainer.pool.take = logged_take  # type: ignore[method-assign]
-    trainer.trainer.learn = logged_learn  # type: ignore[method-assign]
+    run = Run(trainer=trainer)
+    watch(trainer, run)
     trainer.train()
     return run
-
-
-def _fed_by(run: Run, sample_id: int) -> Iterator[tuple[list[int], Rollout, int]]:
-    """(input fed, rollout vLLM returned, engine version) of every call that continued the sample."""
-    for call, rollouts, version in run.calls:
-        for sample, fed, rollout in zip(call.samples, call.prompts, rollouts, strict=True):
-            if sample.sample_id == sample_id:
-                yield fed, rollout, version
-
-
-def _sampled_routes(run: Run, sample_id: int, rows: int) -> tuple[np.ndarray, list[int | None]]:
-    """Per row, the routes and policy version of the first vLLM call that fed it (from the raw log)."""
-    experts: list[np.ndarray | None] = [None] * rows
-    versions: list[int | None] = [None] * rows
-    for _fed, rollout, version in _fed_by(run, sample_id):
-        if rollout.trace is None:
-            continue
-        for t in range(min(rollout.trace.num_tokens, rows)):
-            if experts[t] is None:
-                experts[t], versions[t] = rollout.trace.experts[t], version
-    assert all(e is not None for e in experts), "some row was never fed by any call"
-    return np.stack(experts), versions  # type: ignore[arg-type]
-
-
-def _row_versions(trace: Any) -> list[int | None]:
-    versions: list[int | None] = [None] * trace.num_tokens
-    for segment in trace.segments:
-        versions[segment.begin : segment.end] = [segment.policy_version] * (segment.end - segment.begin)
-    return versions
-
-
-def _learnt(run: Run) -> list[tuple[int, Rollout]]:
-    return [(sid, r) for ids, rollouts in run.batches for sid, r in zip(ids, rollouts, strict=True)]
 
 
 def _check_learnt_traces_are_vllms(run: Run) -> None:
@@ -149,13 +92,13 @@ def _check_learnt_traces_are_vllms(run: Run) -> None:
         for rollout in rollouts:
             if rollout.trace is not None:
                 assert {s.policy_version for s in rollout.trace.segments} == {version}
-    for sample_id, rollout in _learnt(run):
+    for sample_id, rollout in run.learnt():
         trace = rollout.trace
         assert trace is not None and trace.num_tokens == len(rollout.token_ids) - 1
         assert trace.token_ids is not None and list(trace.token_ids) == rollout.token_ids[:-1]
-        expected, versions = _sampled_routes(run, sample_id, trace.num_tokens)
+        expected, versions = run.sampled_routes(sample_id, trace.num_tokens)
         assert np.array_equal(np.sort(trace.experts, -1), np.sort(expected, -1)), f"sample {sample_id}'s routes"
-        assert _row_versions(trace) == versions, f"sample {sample_id}'s row versions"
+        assert row_versions(trace) == versions, f"sample {sample_id}'s row versions"
 
 
 def _check_r3_exact(run: Run) -> None:
@@ -171,12 +114,12 @@ def test_seeded_async_r3_keeps_vllms_routes_across_repeated_aborts(servable: Any
     routed them, a resume policy vLLM cannot honour chosen by default, and R3 replaying anything but
     vLLM's routes (disagreement above 0 in the old-log-prob pass or a mini-step)."""
     run = _run(servable, engine, schedule="seeded", steps=4)
-    learnt = _learnt(run)
-    aborts = {sid: sum(1 for _f, r, _v in _fed_by(run, sid) if r.aborted and r.response_ids) for sid, _ in learnt}
+    learnt = run.learnt()
+    aborts = {sid: sum(1 for _f, r, _v in run.fed_by(sid) if r.aborted and r.response_ids) for sid, _ in learnt}
     assert max(aborts.values()) >= 2, f"no learnt sample was aborted twice by vLLM: {aborts}"
     twice = [r for sid, r in learnt if aborts[sid] >= 2]
-    assert any(len(set(_row_versions(r.trace))) >= 3 for r in twice), "no trace holds rows of 3+ policy versions"
-    resumed = {sid for sid, r in learnt if any(len(fed) > len(r.prompt_ids) for fed, _r, _v in _fed_by(run, sid))}
+    assert any(len(set(row_versions(r.trace))) >= 3 for r in twice), "no trace holds rows of 3+ policy versions"
+    resumed = {sid for sid, r in learnt if any(len(fed) > len(r.prompt_ids) for fed, _r, _v in run.fed_by(sid))}
     assert resumed, "no learnt sample was resumed, so nothing is tested"
     _check_learnt_traces_are_vllms(run)
     _check_r3_exact(run)
