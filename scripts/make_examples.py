@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from routereplay.engines.payload import npy_bytes
 from routereplay.synthetic import distinct_experts
+from routereplay.wire.payload import npy_bytes
 
 OUT = Path(__file__).resolve().parent.parent / "src" / "routereplay" / "examples"
 

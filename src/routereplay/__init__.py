@@ -5,12 +5,12 @@ the stable public names; everything else is reached through its module.
 """
 
 from routereplay.codec import decode, encode
-from routereplay.engines import decode_megatron, decode_sglang, decode_vllm
 from routereplay.enums import CodecMode, ReplayMode, Source
 from routereplay.errors import RouteReplayError
 from routereplay.runtime import Recording, Replayer, ReplayStats, attach, attach_megatron
 from routereplay.store import RouteStore
 from routereplay.trace import MergePolicy, RouteTrace, Segment
+from routereplay.wire import decode_megatron, decode_sglang, decode_vllm
 
 __version__ = "0.1.0"
 

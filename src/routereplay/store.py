@@ -48,7 +48,6 @@ import numpy as np
 from routereplay import codec
 from routereplay.atomicfile import atomic_write
 from routereplay.codec_limits import CodecLimits, checked_limits
-from routereplay.engines.limits import is_int
 from routereplay.enums import CodecMode
 from routereplay.errors import CodecError, ConfigError, StoreHeaderError
 from routereplay.jsondocument import JsonLimits
@@ -70,6 +69,7 @@ from routereplay.store_sample import (
 )
 from routereplay.store_stats import StoreStats, stale_fraction_of, summarise
 from routereplay.trace import UNROUTED_SOURCE, MergePolicy, RouteTrace, Segment, canonical_dtype
+from routereplay.wire.limits import is_int
 
 TOKEN_ID_MAX = np.iinfo(np.int32).max  # largest id a trace's token_ids holds (vocabularies are far smaller)
 

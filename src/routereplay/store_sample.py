@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.engines.limits import is_int
 from routereplay.errors import ConfigError, LayerCountError, RowCountError, TopKMismatchError
 from routereplay.trace import RouteTrace
+from routereplay.wire.limits import is_int
 
 SampleId = str | int
 

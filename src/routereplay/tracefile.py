@@ -27,17 +27,17 @@ from typing import Any
 from routereplay import codec
 from routereplay.atomicfile import atomic_write
 from routereplay.codec_limits import CodecLimits
-from routereplay.engines.limits import is_int
-from routereplay.engines.megatron import decode_megatron
-from routereplay.engines.payload import NPY_MAGIC, load_npy, npy_bytes
-from routereplay.engines.sglang import decode_sglang
-from routereplay.engines.vllm import decode_vllm
 from routereplay.enums import CodecMode
 from routereplay.errors import ConfigError, JsonDocumentError
 from routereplay.jsondocument import JsonLimits
 from routereplay.trace import RouteTrace
 from routereplay.tracefile_format import FileFormat, format_for_path, parse_json, sniff
 from routereplay.tracefile_payload import CARRIED_FIELD, PayloadHints, engine_payload, required_hint, with_carried
+from routereplay.wire.limits import is_int
+from routereplay.wire.megatron import decode_megatron
+from routereplay.wire.payload import NPY_MAGIC, load_npy, npy_bytes
+from routereplay.wire.sglang import decode_sglang
+from routereplay.wire.vllm import decode_vllm
 
 DEFAULT_MAX_FILE_BYTES = 8 << 30  # any trace file (codec, .npy, JSON); JSON also obeys JsonLimits.max_bytes
 MAX_FILE_BYTES = DEFAULT_MAX_FILE_BYTES  # the name earlier releases exported

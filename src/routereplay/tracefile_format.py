@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from routereplay import codec
-from routereplay.engines.payload import NPY_MAGIC
 from routereplay.enums import StrEnum
 from routereplay.errors import JsonDocumentError, PayloadEncodingError
 from routereplay.jsondocument import JsonLimits, load_json, looks_like_json
+from routereplay.wire.payload import NPY_MAGIC
 
 
 class FileFormat(StrEnum):

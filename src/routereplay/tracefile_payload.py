@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.engines.limits import is_int
-from routereplay.engines.payload import npy_bytes
 from routereplay.errors import ConfigError, LayerCountError, PayloadEncodingError
 from routereplay.summary import compact_ranges
 from routereplay.trace import RouteTrace
 from routereplay.tracefile_format import FileFormat
+from routereplay.wire.limits import is_int
+from routereplay.wire.payload import npy_bytes
 
 CARRIED_FIELD = "routereplay"  # the object engine payloads written here carry: layers, geometry, start
 MAX_CARRIED_LAYERS = 4096  # a model with more decoder layers than this does not exist

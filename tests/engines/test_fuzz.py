@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from routereplay import RouteTrace, decode_megatron, decode_sglang, decode_vllm
-from routereplay.engines.payload import load_npy
 from routereplay.errors import RouteReplayError
+from routereplay.wire.payload import load_npy
 
 ALLOCATION_FACTOR = 64  # peak bytes traced per byte of input
 ALLOCATION_SLACK = 1 << 20  # fixed bytes for Python bookkeeping, messages and small arrays

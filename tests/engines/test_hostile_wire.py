@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 
 from routereplay import decode_megatron, decode_sglang, decode_vllm
-from routereplay.engines.limits import DEFAULT_MAX_LAYERS, WireLimits
-from routereplay.engines.payload import load_npy
 from routereplay.errors import (
     AmbiguousChoiceError,
     ConfigError,
@@ -33,6 +31,8 @@ from routereplay.errors import (
     TraceShapeError,
 )
 from routereplay.tracefile import PayloadHints, read_trace
+from routereplay.wire.limits import DEFAULT_MAX_LAYERS, WireLimits
+from routereplay.wire.payload import load_npy
 from tests.wire import distinct_routes, sglang_b64, sglang_generate, vllm_npy_b64, vllm_response
 
 HEADER_SLACK = 1 << 20  # bytes of Python bookkeeping allowed when refusing a forged header

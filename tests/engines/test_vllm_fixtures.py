@@ -21,9 +21,9 @@ import pytest
 
 from routereplay.engines.hf import SamplingParams
 from routereplay.engines.remote import VLLMClient
-from routereplay.engines.vllm import decode_vllm
 from routereplay.errors import EngineDeadError, StreamedResponseError, ZeroLayerError
 from routereplay.trace import RouteTrace
+from routereplay.wire.vllm import decode_vllm
 from tests.engines.hostile_server import answer, hostile_server
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "vllm"

@@ -21,11 +21,11 @@ import torch
 import routereplay
 from routereplay.engines.hf import SamplingParams
 from routereplay.engines.remote import VLLMClient
-from routereplay.engines.vllm import decode_vllm
 from routereplay.enums import Source
 from routereplay.errors import StreamedResponseError, ZeroLayerError
 from routereplay.metrics import routing_agreement
 from routereplay.trace import RouteTrace
+from routereplay.wire.vllm import decode_vllm
 from tests.engines.conftest import LiveServer
 
 # one xdist worker runs them all (with `--dist loadgroup`), so a session starts each server once

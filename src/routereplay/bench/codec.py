@@ -24,12 +24,12 @@ import numpy as np
 
 from routereplay import codec
 from routereplay.bench.timing import Timing, measure, target
-from routereplay.engines.payload import npy_bytes
-from routereplay.engines.sglang import decode_sglang
-from routereplay.engines.vllm import decode_vllm
 from routereplay.environment import collect
 from routereplay.synthetic import random_trace
 from routereplay.trace import RouteTrace
+from routereplay.wire.payload import npy_bytes
+from routereplay.wire.sglang import decode_sglang
+from routereplay.wire.vllm import decode_vllm
 
 SET_VS_ENTROPY_TARGET = 1.02
 DECODE_SECONDS_TARGET = 0.3

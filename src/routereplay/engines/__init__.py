@@ -1,7 +1,9 @@
-"""Engine adapters: decode each inference engine's routed-experts payload into `RouteTrace`s."""
+"""Engines that run models: the built-in HF engine, the colocated vLLM engine, remote clients.
 
-from routereplay.engines.megatron import decode_megatron
-from routereplay.engines.sglang import decode_sglang
-from routereplay.engines.vllm import decode_vllm
+The wire decoders moved to `routereplay.wire`; `decode_megatron`, `decode_sglang` and `decode_vllm`
+are re-exported here so existing `from routereplay.engines import decode_vllm` keeps working.
+"""
+
+from routereplay.wire import decode_megatron, decode_sglang, decode_vllm
 
 __all__ = ["decode_megatron", "decode_sglang", "decode_vllm"]

@@ -35,8 +35,6 @@ from routereplay.engines.http import (
     HTTPPolicy,
 )
 from routereplay.engines.remote_engine import RemoteEngine, checked_logprobs, checked_token_ids, excerpt
-from routereplay.engines.sglang import decode_sglang
-from routereplay.engines.vllm import decode_vllm
 from routereplay.errors import (
     DeadlineExceededError,
     EngineDeadError,
@@ -49,6 +47,8 @@ from routereplay.errors import (
     ResponseTooLargeError,
 )
 from routereplay.trace import RouteTrace
+from routereplay.wire.sglang import decode_sglang
+from routereplay.wire.vllm import decode_vllm
 
 ENGINE_DEAD_MARKER = "EngineCore encountered an issue"  # vLLM V1's HTTP 500 body once its engine process died
 

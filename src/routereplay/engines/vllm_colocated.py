@@ -54,7 +54,6 @@ import torch
 from torch import nn
 
 from routereplay.engines.hf import Rollout, SamplingParams, check_prompts
-from routereplay.engines.vllm import decode_vllm
 from routereplay.engines.vllm_checkpoint import CheckpointLayout, check_servable, write_checkpoint
 from routereplay.engines.vllm_requests import StoppableRun
 from routereplay.engines.vllm_workarounds import (
@@ -73,6 +72,7 @@ from routereplay.errors import (
     WeightSyncError,
 )
 from routereplay.trace import RouteTrace
+from routereplay.wire.vllm import decode_vllm
 
 INSTALL_HINT = "pip install 'routereplay[vllm]'"
 DEFAULT_KV_CACHE_BYTES = 256 << 20

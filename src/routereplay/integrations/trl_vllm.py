@@ -35,12 +35,12 @@ from typing import Any
 from accelerate.utils import is_peft_model
 from trl.generation import vllm_generation as trl_vllm
 
-from routereplay.engines.vllm import decode_vllm
 from routereplay.engines.vllm_checkpoint import CheckpointLayout, layout_of
 from routereplay.engines.vllm_colocated import checkpoint_tensors
 from routereplay.engines.vllm_workarounds import forget_cpu_moe_kernels, quiet_reload_warnings
 from routereplay.errors import ConfigError, UnsupportedByEngineError, WeightSyncError
 from routereplay.trace import RouteTrace
+from routereplay.wire.vllm import decode_vllm
 
 
 class _KeptOutputs:

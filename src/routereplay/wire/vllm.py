@@ -17,14 +17,23 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.engines.assembler import Expectation, assemble
-from routereplay.engines.limits import (
+from routereplay.enums import Source
+from routereplay.errors import (
+    MissingRoutesError,
+    PayloadEncodingError,
+    StreamedResponseError,
+    TraceShapeError,
+    location,
+)
+from routereplay.trace import RouteTrace
+from routereplay.wire.assembler import Expectation, assemble
+from routereplay.wire.limits import (
     DEFAULT_LIMITS,
     WireLimits,
     checked_decoder_args,
     checked_int,
 )
-from routereplay.engines.payload import (
+from routereplay.wire.payload import (
     DEFAULT_MAX_BYTES,
     b64_to_bytes,
     get_field,
@@ -36,15 +45,6 @@ from routereplay.engines.payload import (
     require_present,
     to_numpy,
 )
-from routereplay.enums import Source
-from routereplay.errors import (
-    MissingRoutesError,
-    PayloadEncodingError,
-    StreamedResponseError,
-    TraceShapeError,
-    location,
-)
-from routereplay.trace import RouteTrace
 
 _ABORTED_HINT = (
     "the request was aborted (or preempted) before any forward pass, or the server runs without "

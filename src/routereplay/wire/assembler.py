@@ -15,14 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from routereplay.engines.diagnosis import Split, clean_alternatives, describe, split_hint_for_rows
-from routereplay.engines.limits import (
-    DEFAULT_LIMITS,
-    WireLimits,
-    checked_int,
-    checked_layers,
-    checked_optional_int,
-)
 from routereplay.enums import Source
 from routereplay.errors import (
     ConfigError,
@@ -36,6 +28,14 @@ from routereplay.errors import (
     location,
 )
 from routereplay.trace import RouteTrace, Segment, canonical_dtype
+from routereplay.wire.diagnosis import Split, clean_alternatives, describe, split_hint_for_rows
+from routereplay.wire.limits import (
+    DEFAULT_LIMITS,
+    WireLimits,
+    checked_int,
+    checked_layers,
+    checked_optional_int,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,8 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.engines.assembler import Expectation, assemble, raise_wrong_split
-from routereplay.engines.limits import (
+from routereplay.enums import Source
+from routereplay.errors import (
+    AmbiguousChoiceError,
+    ConfigError,
+    MissingRoutesError,
+    PayloadEncodingError,
+    TraceShapeError,
+    location,
+)
+from routereplay.trace import RouteTrace
+from routereplay.wire.assembler import Expectation, assemble, raise_wrong_split
+from routereplay.wire.limits import (
     DEFAULT_LIMITS,
     MAX_INT_ARGUMENT,
     WireLimits,
@@ -33,7 +43,7 @@ from routereplay.engines.limits import (
     checked_int,
     is_int,
 )
-from routereplay.engines.payload import (
+from routereplay.wire.payload import (
     DEFAULT_MAX_BYTES,
     b64_to_bytes,
     dtype_named,
@@ -47,16 +57,6 @@ from routereplay.engines.payload import (
     require_present,
     to_numpy,
 )
-from routereplay.enums import Source
-from routereplay.errors import (
-    AmbiguousChoiceError,
-    ConfigError,
-    MissingRoutesError,
-    PayloadEncodingError,
-    TraceShapeError,
-    location,
-)
-from routereplay.trace import RouteTrace
 
 _ABORTED_HINT = (
     "the request was aborted before any forward pass, or it did not ask return_routed_experts: true "

@@ -16,14 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.engines.assembler import Expectation, assemble
-from routereplay.engines.limits import (
+from routereplay.enums import Source
+from routereplay.errors import MissingRoutesError, PayloadEncodingError, TraceShapeError, location
+from routereplay.trace import RouteTrace
+from routereplay.wire.assembler import Expectation, assemble
+from routereplay.wire.limits import (
     DEFAULT_LIMITS,
     WireLimits,
     checked_decoder_args,
     checked_int,
 )
-from routereplay.engines.payload import (
+from routereplay.wire.payload import (
     DEFAULT_MAX_BYTES,
     b64_to_bytes,
     get_field,
@@ -37,9 +40,6 @@ from routereplay.engines.payload import (
     to_numpy,
     unwrap_ndarray,
 )
-from routereplay.enums import Source
-from routereplay.errors import MissingRoutesError, PayloadEncodingError, TraceShapeError, location
-from routereplay.trace import RouteTrace
 
 FIELD = "moe_topk_indices"
 _ABORTED_HINT = "the request was aborted, or routing capture is off in the Megatron inference engine"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from routereplay.engines.limits import WireLimits
+from routereplay.wire.limits import WireLimits
 
 MAX_CHECKED_SPLITS = 16  # splits tried for a clean fit on an error path (each costs one sort of N ids)
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.engines.limits import DEFAULT_LIMITS, WIRE_INT_DTYPES, WireLimits, is_int
 from routereplay.errors import (
     AmbiguousChoiceError,
     ConfigError,
@@ -26,6 +25,7 @@ from routereplay.errors import (
     PayloadSizeError,
     PickleRefusedError,
 )
+from routereplay.wire.limits import DEFAULT_LIMITS, WIRE_INT_DTYPES, WireLimits, is_int
 
 DEFAULT_MAX_BYTES = 4 << 30  # 4 GiB of decoded routes: far above any real sequence
 NPY_MAGIC = b"\x93NUMPY"
