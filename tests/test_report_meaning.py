@@ -48,4 +48,3 @@ def test_identical_modes_share_one_histogram_curve() -> None:
     off = np.array([0.1, 0.2, np.nan])
     groups = _identical_groups({"off": off, "R2": off.copy(), "R3": np.array([0.0, 0.1, 0.2])})
     assert groups == [["off", "R2"], ["R3"]]
-
