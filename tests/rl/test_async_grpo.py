@@ -91,17 +91,28 @@ def test_aborts_before_any_output_lose_nothing(trained: tuple[torch.nn.Module, A
 
 def test_threaded_schedule_runs_a_real_rollout_thread(trained: tuple[torch.nn.Module, Any]) -> None:
     """Races between the rollout thread and the trainer: the engine samples in its own thread while the
-    trainer trains; every step trains, R3 replays the engine exactly, staleness stays within the bound."""
+    trainer trains; every step trains, R3 replays the engine exactly, staleness stays within the bound.
+    Oversubscription: the rollout thread runs with the caller's intra-op thread count, not OpenMP's
+    per-thread default (which crashed vLLM's CPU attention in CI: "thread_num (2 vs. 1)")."""
     threads: set[str] = set()
+    intra_op: set[int] = set()
 
     class Watched(HFEngine):
         def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *a: Any, **kw: Any) -> Any:
             threads.add(threading.current_thread().name)
+            intra_op.add(torch.get_num_threads())
             return super().generate(prompts, params, *a, **kw)
 
-    history = _trainer(trained, Watched, schedule="threaded", steps=3, max_staleness=1).train()
+    before = torch.get_num_threads()
+    chosen = 3 if before != 3 else 2  # not a new thread's OpenMP default here (all cores, or OMP_NUM_THREADS)
+    torch.set_num_threads(chosen)
+    try:
+        history = _trainer(trained, Watched, schedule="threaded", steps=3, max_staleness=1).train()
+    finally:
+        torch.set_num_threads(before)
     assert [r["step"] for r in history] == [0, 1, 2]
     assert threads == {"routereplay-rollout"}
+    assert intra_op == {chosen}, "the rollout thread must run with the caller's intra-op thread count"
     for record in history:
         assert record["rollout_routing_disagreement"] == 0.0 and record["max_sample_staleness"] <= 1
         assert record["samples_per_second"] > 0

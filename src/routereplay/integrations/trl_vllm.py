@@ -37,7 +37,7 @@ from trl.generation import vllm_generation as trl_vllm
 
 from routereplay.engines.vllm_checkpoint import CheckpointLayout, layout_of
 from routereplay.engines.vllm_colocated import checkpoint_tensors
-from routereplay.engines.vllm_workarounds import forget_cpu_moe_kernels, quiet_reload_warnings
+from routereplay.engines.vllm_workarounds import forget_cpu_moe_kernels, kept_thread_settings, quiet_reload_warnings
 from routereplay.errors import ConfigError, UnsupportedByEngineError, WeightSyncError
 from routereplay.trace import RouteTrace
 from routereplay.wire.vllm import decode_vllm
@@ -86,7 +86,17 @@ class RoutedVLLMGeneration(trl_vllm.VLLMGeneration):
         os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
         trl_vllm.ensure_master_addr_port()
-        self.llm = trl_vllm.LLM(  # TRL's arguments (l.347-363) plus the routes
+        # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process: put it back
+        with kept_thread_settings():
+            self.llm = self._start_llm(model)
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=2)
+        self._llm_weights_sleeping = self.enable_sleep_mode
+        accelerator.wait_for_everyone()
+
+    def _start_llm(self, model: Any) -> Any:
+        accelerator = self.accelerator
+        return trl_vllm.LLM(  # TRL's arguments (l.347-363) plus the routes
             model=str(model.name_or_path),
             tensor_parallel_size=1,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -102,10 +112,6 @@ class RoutedVLLMGeneration(trl_vllm.VLLMGeneration):
             enable_return_routed_experts=True,
             enforce_eager=_on_cpu(),  # compiled on CPU, vLLM 0.30 returns all-zero routes (ZeroLayerError)
         )
-        if self.enable_sleep_mode:
-            self.llm.sleep(level=2)
-        self._llm_weights_sleeping = self.enable_sleep_mode
-        accelerator.wait_for_everyone()
 
     def generate(
         self, prompts: list[list[int]], images: Any, num_generations: int, profiler: Any = None

@@ -9,10 +9,10 @@ trainer takes the `prompts_per_step` oldest finished groups whose oldest token i
 synchronous trainer's `GRPOTrainer.learn` (off, R2 or R3).
 
 Two schedules decide where aborts happen:
-- `threaded` (the default, realistic): a rollout thread runs the engine while the caller's thread
-  trains. The trainer publishes a copy of its weights after every step; the engine call sees that at
-  its next token boundary, stops, loads the weights, and resumes. Wall-clock overlap is real, and
-  where the aborts land depends on timing.
+- `threaded` (the default, realistic): a rollout thread runs the engine (with the caller's intra-op
+  thread count) while the caller's thread trains. The trainer publishes a copy of its weights after
+  every step; the engine call sees that at its next token boundary, stops, loads the weights, and
+  resumes. Wall-clock overlap is real, and where the aborts land depends on timing.
 - `seeded` (deterministic, for tests and exact comparisons): one thread. A trainer step starts as soon
   as a batch is ready and lasts a seeded number of engine tokens (`sync_tokens`, inclusive bounds).
   The engine keeps the old weights for those tokens, then syncs, so the same seed gives the same
@@ -309,12 +309,18 @@ class AsyncGRPOTrainer:
         done = threading.Event()
         changed = threading.Condition()  # the pool changed: a batch may be ready
         failure: list[BaseException] = []
+        # OpenMP's thread count is per thread: a new thread starts at the default (every core, or
+        # OMP_NUM_THREADS), not at the caller's choice (routereplay.threads.ThreadPolicy). Left there, the
+        # engine would oversubscribe a busy machine, and vLLM's CPU attention aborts when the count its
+        # scheduler metadata saw differs from its kernel's ("thread_num (2 vs. 1)").
+        threads = torch.get_num_threads()
 
         def stop(sampled: int) -> bool:
             return fresh.is_set() or done.is_set()
 
         def worker() -> None:
             try:
+                torch.set_num_threads(threads)
                 while not done.is_set():
                     with changed:
                         if published:
