@@ -1,25 +1,10 @@
 """Moved to routereplay.wire.diagnosis; kept so existing imports work.
 
-`routereplay.engines.diagnosis` re-exports the same objects (pickles naming this path still load); new
-code imports `routereplay.wire.diagnosis`.
+`routereplay.engines.diagnosis` re-exports the same objects, every name in the new module's `__all__`
+(pickles naming this path still load); new code imports `routereplay.wire.diagnosis`.
 """
 
-from routereplay.wire.diagnosis import (
-    MAX_CHECKED_SPLITS,
-    Split,
-    clean_alternatives,
-    describe,
-    fits_cleanly,
-    split_hint_for_rows,
-    splits_of,
-)
+from routereplay.wire import diagnosis as _moved
+from routereplay.wire.diagnosis import *  # noqa: F403  (the names of _moved.__all__)
 
-__all__ = [
-    "MAX_CHECKED_SPLITS",
-    "Split",
-    "clean_alternatives",
-    "describe",
-    "fits_cleanly",
-    "split_hint_for_rows",
-    "splits_of",
-]
+__all__ = list(_moved.__all__)

@@ -1,39 +1,10 @@
 """Moved to routereplay.wire.limits; kept so existing imports work.
 
-`routereplay.engines.limits` re-exports the same objects (pickles naming this path still load); new
-code imports `routereplay.wire.limits`.
+`routereplay.engines.limits` re-exports the same objects, every name in the new module's `__all__`
+(pickles naming this path still load); new code imports `routereplay.wire.limits`.
 """
 
-from routereplay.wire.limits import (
-    DEFAULT_LIMITS,
-    DEFAULT_MAX_LAYERS,
-    DEFAULT_MAX_ROWS,
-    DEFAULT_MAX_TOP_K,
-    MAX_INT_ARGUMENT,
-    WIRE_INT_DTYPES,
-    WireLimits,
-    checked_bool,
-    checked_decoder_args,
-    checked_int,
-    checked_layers,
-    checked_optional_int,
-    checked_sequence_name,
-    is_int,
-)
+from routereplay.wire import limits as _moved
+from routereplay.wire.limits import *  # noqa: F403  (the names of _moved.__all__)
 
-__all__ = [
-    "DEFAULT_LIMITS",
-    "DEFAULT_MAX_LAYERS",
-    "DEFAULT_MAX_ROWS",
-    "DEFAULT_MAX_TOP_K",
-    "MAX_INT_ARGUMENT",
-    "WIRE_INT_DTYPES",
-    "WireLimits",
-    "checked_bool",
-    "checked_decoder_args",
-    "checked_int",
-    "checked_layers",
-    "checked_optional_int",
-    "checked_sequence_name",
-    "is_int",
-]
+__all__ = list(_moved.__all__)

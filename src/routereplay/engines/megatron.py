@@ -1,13 +1,10 @@
 """Moved to routereplay.wire.megatron; kept so existing imports work.
 
-`routereplay.engines.megatron` re-exports the same objects (pickles naming this path still load); new
-code imports `routereplay.wire.megatron`.
+`routereplay.engines.megatron` re-exports the same objects, every name in the new module's `__all__`
+(pickles naming this path still load); new code imports `routereplay.wire.megatron`.
 """
 
-from routereplay.wire.megatron import (
-    decode_megatron,
-)
+from routereplay.wire import megatron as _moved
+from routereplay.wire.megatron import *  # noqa: F403  (the names of _moved.__all__)
 
-__all__ = [
-    "decode_megatron",
-]
+__all__ = list(_moved.__all__)
