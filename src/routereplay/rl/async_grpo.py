@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from routereplay.engines.hf import SamplingParams, TokenBudget
+from routereplay.engines.hf import Rollout, SamplingParams, TokenBudget
 from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, RouteReplayError
 from routereplay.rl.grpo import Engine, GRPOConfig, GRPOTrainer
@@ -206,7 +206,7 @@ class AsyncGRPOTrainer:
         """One trainer step on `groups`; returns a copy of the new weights for the engine."""
         rollouts = [r for g in groups for r in g.rollouts()]
         rewards = [self.task.reward(g.problem, s.response_ids) for g in groups for s in g.samples]
-        extra = self._async_record(groups)
+        extra = self._async_record(groups, rollouts)
         began = time.perf_counter()
         self.trainer.learn(
             len(self.history), rollouts, rewards, extra=extra, token_subsets={"current": self._current(groups)}
@@ -233,21 +233,23 @@ class AsyncGRPOTrainer:
             )
         return current_BS
 
-    def _async_record(self, groups: list[Group]) -> dict[str, Any]:
+    def _async_record(self, groups: list[Group], rollouts: list[Rollout]) -> dict[str, Any]:
+        """The step's async counts; `rollouts` are the groups' samples in order, with their merged traces."""
         samples = [s for g in groups for s in g.samples]
         rows_by_version: Counter[str] = Counter()
         stale = rows = resumed_rows = 0
-        for group in groups:
-            for sample in group.samples:
-                trace = group.store.trace(sample.sample_id)
-                routed_T = np.asarray(trace.routed_mask.all(axis=1))
-                rows += trace.num_tokens
-                resumed_rows += sample.resumed_rows
-                for segment in trace.segments:
-                    count = int(routed_T[segment.begin - trace.start : segment.end - trace.start].sum())
-                    rows_by_version[str(segment.policy_version)] += count
-                    if segment.policy_version is not None and segment.policy_version < self.version:
-                        stale += count
+        for sample, rollout in zip(samples, rollouts, strict=True):
+            resumed_rows += sample.resumed_rows
+            trace = rollout.trace
+            if trace is None:  # an engine without route capture: no rows to count
+                continue
+            routed_T = np.asarray(trace.routed_mask.all(axis=1))
+            rows += trace.num_tokens
+            for segment in trace.segments:
+                count = int(routed_T[segment.begin - trace.start : segment.end - trace.start].sum())
+                rows_by_version[str(segment.policy_version)] += count
+                if segment.policy_version is not None and segment.policy_version < self.version:
+                    stale += count
         dropped = self.pool.dropped_groups - self._dropped_seen
         self._dropped_seen = self.pool.dropped_groups
         return {
