@@ -45,8 +45,9 @@ def provenance(trace: RouteTrace) -> list[tuple[str, int | None]]:
 
 @pytest.fixture
 def truth(rng: np.random.Generator) -> np.ndarray:
-    """Ground-truth routes of a 16-token sample: rows 0..14."""
-    return distinct_routes(rng, 15, L, K, E)
+    """Ground-truth routes of a 16-token sample: rows 0..14, each row's ids ascending (what a "set" store,
+    the default, reads back; `test_ordered_store_keeps_id_order` covers the order-keeping store)."""
+    return np.sort(distinct_routes(rng, 15, L, K, E), axis=-1)
 
 
 TOKENS = list(range(100, 116))  # 16 token ids: prompt 0..4, turn 1 5..8, tool 9..11, turn 2 12..15
@@ -102,7 +103,7 @@ def test_resume_after_weight_update_full_resend(truth: np.ndarray, policy: str) 
     store = RouteStore()
     store.add_turn("s", TOKENS[:9], make(truth[:8]), policy_version=0)  # aborted after 4 generated tokens
     resent = truth.copy()
-    resent[:8] = (truth[:8] + 1) % E  # the re-prefill under new weights routes every old token differently
+    resent[:8] = np.sort((truth[:8] + 1) % E, axis=-1)  # the re-prefill under new weights routes them differently
     store.add_turn("s", TOKENS, make(resent, version=None), policy=policy, policy_version=1)
     got = store.trace("s")
     if policy == "keep":  # the rows used when tokens 0..7 were sampled stay
@@ -312,9 +313,10 @@ def test_file_layout_is_byte_exact(tmp_path: Path, truth: np.ndarray) -> None:
     magic, version, header_size, data_size = struct.unpack_from("<4sB3xQQ", data)
     assert (magic, version) == (b"RRST", 1)
     header = json.loads(data[24 : 24 + header_size])
-    blob = encode(make(truth[2:], start=2, version=3), mode="ordered")
+    blob = encode(make(truth[2:], start=2, version=3), mode="set")
     assert header == {
         "geometry": {"num_experts": E, "layers": [0, 1], "top_k": K},
+        "codec_mode": "set",
         "samples": [
             {"id": "s", "tokens": 16, "routes": len(blob), "metadata": {"reward": 1.5}, "conflicting_rows": 0},
             {"id": 5, "tokens": 2, "routes": None, "metadata": {}, "conflicting_rows": 0},

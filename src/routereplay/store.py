@@ -48,10 +48,12 @@ import numpy as np
 from routereplay import codec
 from routereplay.atomicfile import atomic_write
 from routereplay.codec_limits import CodecLimits, checked_limits
+from routereplay.compact.encoded import EncodedRoutes
 from routereplay.enums import CodecMode
-from routereplay.errors import CodecError, ConfigError, StoreHeaderError
+from routereplay.errors import CodecError, ConfigError, RowCountError, StoreHeaderError
 from routereplay.jsondocument import JsonLimits
 from routereplay.store_file import MAGIC, VERSION, check_envelope, check_json, pack_envelope
+from routereplay.store_routes import SampleRoutes
 from routereplay.store_sample import (
     DuplicatedPrefixError,
     MisalignedRoutesError,
@@ -64,11 +66,10 @@ from routereplay.store_sample import (
     check_prefix,
     check_rows,
     check_token_ids,
-    conflicts,
     same_sample,
 )
 from routereplay.store_stats import StoreStats, stale_fraction_of, summarise
-from routereplay.trace import UNROUTED_SOURCE, MergePolicy, RouteTrace, Segment, canonical_dtype
+from routereplay.trace import MergePolicy, RouteTrace
 from routereplay.wire.limits import is_int
 
 TOKEN_ID_MAX = np.iinfo(np.int32).max  # largest id a trace's token_ids holds (vocabularies are far smaller)
@@ -84,8 +85,23 @@ class RouteStore:
     """
 
     def __init__(
-        self, *, num_experts: int | None = None, layers: Sequence[int] | None = None, top_k: int | None = None
+        self,
+        *,
+        num_experts: int | None = None,
+        layers: Sequence[int] | None = None,
+        top_k: int | None = None,
+        codec_mode: CodecMode | str = CodecMode.SET,
     ) -> None:
+        """`codec_mode` is how samples are kept resident: "set" (default; rows read back sorted, all that
+        replay forces) or "ordered" (keeps each row's id order, for order-preserving replay: 1.37x larger
+        for top-8 of 128)."""
+        try:
+            self._mode = CodecMode(codec_mode)
+        except (ValueError, TypeError):
+            raise ConfigError(
+                f"codec_mode={codec_mode!r} is not a codec mode; use 'set' (route sets, smallest) or 'ordered' "
+                "(keeps the id order of every row)"
+            ) from None
         given = [num_experts is not None, layers is not None, top_k is not None]
         if any(given) and not all(given):
             raise ConfigError("give all of num_experts, layers and top_k, or none (taken from the first trace)")
@@ -154,7 +170,7 @@ class RouteStore:
             raise ConfigError(f"policy={policy!r} is not a merge policy; use 'keep' or 'replace'") from None
         if trace is not None:
             check_geometry(self._geometry, trace, sample_id)
-            stored = (None, None) if sample is None else (sample.tokens, sample.trace)
+            stored = (None, None) if sample is None else (sample.tokens, sample.routes.stop)
             check_rows(trace, len(tokens), sample_id, *stored)
             check_token_ids(trace, tokens, sample_id)
             if validate:
@@ -167,16 +183,10 @@ class RouteStore:
             if self._geometry is None:
                 self._geometry = (trace.num_experts, trace.layers, trace.top_k)
         if sample is None:
-            sample = self._samples[sample_id] = Sample(tokens)
+            sample = self._samples[sample_id] = Sample(tokens, SampleRoutes(self._mode))
         sample.tokens = tokens
         if trace is not None and trace.num_tokens:
-            if sample.trace is None:
-                sample.trace = RouteTrace(
-                    trace.experts.copy(), trace.num_experts, trace.layers, trace.start, trace.segments
-                )
-            else:
-                sample.conflicting_rows += conflicts(sample.trace, trace)
-                sample.trace = sample.trace.merge(trace, policy=policy)
+            sample.conflicting_rows += sample.routes.add(trace, policy)
         if metadata:
             sample.metadata.update(metadata)
 
@@ -198,6 +208,17 @@ class RouteStore:
             return iter(list(self._samples))
 
     @property
+    def codec_mode(self) -> CodecMode:
+        """How samples are kept resident (and saved): "set" or "ordered"."""
+        return self._mode
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of every sample's token ids and encoded routes (what the store holds)."""
+        with self._lock:
+            return sum(s.tokens.nbytes + s.routes.nbytes for s in self._samples.values())
+
+    @property
     def geometry(self) -> tuple[int, tuple[int, ...], int] | None:
         """(num_experts, layers, top_k), or None before the first trace."""
         with self._lock:
@@ -213,25 +234,46 @@ class RouteStore:
             return self._get(sample_id).metadata
 
     def trace(self, sample_id: SampleId) -> RouteTrace:
-        """The routes of rows [0, N - 1), -1 where no engine call routed the token (under a "none" segment)."""
+        """The routes of rows [0, N - 1), -1 where no engine call routed the token (under a "none" segment).
+        Decoded from the resident encoding: rows read back sorted in a "set" store."""
         with self._lock:
             return self._trace(sample_id)
 
     def _trace(self, sample_id: SampleId) -> RouteTrace:
         sample = self._get(sample_id)
+        num_experts, layers, top_k = self._require_geometry(sample_id)
+        rows = len(sample.tokens) - 1
+        ids_T = np.array(sample.tokens[:rows])
+        ids_T[(ids_T < 0) | (ids_T > TOKEN_ID_MAX)] = -1  # not a vocabulary id: unknown, never checked
+        experts_TLK = sample.routes.assemble(rows, num_experts, layers, top_k)
+        return RouteTrace(experts_TLK, num_experts, layers, 0, sample.routes.segments(rows), ids_T)
+
+    def rows(self, sample_id: SampleId, begin: int, end: int) -> np.ndarray:
+        """(end - begin, L, K) ids of positions [begin, end) of one sample, -1 where unrouted; decodes only
+        those rows (time proportional to end - begin, not to the sample)."""
+        with self._lock:
+            sample = self._get(sample_id)
+            num_experts, layers, top_k = self._require_geometry(sample_id)
+            limit = len(sample.tokens) - 1
+            if not (is_int(begin) and is_int(end) and 0 <= begin <= end <= limit):
+                raise RowCountError(
+                    f"sample {sample_id!r}: rows [{begin!r}, {end!r}) are not within [0, {limit}) (rows stop one "
+                    "before the last token); pass ints with 0 <= begin <= end <= len(tokens) - 1"
+                )
+            return sample.routes.rows(int(begin), int(end), num_experts, layers, top_k)
+
+    def encoded(self, sample_id: SampleId) -> list[EncodedRoutes]:
+        """The sample's resident pieces (disjoint, by position): cut them with `span` to ship rows encoded."""
+        with self._lock:
+            return list(self._get(sample_id).routes.pieces)
+
+    def _require_geometry(self, sample_id: SampleId) -> tuple[int, tuple[int, ...], int]:
         if self._geometry is None:
             raise ConfigError(
                 f"sample {sample_id!r} has no routes and the store has seen no trace; pass num_experts, layers "
                 "and top_k to RouteStore(...) to get all -1 traces"
             )
-        num_experts, layers, top_k = self._geometry
-        rows = len(sample.tokens) - 1
-        empty = np.full((rows, len(layers), top_k), -1, canonical_dtype(num_experts))
-        ids_T = np.array(sample.tokens[:rows])
-        ids_T[(ids_T < 0) | (ids_T > TOKEN_ID_MAX)] = -1  # not a vocabulary id: unknown, never checked
-        segments = (Segment(0, rows, UNROUTED_SOURCE),) if rows else ()
-        frame = RouteTrace(empty, num_experts, layers, 0, segments, ids_T)
-        return frame if sample.trace is None else frame.merge(sample.trace, policy=MergePolicy.REPLACE)
+        return self._geometry
 
     def stale_fraction(self, sample_id: SampleId | None, current_version: int) -> float:
         """Fraction of routed rows produced under a policy version older than `current_version`, over one
@@ -268,21 +310,22 @@ class RouteStore:
     def _to_bytes(self) -> bytes:
         entries, chunks = [], []
         for sample_id, sample in self._samples.items():
-            blob = b"" if sample.trace is None else codec.encode(sample.trace, mode=CodecMode.ORDERED)
+            blob = sample.routes.one_blob()
             check_json(sample.metadata, sample_id)
             entries.append({
                 "id": sample_id,
                 "tokens": len(sample.tokens),
-                "routes": None if sample.trace is None else len(blob),
+                "routes": None if blob is None else len(blob),
                 "metadata": sample.metadata,
                 "conflicting_rows": sample.conflicting_rows,
             })  # fmt: skip
-            chunks += [sample.tokens.astype("<i8").tobytes(), blob]
+            chunks += [sample.tokens.astype("<i8").tobytes(), blob or b""]
         geometry = None
         if self._geometry is not None:
             num_experts, layers, top_k = self._geometry
             geometry = {"num_experts": num_experts, "layers": list(layers), "top_k": top_k}
-        return pack_envelope({"geometry": geometry, "samples": entries}, b"".join(chunks))
+        header = {"geometry": geometry, "codec_mode": str(self._mode), "samples": entries}
+        return pack_envelope(header, b"".join(chunks))
 
     def save(self, path: str | Path) -> int:
         """Write the store to one file atomically; returns the bytes written."""
@@ -313,7 +356,10 @@ class RouteStore:
             geometry = header["geometry"]
             if geometry is not None and not isinstance(geometry, dict):
                 raise TypeError(f"geometry is a {type(geometry).__name__}, not an object")
-            store = cls() if geometry is None else cls(**geometry)
+            mode = header.get("codec_mode", "ordered")  # files before the compact store were written ordered
+            if mode not in ("set", "ordered"):
+                raise ValueError(f"codec_mode is {mode!r}, not 'set' or 'ordered'")
+            store = cls(codec_mode=mode) if geometry is None else cls(**geometry, codec_mode=mode)
             samples = header["samples"]
             if not isinstance(samples, list):
                 raise TypeError(f"samples is a {type(samples).__name__}, not a list")

@@ -1,7 +1,7 @@
 """One sample of a `RouteStore`, and what `add_turn` checks before it stores a call.
 
-`Sample` is a sample's stored state: its full token ids, the routes merged so far, metadata and the
-count of re-sent rows that disagreed. Before a call is stored its token ids must extend the stored ones
+`Sample` is a sample's stored state: its full token ids, the routes merged so far (encoded:
+`routereplay.store_routes`), metadata and the count of re-sent rows that disagreed. Before a call is stored its token ids must extend the stored ones
 (`check_prefix`, else `MisalignedRoutesError`), its rows must stop at the last token (`check_rows`,
 which names the verl #6029 duplicated-prefix bug as `DuplicatedPrefixError`) and a trace that names its
 tokens must name the sample's (`check_token_ids`); `check_geometry` holds every trace to the store's model
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from routereplay.errors import ConfigError, LayerCountError, RowCountError, TopKMismatchError
+from routereplay.store_routes import SampleRoutes
 from routereplay.trace import RouteTrace
 from routereplay.wire.limits import is_int
 
@@ -40,7 +41,7 @@ class Sample:
     """One sample's stored state; the store's lock guards it."""
 
     tokens: np.ndarray  # (N,) int64, read-only
-    trace: RouteTrace | None = None  # rows some engine call returned (None: no routes yet)
+    routes: SampleRoutes  # encoded rows some engine calls returned (empty: no routes yet)
     metadata: dict[str, Any] = field(default_factory=dict)
     conflicting_rows: int = 0
 
@@ -90,7 +91,7 @@ def check_rows(
     num_tokens: int,
     sample_id: SampleId,
     stored_tokens: np.ndarray | None = None,
-    stored_trace: RouteTrace | None = None,
+    stored_stop: int | None = None,
 ) -> None:
     """Rows must stop at num_tokens - 1. An excess is the duplicated-prefix bug (verl #6029) when the
     first rows repeat the next ones exactly, when the excess equals the rows the store already holds
@@ -117,8 +118,8 @@ def check_rows(
             f"routes were concatenated twice (the verl #6029 partial-rollout merge bug). {fix}"
         )
     held = set() if stored_tokens is None else {len(stored_tokens) - 1}  # rows the stored tokens span
-    if stored_tokens is not None and stored_trace is not None:
-        held.add(stored_trace.stop)
+    if stored_tokens is not None and stored_stop is not None:
+        held.add(stored_stop)
     held.discard(1)  # one extra row is the off-by-one "row for the last token", not a re-sent prefix
     ids = getattr(trace, "token_ids", None)
     repeated_ids = (
@@ -163,21 +164,10 @@ def check_token_ids(trace: RouteTrace, tokens: np.ndarray, sample_id: SampleId) 
         )
 
 
-def conflicts(old: RouteTrace, new: RouteTrace) -> int:
-    """Rows routed by both traces whose route sets differ in some layer."""
-    begin, end = max(old.start, new.start), min(old.stop, new.stop)
-    if begin >= end:
-        return 0
-    a = np.sort(old.experts[begin - old.start : end - old.start], axis=2)
-    b = np.sort(new.experts[begin - new.start : end - new.start], axis=2)
-    both_T = (a[..., 0] >= 0).any(axis=1) & (b[..., 0] >= 0).any(axis=1)
-    return int(((a != b).any(axis=(1, 2)) & both_T).sum())
-
-
 def same_sample(a: Sample, b: Sample) -> bool:
     return (
         bool(np.array_equal(a.tokens, b.tokens))
-        and a.trace == b.trace
+        and a.routes.joined() == b.routes.joined()
         and a.metadata == b.metadata
         and a.conflicting_rows == b.conflicting_rows
     )

@@ -12,8 +12,6 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
 from routereplay.store_sample import Sample
 from routereplay.trace import UNROUTED_SOURCE
 
@@ -36,13 +34,13 @@ def summarise(samples: Collection[Sample]) -> StoreStats:
     """The counts of `RouteStore.stats` over `samples`."""
     by_source: Counter[str] = Counter()
     for sample in samples:
-        trace = sample.trace
-        for segment in () if trace is None else trace.segments:
+        pieces = sample.routes.pieces
+        for segment in (segment for piece in pieces for segment in piece.segments):
             by_source[str(segment.source)] += segment.end - segment.begin
-        by_source[UNROUTED_SOURCE] += len(sample.tokens) - 1 - (0 if trace is None else trace.num_tokens)
+        by_source[UNROUTED_SOURCE] += len(sample.tokens) - 1 - sum(piece.num_tokens for piece in pieces)
     tokens = sum(len(sample.tokens) for sample in samples)
     rows = tokens - len(samples)
-    routed = sum(sample.trace.num_routed for sample in samples if sample.trace is not None)
+    routed = sum(piece.routed_tokens for sample in samples for piece in sample.routes.pieces)
     conflicts = sum(sample.conflicting_rows for sample in samples)
     sources = {name: count for name, count in by_source.items() if count}
     return StoreStats(len(samples), tokens, rows, routed, rows - routed, conflicts, sources)
@@ -51,10 +49,8 @@ def summarise(samples: Collection[Sample]) -> StoreStats:
 def stale_fraction_of(samples: Iterable[Sample], current_version: int) -> float:
     """Routed rows made under a policy version older than `current_version` (or unknown), as a fraction."""
     stale = routed = 0
-    for trace in (sample.trace for sample in samples if sample.trace is not None):
-        cumulative = np.concatenate([[0], np.cumsum(trace.routed_mask.all(axis=1))])
-        for segment in trace.segments:
-            count = int(cumulative[segment.end - trace.start] - cumulative[segment.begin - trace.start])
+    for piece in (piece for sample in samples for piece in sample.routes.pieces):
+        for segment, count in zip(piece.segments, piece.routed_by_segment, strict=True):
             routed += count
             if segment.policy_version is None or segment.policy_version < current_version:
                 stale += count

@@ -25,6 +25,7 @@ def _trace(tokens: list[int], first_expert: int) -> RouteTrace:
     for t in range(rows):
         experts[t, :, 0] = (first_expert + t) % EXPERTS
         experts[t, :, 1] = (first_expert + t + 1) % EXPERTS
+    experts.sort(axis=-1)  # the pool's store keeps route sets: rows read back ascending
     return RouteTrace(experts, EXPERTS, LAYERS, 0, (Segment(0, rows, "hf"),), tokens[:-1])
 
 
