@@ -119,8 +119,8 @@ class RankBundle:
         self.rows, self.top_k, self.num_experts = P, K, E
         if expected_rows is not None and P != expected_rows:
             raise CodecFormatError(
-                f"rank bundle holds {P} layout rows but this rank's layout has {expected_rows}: it was built for another "
-                "rank or batch; rebuild the bundles from this step's layout plan"
+                f"rank bundle holds {P} layout rows but this rank's layout has {expected_rows}: it was built for "
+                "another rank or batch; rebuild the bundles from this step's layout plan"
             )
         if P * L * K > limits.max_entries:
             raise CodecLimitError(
