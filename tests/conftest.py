@@ -1,7 +1,7 @@
 """Shared fixtures, and the one place where optional-dependency markers turn into skips.
 
 Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a test marked `hf`,
-`megatron`, `zstd`, `vllm`, `trl` or `gpu` is skipped with a reason only when that dependency is missing here.
+`megatron`, `zstd`, `vllm`, `trl`, `ray` or `gpu` is skipped with a reason only when that dependency is missing here.
 
 Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
 `too_slow` health check, because both are wall-clock limits that fail on a busy machine (issue 11
@@ -64,6 +64,7 @@ OPTIONAL = {
     "zstd": ("zstandard", "pip install 'routereplay[zstd]'"),
     "vllm": ("vllm", "pip install 'routereplay[vllm]'"),
     "trl": ("trl", "pip install 'routereplay[trl]'"),
+    "ray": ("ray", "pip install 'routereplay[ray]'"),
 }
 
 

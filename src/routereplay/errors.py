@@ -218,6 +218,17 @@ class StageLayerError(LayoutError):
     """A layer was asked of a pipeline stage that does not own it, or is not a replayed MoE layer."""
 
 
+# --- delivering routes to trainer ranks (transport/, integrations/ray_routes.py) ------------------
+
+
+class DeliveryError(RouteReplayError, ValueError):
+    """Routes cannot be delivered to the trainer ranks as asked (a bundle per rank missing, or not bytes)."""
+
+
+class DeliveryLimitError(DeliveryError):
+    """A rank was announced more bytes than its `max_bytes` allows: refused before anything is allocated."""
+
+
 # --- remote inference servers (engines/remote.py, engines/http.py) -----------------------------
 
 

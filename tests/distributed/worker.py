@@ -10,6 +10,8 @@ Scenarios, each run by every rank on the case the parent test saved in `DIR/case
   global position ids and replays its routes shard; returns the summed loss and summed gradients,
   the routes used and logits gathered and unsharded, the fallback count, and the summed gradients
   when each rank replays the other rank's shard.
+- `delivery`: per-rank route delivery on 4 ranks (`scatter_bundles`, `broadcast_dense`,
+  `exchange_bundles` and their refusals); see tests/distributed/delivery.py.
 - `failing_rank`: the last rank raises while the others wait in a barrier (the launcher's own test).
 
 Legend: B = batch rows, b = B / P rows of a rank, S = positions, s = positions of a shard,
@@ -120,6 +122,12 @@ def ulysses_sequence_parallel(case: dict[str, Any], rank: int, world: int) -> Re
     }
 
 
+def route_delivery(case: dict[str, Any], rank: int, world: int) -> Result:
+    from tests.distributed.delivery import deliver
+
+    return deliver(case, rank, world)
+
+
 def failing_rank(case: dict[str, Any], rank: int, world: int) -> Result:
     """The last rank fails while the others wait for it in a collective (tests the launcher)."""
     if rank == world - 1:
@@ -144,6 +152,7 @@ def _all_gather(x: torch.Tensor) -> list[torch.Tensor]:
 SCENARIOS: dict[str, Callable[[dict[str, Any], int, int], Result]] = {
     "fsdp": fsdp_data_parallel,
     "ulysses": ulysses_sequence_parallel,
+    "delivery": route_delivery,
     "failing_rank": failing_rank,
 }
 

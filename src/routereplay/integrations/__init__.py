@@ -6,6 +6,8 @@ and raises `MissingDependencyError` naming it when TRL is absent. This package i
 
 - `trl`: `RouterReplayGRPOTrainer`, TRL's `GRPOTrainer` with R2 / R3 (`trl_state`, `trl_layout`,
   `trl_vllm` are its parts).
+- `ray_routes`: per-rank route bundles through Ray's object store (`put_bundles` / `fetch_bundle`, and
+  `RouteSource`, a rollout worker's `RouteStore` behind an actor that cuts each rank its rows); extra `ray`.
 """
 
 __all__: list[str] = []
