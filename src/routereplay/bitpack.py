@@ -2,7 +2,10 @@
 
 Value i occupies bits [i * b, (i + 1) * b) of the stream. Eight values of b bits fill exactly b
 bytes, so packing is a (groups, b) byte array filled lane by lane with shifts: a few dozen vector
-operations however many values there are. Legend: G = groups of 8 values, B = b bytes per group.
+operations however many values there are. Unpacking b <= 57 bits reads each lane j of the groups
+as one strided little-endian uint64 view (it starts at byte j * b // 8 of every group, and its
+shift j * b % 8 plus b bits fit in 64), so a value costs a shift and a mask; wider values are put
+together from bytes. Legend: G = groups of 8 values, B = b bytes per group.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from routereplay.errors import CodecFormatError, ConfigError
+
+MAX_VIEW_BITS = 57  # a lane of <= 57 bits plus its shift (<= 7) fits one unaligned uint64 read
 
 
 def pack_bits(values: np.ndarray, bits: int) -> bytes:
@@ -64,6 +69,8 @@ def unpack_bits(buf: bytes | bytearray | memoryview | np.ndarray, count: int, bi
     if bits == 0 or count == 0:
         return np.zeros(count - skip, np.uint64)
     groups = -(-count // 8)
+    if bits <= MAX_VIEW_BITS:
+        return _unpack_lanes(data, groups, bits)[skip:count]
     padded = np.zeros(groups * bits, np.uint8)
     padded[:needed] = data[:needed]
     bytes_GB = padded.reshape(groups, bits)
@@ -79,6 +86,19 @@ def unpack_bits(buf: bytes | bytearray | memoryview | np.ndarray, count: int, bi
             lane &= (1 << bits) - 1
         out_G8[:, j] = lane
     return out_G8.ravel()[skip:count]
+
+
+def _unpack_lanes(data: np.ndarray, groups: int, bits: int) -> np.ndarray:
+    """All 8 * groups values of `bits` <= 57 from `data` (the groups' bytes, the last group maybe short)."""
+    padded = np.zeros(groups * bits + 8, np.uint8)  # the last lane's 8-byte read ends within the padding
+    padded[: len(data)] = data
+    out_G8 = np.empty((groups, 8), np.uint64)
+    for j in range(8):
+        byte, shift = divmod(j * bits, 8)
+        lane_G = np.ndarray((groups,), "<u8", padded, byte, (bits,))  # unaligned, strided, no copy
+        np.right_shift(lane_G, shift, out=out_G8[:, j])
+    np.bitwise_and(out_G8, (1 << bits) - 1, out=out_G8)
+    return out_G8.ravel()
 
 
 def _check_bits(bits: object) -> None:

@@ -27,14 +27,16 @@ With these limits, `decode` of an n-byte blob allocates at most the output (T * 
 <= min(max_entries * itemsize, max_expansion * n)), plus the decompressed payload for zstd blobs
 (never more than the output: a row's bitmap bit and payload bits never exceed its ids' bits), plus
 a working set of at most `WORKING_BYTES_PER_ENTRY * max(chunk_entries, K)` bytes (16 MiB by default),
-plus the binomial table and its searches (`TABLE_PEAK_FACTOR * 8 * max_set_table` bytes, 24 MiB, at
-most). `CodecLimits.memory_bound(n)` adds these up; the fuzz tests check every input against it.
-The CPU work is linear in the same quantities: after the O(n) envelope checks, about 10 ns per
-decoded id (ordered ids, set ranks below 2**64), about 250 ns per id for exact Python-int ranks
-(C(E, K) >= 2**64, e.g. E = 512, K = 10), and at most ~0.2 s for the largest default table
-(E = 1000, K = 999); measured on a 2-core x86 machine, for scale only (no test times anything).
-A 128k x 96 x 8 trace (E = 128, 61.5 MiB blob) decodes in 1.8 s with a peak of 194 MiB for its
-192 MiB of ids.
+plus the binomial table (`TABLE_PEAK_FACTOR * 8 * max_set_table` bytes, 24 MiB, at most), its column
+searches (`SEARCH_BUDGET_BYTES`, 8 MiB) and, for set-mode blobs of many rows, the table of the lowest
+ids (`LOW_TABLE_BUDGET_BYTES`, 4 MiB, at most twice that while it is built; see `routereplay.subsets`).
+`CodecLimits.memory_bound(n)` adds these up; the fuzz tests check every input against it.
+The CPU work is linear in the same quantities: after the O(n) envelope checks, about 2 ns per
+decoded ordered id and 30 ns per set-mode row of ranks below 2**64 (E = 128, K = 8: 4 ns an id),
+about 250 ns per id for exact Python-int ranks (C(E, K) >= 2**64, e.g. E = 512, K = 10), and at
+most ~0.2 s for the largest default table (E = 1000, K = 999); measured on one core of a 2-core x86
+machine, for scale only (no test times anything). A 128k x 96 x 8 trace (E = 128, 61.5 MiB blob)
+decodes in 0.34 s with a peak of 196 MiB for its 192 MiB of ids.
 Legend: T = rows (tokens), L = layers, K = top-k, E = experts.
 """
 
@@ -46,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from routereplay.errors import CodecLimitError, ConfigError
-from routereplay.subsets import SEARCH_BUDGET_BYTES
+from routereplay.subsets import LOW_TABLE_BUDGET_BYTES, SEARCH_BUDGET_BYTES
 
 DEFAULT_MAX_ENTRIES = 1 << 28  # T * L * K ids: 512 MiB int16 / 1 GiB int32; 256k x 128 x 8 fits
 DEFAULT_MAX_EXPANSION = 1 << 12  # decoded bytes per blob byte; uncompressed real traces stay <= 8 * K * itemsize
@@ -88,7 +90,8 @@ class CodecLimits:
         """Most bytes `decode` allocates for a blob of `blob_bytes` bytes (what the fuzz tests check).
 
         Output ids (<= min(4 * max_entries, max_expansion * n)) + the zstd payload (<= the output) +
-        the set-mode table and its searches (TABLE_PEAK_FACTOR * 8 * max_set_table) + one step's working set
+        the set-mode table (TABLE_PEAK_FACTOR * 8 * max_set_table), its searches (SEARCH_BUDGET_BYTES)
+        and low-id table (2 * LOW_TABLE_BUDGET_BYTES while built) + one step's working set
         (max(chunk_entries, K) ids) + header
         objects (layer numbers, segments: < 64 bytes per blob byte) + the 1 MiB zstd inflate buffer.
         """
@@ -97,6 +100,7 @@ class CodecLimits:
             2 * output
             + TABLE_PEAK_FACTOR * 8 * self.max_set_table
             + SEARCH_BUDGET_BYTES
+            + 2 * LOW_TABLE_BUDGET_BYTES
             + WORKING_BYTES_PER_ENTRY * max(self.chunk_entries, MAX_TOP_K)
             + 64 * blob_bytes
             + (2 << 20)

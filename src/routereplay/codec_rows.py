@@ -105,7 +105,8 @@ class PayloadDecoder:
                 raise CodecFormatError("flags bit 1 says some rows are all -1 but the validity bitmap marks none")
         self._check_streams(pos, num_valid)
         if num_valid and self.mode is CodecMode.SET and rank_bits(self.count) > 0:
-            self.unranker = SubsetUnranker(binomial_table(self.num_experts, K, self.count), self.count)
+            table_JE = binomial_table(self.num_experts, K, self.count)
+            self.unranker = SubsetUnranker(table_JE, self.count, rows=num_valid)
         out_RK = np.full((num_rows, K), -1, self.dtype) if has_missing else np.empty((num_rows, K), self.dtype)
         step = max(1, chunk_entries // K)  # rows per step: <= max(chunk_entries, K) ids
         routed = 0
@@ -165,9 +166,9 @@ class PayloadDecoder:
             ranks_n = ranks_n.astype(object)
             for q in range(1, len(self.streams)):
                 ranks_n = ranks_n + (self._values(q, first, n).astype(object) << (64 * q))
-        bad = ranks_n >= (self.count if self.count > U64_MAX or len(self.streams) > 1 else np.uint64(self.count))
-        if bad.any():
-            row = int(np.flatnonzero(bad)[0])
+        if n and int(ranks_n.max()) >= self.count:  # one pass; the row is looked for only when one is bad
+            wide = self.count > U64_MAX or len(self.streams) > 1
+            row = int(np.flatnonzero(ranks_n >= (self.count if wide else np.uint64(self.count)))[0])
             raise CodecFormatError(f"routed row {first + row} has set rank {ranks_n[row]} >= C({E}, {K}): corrupt")
         self.unranker.unrank(ranks_n, out_nK)
 
