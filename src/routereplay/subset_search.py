@@ -13,7 +13,8 @@ the fastest one that fits its memory budget is used:
 - `LowIdTable`: for the lowest j columns at once, the remainder is the rank of a j-subset below
   C(E - K + j, j): when that is small, one read of a precomputed table gives all j ids.
 
-Legend: N = queries, M = entries searched, B = buckets, E = experts, W = 4 ids of one table word.
+Legend: N = queries, M = entries searched, B = buckets, E = experts, R = low-table rows,
+W = the 4 int16 ids of one low-table word.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class LowIdTable:
     Unranking the lowest j columns of a K-subset of E (remainder < C(c_j, j) <= C(E - K + j, j)) is then
     one read: `words_R[remainder]` holds c_0 .. c_{j-1} as int16 (j <= 4; unused lanes 0). Built level
     by level: the rows of rank C(c, j) .. C(c + 1, j) - 1 are the (j - 1)-subsets of ids below c, then c.
-    Building peaks at this level's rows plus the previous level's (< 2x `nbytes`).
+    Building peaks at this level's rows plus the previous level's (at most 2x `nbytes`).
     """
 
     __slots__ = ("depth", "nbytes", "words_R")
@@ -157,6 +158,7 @@ class LowIdTable:
 
     @staticmethod
     def rows(num_experts: int, top_k: int, depth: int) -> int:
+        """Rows of the table of the lowest `depth` ids of K-subsets of E (8 bytes each)."""
         return math.comb(num_experts - top_k + depth, depth)
 
     def ids_into(self, remainder_N: np.ndarray, out_NK: np.ndarray, words_N: np.ndarray) -> None:
@@ -167,4 +169,12 @@ class LowIdTable:
             out_NK[:, j] = ids_NW[:, j]
 
 
-__all__ = ["FLOAT_EXACT", "MAX_BUCKET_WIDTH", "U64_MAX", "BucketSearch", "FloatColumn", "LowIdTable"]
+__all__ = [
+    "FLOAT_EXACT",
+    "LOW_TABLE_WORD_IDS",
+    "MAX_BUCKET_WIDTH",
+    "U64_MAX",
+    "BucketSearch",
+    "FloatColumn",
+    "LowIdTable",
+]
