@@ -19,7 +19,8 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TITLES = {
     "codec": "Codec: bytes per route and decode speed against peer wire formats",
     "layout": "Layouts: pack + sequence-parallel shard against a per-sequence glue loop",
-    "store": "Memory: ragged store against dense padded batch tensors",
+    "store": "Memory: the compact store against int16 ragged and dense padded batch tensors",
+    "delivery": "Delivery: random-access decode, per-rank bundles over gloo, vLLM responses to rank tensors",
     "replay": "Replay overhead of a training step (CPU)",
     "engine": "Engine capture overhead",
     "load": "The demo's CPU paths on a busy machine: loaded against quiet",
@@ -39,9 +40,20 @@ NOTES = {
         "vectorised transforms beat the loop."
     ),
     "store": (
-        "Peak bytes traced while each holder is built from an empty start. The store keeps each sample's routes "
-        "unpadded (plus its int64 token ids, 8 bytes against 768 per token); dense tensors pay for padding to the "
-        "longest sample, and int32 doubles it."
+        "Peak and held bytes traced while each holder is built from an empty start, all from the same routes. The "
+        "store keeps each sample encoded (set codec, 5.125 B per (token, layer) row against 16 B as int16) with its "
+        "int64 token ids (8 bytes per token); held bytes beyond `store.nbytes` are what each resident piece keeps "
+        "to decode (its unranking tables). The ragged int16 holder is what RouteStore kept before; dense tensors "
+        "pay for padding to the longest sample, and int32 doubles it."
+    ),
+    "delivery": (
+        "*cost / share* is a range's decode time over the whole sample's, divided by its share of the rows: 1 means "
+        "random access costs exactly its rows; a small window pays a fixed cost. In the DP table each rank receives "
+        "its bundle (plus a (1 + W) int64 size header) or the whole dense batch; *send* is the collective alone, "
+        "*to rows* adds the rank's own work (decode its bundle, or gather its rows from the dense batch); both "
+        "methods give every rank the same rows (checked before timing). The 4 ranks share 2 cores, so decode "
+        "times are those of a contended core. The end-to-end pipeline runs every stage in one process, all ranks' "
+        "decodes in turn."
     ),
     "replay": (
         "The ratio is the median, over repeats, of each repeat's record (or replay) time divided by its off time, "

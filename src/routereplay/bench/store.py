@@ -1,17 +1,27 @@
-"""Store benchmark: memory of holding a batch's routes in the ragged `RouteStore` vs dense padding.
+"""Store benchmark: driver memory of a batch's routes, compact `RouteStore` vs int16 holders.
 
 The workload is an RL batch of Qwen3-30B-A3B shape: 512 samples of up to 8192 tokens (lengths
-uniform in [1024, 8192]), 48 MoE layers, top-8 of 128 experts. Three ways to hold its routes:
+uniform in [1024, 8192]), 48 MoE layers, top-8 of 128 experts. Four ways to hold its routes, all
+built from the same routes in one run:
 
-- `store`: routereplay's `RouteStore` — each sample's token ids and its (N - 1, L, K) int16 trace,
-  added one sample at a time as rollouts finish (validated, copied in);
-- `dense int16`: the padded [B, S, L, K] int16 batch tensor verl keeps on the driver;
-- `dense int32`: the same in int32, the dtype SGLang sends and several trainers decode to.
+- `compact`: routereplay's `RouteStore` as it is now: every sample's token ids and its routes kept
+  encoded (set codec by default), added one sample at a time as rollouts finish (validated, encoded);
+- `ragged_int16`: one decoded (N - 1, L, K) int16 array and the token ids per sample, what
+  `RouteStore` held before it kept samples encoded;
+- `dense_int16`: the padded [B, S, L, K] int16 batch tensor verl keeps on the driver;
+- `dense_int32`: the same in int32, the dtype SGLang sends and several trainers decode to.
 
-Peak memory is read with `tracemalloc` (numpy reports every array allocation to it), from an
-empty start, while each is built; the unpadded payload is sum(N - 1) x L x K x 2 bytes. Build
-time of the store is the median of repeated builds. Legend: B = samples, S = padded length,
-N = tokens of a sample, L = layers, K = top-k.
+Peak memory is read with `tracemalloc` (numpy reports every array allocation to it, Python every
+`bytes` blob), from an empty start, while each is built; `held` is what is still traced once it is
+built; `store.nbytes` is the store's own count. The unpadded payload is sum(N - 1) x L x K x 2 bytes.
+Build time of the compact store (every `add_turn`: validate + encode) is the median of repeated builds.
+
+Routes come from one random (S, L, K) block drawn once (`SampleSource`): sample i takes a window of it
+with its expert ids relabelled by a random permutation, so each sample's rows differ, stay valid, and
+generating 512 samples costs one table lookup each.
+
+Legend: B = samples, S = padded length (the longest sample), N = tokens of a sample, L = layers,
+K = top-k, E = experts.
 """
 
 from __future__ import annotations
@@ -29,9 +39,11 @@ import numpy as np
 from routereplay.bench.timing import target
 from routereplay.environment import collect
 from routereplay.store import RouteStore
-from routereplay.trace import RouteTrace, canonical_dtype
+from routereplay.synthetic import random_trace
+from routereplay.trace import RouteTrace
 
-STORE_TARGET = 1.05
+COMPACT_TARGET = 0.35  # compact store peak / unpadded int16 payload
+VOCABULARY = 151_936  # Qwen3's vocabulary: token ids are drawn below it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,119 +61,190 @@ class StoreBenchConfig:
         for name in ("samples", "seq", "min_len", "layers", "top_k", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"store bench: {name} must be >= 1, got {getattr(self, name)}")
+        if self.min_len < 2:
+            raise ValueError(
+                f"store bench: min_len must be >= 2 (a sample of one token has no route), got {self.min_len}"
+            )
         if self.min_len > self.seq:
             raise ValueError(f"store bench: min_len {self.min_len} exceeds seq {self.seq}")
         if self.top_k > self.experts:
             raise ValueError(f"store bench: top_k {self.top_k} exceeds experts {self.experts}")
 
 
-def _peak(build: Callable[[], Any]) -> tuple[int, Any]:
-    """Peak traced bytes while `build()` runs (from an empty trace), and what it built."""
+class SampleSource:
+    """Seeded samples of a batch: lengths, token ids and routes, cheap to generate (see the module docstring)."""
+
+    __slots__ = ("_base_SLK", "_offsets", "_permutations", "_rng_seed", "layers", "lengths", "num_experts")
+
+    def __init__(
+        self, *, samples: int, seq: int, min_len: int, layers: int, top_k: int, experts: int, seed: int
+    ) -> None:
+        rng = np.random.default_rng(seed)
+        self.lengths = [int(n) for n in rng.integers(min_len, seq + 1, samples)]
+        self.layers = tuple(range(layers))
+        self.num_experts = experts
+        base = random_trace(rng, num_tokens=seq - 1, num_layers=layers, top_k=top_k, num_experts=experts)
+        self._base_SLK = base.experts
+        self._offsets = [int(rng.integers(0, seq - n + 1)) for n in self.lengths]
+        self._permutations = [rng.permutation(experts).astype(self._base_SLK.dtype) for _ in self.lengths]
+        self._rng_seed = seed
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def routes(self, i: int) -> np.ndarray:
+        """(N - 1, L, K) routes of sample i (a new array)."""
+        offset, n = self._offsets[i], self.lengths[i]
+        return self._permutations[i][self._base_SLK[offset : offset + n - 1]]
+
+    def tokens(self, i: int) -> np.ndarray:
+        """(N,) int64 token ids of sample i."""
+        return np.random.default_rng((self._rng_seed, i)).integers(0, VOCABULARY, self.lengths[i], dtype=np.int64)
+
+    def trace(self, routes_TLK: np.ndarray) -> RouteTrace:
+        return RouteTrace(routes_TLK, self.num_experts, self.layers)
+
+    @property
+    def rows(self) -> int:
+        """(token, layer) rows of the batch: sum(N - 1) x L."""
+        return sum(n - 1 for n in self.lengths) * len(self.layers)
+
+
+def source_of(config: StoreBenchConfig) -> SampleSource:
+    return SampleSource(
+        samples=config.samples,
+        seq=config.seq,
+        min_len=config.min_len,
+        layers=config.layers,
+        top_k=config.top_k,
+        experts=config.experts,
+        seed=config.seed,
+    )
+
+
+def build_ragged(source: SampleSource) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Today's ragged int16 holder: (token ids, decoded routes) per sample."""
+    return [(source.tokens(i), source.routes(i)) for i in range(len(source))]
+
+
+def build_store(source: SampleSource, ragged: list[tuple[np.ndarray, np.ndarray]], top_k: int) -> RouteStore:
+    """The compact store, one `add_turn` per sample as rollouts finish (validated and encoded)."""
+    store = RouteStore(num_experts=source.num_experts, layers=source.layers, top_k=top_k)
+    for i, (tokens_N, routes_TLK) in enumerate(ragged):
+        store.add_turn(i, tokens_N, source.trace(routes_TLK))
+    return store
+
+
+def _traced(build: Callable[[], Any]) -> tuple[int, int, Any]:
+    """Peak and held traced bytes of `build()` (from an empty trace), and what it built."""
     gc.collect()
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
-        held = build()
-        _, peak = tracemalloc.get_traced_memory()
+        built = build()
+        held, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    return peak, held
-
-
-def _base_routes(config: StoreBenchConfig) -> np.ndarray:
-    """(seq, L, K) valid routes: distinct ids per row, varying by token and layer."""
-    rows_T = np.arange(config.seq)[:, None, None]
-    layers_L = np.arange(config.layers)[None, :, None] * 7
-    slots_K = np.arange(config.top_k)[None, None, :] * (config.experts // config.top_k)
-    return ((rows_T + layers_L + slots_K) % config.experts).astype(canonical_dtype(config.experts))
-
-
-def build_store(config: StoreBenchConfig, lengths: list[int], base_SLK: np.ndarray) -> RouteStore:
-    store = RouteStore(num_experts=config.experts, layers=tuple(range(config.layers)), top_k=config.top_k)
-    for i, n in enumerate(lengths):
-        experts_TLK = base_SLK[: n - 1].copy()  # the rollout's own array, freed after it is added
-        store.add_turn(
-            i, np.arange(n, dtype=np.int64), RouteTrace(experts_TLK, config.experts, tuple(range(config.layers)))
-        )
-        del experts_TLK
-    return store
+    return peak, held, built
 
 
 def run(config: StoreBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     report = progress or (lambda _name: None)
-    rng = np.random.default_rng(config.seed)
-    lengths = [int(n) for n in rng.integers(config.min_len, config.seq + 1, config.samples)]
-    base_SLK = _base_routes(config)
-    row_bytes = config.layers * config.top_k * base_SLK.itemsize
-    payload = sum(n - 1 for n in lengths) * row_bytes
+    report("generating routes")
+    source = source_of(config)
+    payload = source.rows * config.top_k * 2
+    peaks: dict[str, int] = {}
+    held: dict[str, int] = {}
+    report("ragged_int16: peak memory")
+    peaks["ragged_int16"], held["ragged_int16"], ragged = _traced(partial(build_ragged, source))
 
-    report("store: building")
     seconds = []
     for repeat in range(config.repeats):
-        report(f"store: timed build {repeat + 1}/{config.repeats}")
+        report(f"compact: timed build {repeat + 1}/{config.repeats}")
+        gc.collect()
         begin = time.perf_counter()
-        store = build_store(config, lengths, base_SLK)
+        store = build_store(source, ragged, config.top_k)
         seconds.append(time.perf_counter() - begin)
         del store
-    report("store: peak memory")
-    store_peak, store = _peak(lambda: build_store(config, lengths, base_SLK))
-    held = sum(store.trace(i).experts.nbytes for i in range(len(lengths)))
-    del store
-    peaks = {"store": store_peak}
-    shape = (config.samples, config.seq, config.layers, config.top_k)
+    report("compact: peak memory")
+    peaks["compact"], held["compact"], store = _traced(partial(build_store, source, ragged, config.top_k))
+    nbytes = store.nbytes
+    _check_readback(store, ragged)
+    del store, ragged
+
+    shape = (config.samples, max(source.lengths), config.layers, config.top_k)
     for name, dtype in (("dense_int16", np.int16), ("dense_int32", np.int32)):
         report(f"{name}: peak memory")
-        peak, dense = _peak(partial(np.full, shape, -1, dtype=dtype))
-        peaks[name] = peak
+        peaks[name], held[name], dense = _traced(partial(np.full, shape, -1, dtype=dtype))
         del dense
     seconds.sort()
+    build = {"median": seconds[len(seconds) // 2], "low": seconds[0], "high": seconds[-1]}
     ratios = {
-        "store_over_payload": peaks["store"] / payload,
-        "dense_int16_over_store": peaks["dense_int16"] / peaks["store"],
-        "dense_int32_over_store": peaks["dense_int32"] / peaks["store"],
+        "compact_over_payload": peaks["compact"] / payload,
+        "compact_nbytes_over_payload": nbytes / payload,
+        "ragged_int16_over_compact": peaks["ragged_int16"] / peaks["compact"],
+        "dense_int16_over_compact": peaks["dense_int16"] / peaks["compact"],
+        "dense_int32_over_compact": peaks["dense_int32"] / peaks["compact"],
     }
     return {
         "suite": "store",
         "machine": collect(),
         "config": {k: getattr(config, k) for k in StoreBenchConfig.__dataclass_fields__},
-        "tokens": sum(lengths),
+        "tokens": sum(source.lengths),
+        "rows": source.rows,
+        "padded_length": shape[1],
         "payload_bytes": payload,
-        "routes_held_bytes": held,
+        "store_nbytes": nbytes,
         "peak_bytes": peaks,
-        "store_build_seconds": {"median": seconds[len(seconds) // 2], "low": seconds[0], "high": seconds[-1]},
+        "held_bytes": held,
+        "build_seconds": build,
+        "encode_rows_per_s": source.rows / build["median"],
         "ratios": ratios,
-        "targets": {"store_over_payload": target(ratios["store_over_payload"], STORE_TARGET)},
+        "targets": {"compact_over_payload": target(ratios["compact_over_payload"], COMPACT_TARGET)},
     }
+
+
+def _check_readback(store: RouteStore, ragged: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """The compact store gives back every route set it was given (rows read back sorted: a set store)."""
+    for i in sorted({0, len(ragged) // 2, len(ragged) - 1}):
+        tokens_N, routes_TLK = ragged[i]
+        if not np.array_equal(store.rows(i, 0, len(tokens_N) - 1), np.sort(routes_TLK, axis=2)):
+            raise AssertionError(f"store bench: sample {i} reads back routes other than the ones added")
 
 
 def markdown(result: dict[str, Any]) -> str:
-    config, machine, peaks = result["config"], result["machine"], result["peak_bytes"]
-    gib = 2**30
+    config, machine, peaks, held = result["config"], result["machine"], result["peak_bytes"], result["held_bytes"]
+    gib, payload = 2**30, result["payload_bytes"]
     lines = [
         f"Measured on {machine['processor']} ({machine['cpu_count']} cores), numpy {machine['numpy']}, "
-        "by `routereplay bench store` (peak bytes from tracemalloc).",
+        "by `routereplay bench store` (peak and held bytes from tracemalloc).",
         "",
         f"{config['samples']} samples x up to {config['seq']} tokens ({result['tokens']} tokens, lengths uniform in "
-        f"[{config['min_len']}, {config['seq']}]), {config['layers']} layers, top-{config['top_k']} of "
-        f"{config['experts']}; unpadded int16 payload {result['payload_bytes'] / gib:.3f} GiB.",
+        f"[{config['min_len']}, {config['seq']}], padded to {result['padded_length']}), {config['layers']} layers, "
+        f"top-{config['top_k']} of {config['experts']}; unpadded int16 payload {payload / gib:.3f} GiB.",
         "",
-        "| holding the batch's routes | peak GiB | x unpadded payload |",
-        "|---|---:|---:|",
+        "| holding the batch's routes | peak GiB | held GiB | peak x unpadded payload |",
+        "|---|---:|---:|---:|",
     ]
     names = {
-        "store": "routereplay RouteStore (ragged int16 + token ids)",
+        "compact": "routereplay RouteStore (encoded, set codec + token ids)",
+        "ragged_int16": "ragged int16 + token ids (RouteStore before the compact store)",
         "dense_int16": "dense padded int16 [B, S, L, K] (verl driver)",
         "dense_int32": "dense padded int32 [B, S, L, K]",
     }
-    for name, peak in peaks.items():
-        lines.append(f"| {names[name]} | {peak / gib:.3f} | {peak / result['payload_bytes']:.3f} |")
-    build = result["store_build_seconds"]
+    for name in ("compact", "ragged_int16", "dense_int16", "dense_int32"):
+        lines.append(
+            f"| {names[name]} | {peaks[name] / gib:.3f} | {held[name] / gib:.3f} | {peaks[name] / payload:.3f} |"
+        )
+    build = result["build_seconds"]
     lines += [
         "",
-        f"Store build (validate + copy every sample): {build['median']:.2f} s median of {config['repeats']} "
-        f"(low {build['low']:.2f}, high {build['high']:.2f}).",
+        f"`store.nbytes` {result['store_nbytes'] / gib:.3f} GiB ({result['ratios']['compact_nbytes_over_payload']:.3f}"
+        "x the payload). Compact store build (validate + encode every sample, one `add_turn` each): "
+        f"{build['median']:.2f} s median of {config['repeats']} (low {build['low']:.2f}, high {build['high']:.2f}), "
+        f"{result['encode_rows_per_s'] / 1e6:.2f}M (token, layer) rows/s.",
     ]
     return "\n".join(lines)
 
 
-__all__ = ["StoreBenchConfig", "build_store", "markdown", "run"]
+__all__ = ["SampleSource", "StoreBenchConfig", "build_ragged", "build_store", "markdown", "run", "source_of"]

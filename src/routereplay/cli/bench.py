@@ -15,7 +15,7 @@ from typing import Any
 from routereplay.cli.arguments import add_json_argument, non_negative_int, positive_int, seed_int
 from routereplay.cli.threads import add_threads_argument
 
-SUITES = ("codec", "layout", "store", "replay", "engine")  # what `bench all` runs
+SUITES = ("codec", "layout", "store", "delivery", "replay", "engine")  # what `bench all` runs
 # run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm];
 # `async` trains the demo model (cached) and runs nine GRPO runs
 SEPARATE_SUITES = ("load", "vllm", "async")
@@ -24,15 +24,19 @@ SEPARATE_SUITES = ("load", "vllm", "async")
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="run a benchmark suite (codec, layout, store, replay, engine, load, vllm, async, all) and print medians",
+        help="run a benchmark suite (codec, layout, store, delivery, replay, engine, load, vllm, async, all) and print "
+        "medians",
         description=(
             "Run a benchmark suite; every ratio is measured side by side in the same run. "
             "`codec`: bytes per (token, layer) row and encode/decode speed of routereplay's codec against JSON lists, "
             "SGLang base64 int32, vLLM base64 .npy and raw uint8 on the same random routes. "
             "`layout`: pack + Ulysses SP shard of a padded batch of routes (64 x 4096 tokens, 48 layers, top-8) with "
             "routereplay's vectorised transforms against the per-sequence loop framework glue uses. "
-            "`store`: peak memory of a 512-sample x 8k-token Qwen3-30B-A3B batch's routes in the ragged RouteStore "
-            "against dense padded int16/int32 tensors. "
+            "`store`: driver memory of a 512-sample x 8k-token Qwen3-30B-A3B batch's routes in the compact RouteStore "
+            "(encoded) against one int16 array per sample and dense padded int16/int32 tensors, and its encode time. "
+            "`delivery`: random-access decode of one rank's rows against the whole sample; DP=4 delivery over 4 gloo "
+            "processes of per-rank compact bundles against a broadcast of the dense padded batch (bytes per rank, "
+            "wall time); vLLM HTTP responses to every SP rank's replay-ready tensor, rows/s and each stage's share. "
             "`replay`: forward + backward step time of a Qwen3-MoE-shaped model with routers off, recording and "
             "replaying. `engine`: the built-in engine's generation time with and without route capture. "
             "`load`: the demo model's training steps, the demo and one GRPO step, quiet and with --busy processes "
@@ -56,10 +60,15 @@ def add_parser(subparsers: Any) -> None:
     sizes.add_argument("--batch", type=positive_int, default=8, help="replay: batch rows (default 8)")
     sizes.add_argument("--seq", type=positive_int, help="replay: tokens per row (256); layout: padded length (4096)")
     sizes.add_argument("--sequences", type=positive_int, default=64, help="layout: sequences in the batch (default 64)")
-    sizes.add_argument("--sp", type=positive_int, default=4, help="layout: Ulysses sequence-parallel size (default 4)")
-    sizes.add_argument("--samples", type=positive_int, default=512, help="store: samples in the batch (default 512)")
     sizes.add_argument(
-        "--max-len", type=positive_int, default=8192, help="store: longest sample in tokens (default 8192)"
+        "--sp", type=positive_int, default=4, help="layout, delivery: Ulysses sequence-parallel size (default 4)"
+    )
+    sizes.add_argument("--dp", type=positive_int, default=4, help="delivery: data-parallel gloo ranks (default 4)")
+    sizes.add_argument(
+        "--samples", type=positive_int, help="store: samples in the batch (default 512); delivery: (default 64)"
+    )
+    sizes.add_argument(
+        "--max-len", type=positive_int, default=8192, help="store, delivery: longest sample in tokens (default 8192)"
     )
     sizes.add_argument(
         "--shape", choices=("tiny", "qwen3-30b-a3b"), default="tiny", help="replay: model layer shapes (default tiny)"
@@ -88,7 +97,7 @@ def add_parser(subparsers: Any) -> None:
 
 def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
     """The benchmark module of `name` and its config from the command line."""
-    from routereplay.bench import codec, engine, layout, load, replay, store
+    from routereplay.bench import codec, delivery, engine, layout, load, replay, store
 
     quick = args.quick
     repeats = args.repeats or (2 if quick else None)
@@ -116,13 +125,28 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
         )
     if name == "store":
         return store, store.StoreBenchConfig(
-            samples=4 if quick else args.samples,
+            samples=4 if quick else args.samples or 512,
             seq=256 if quick else args.max_len,
             min_len=32 if quick else min(1024, args.max_len),
             layers=args.layers,
             top_k=args.top_k,
             experts=args.experts,
             repeats=repeats or 3,
+            seed=args.seed,
+        )
+    if name == "delivery":
+        return delivery, delivery.DeliveryBenchConfig(
+            samples=max(4, args.dp) if quick else args.samples or 64,
+            seq=256 if quick else args.max_len,
+            min_len=32 if quick else min(1024, args.max_len),
+            layers=args.layers,
+            top_k=args.top_k,
+            experts=args.experts,
+            dp=args.dp,
+            sp=args.sp,
+            window=16 if quick else 64,
+            repeats=repeats or 5,
+            access_repeats=repeats or 11,
             seed=args.seed,
         )
     if name == "load":
