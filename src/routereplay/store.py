@@ -48,7 +48,7 @@ import numpy as np
 from routereplay import codec
 from routereplay.atomicfile import atomic_write
 from routereplay.codec_limits import CodecLimits, checked_limits
-from routereplay.compact.encoded import EncodedRoutes
+from routereplay.compact.encoded import EncodedRoutes, UnrankerCache
 from routereplay.enums import CodecMode
 from routereplay.errors import CodecError, ConfigError, RowCountError, StoreHeaderError
 from routereplay.jsondocument import JsonLimits
@@ -109,6 +109,7 @@ class RouteStore:
         if num_experts is not None and layers is not None and top_k is not None:
             self._geometry = check_geometry_args(num_experts, layers, top_k)
         self._samples: dict[SampleId, Sample] = {}
+        self._unrankers = UnrankerCache()  # one set-mode unranker shared by every sample's pieces
         self._lock = threading.RLock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -183,7 +184,7 @@ class RouteStore:
             if self._geometry is None:
                 self._geometry = (trace.num_experts, trace.layers, trace.top_k)
         if sample is None:
-            sample = self._samples[sample_id] = Sample(tokens, SampleRoutes(self._mode))
+            sample = self._samples[sample_id] = Sample(tokens, SampleRoutes(self._mode, self._unrankers))
         sample.tokens = tokens
         if trace is not None and trace.num_tokens:
             sample.conflicting_rows += sample.routes.add(trace, policy)

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from routereplay.compact.encoded import EncodedRoutes
+from routereplay.compact.encoded import EncodedRoutes, UnrankerCache
 from routereplay.enums import CodecMode
 from routereplay.trace import UNROUTED_SOURCE, MergePolicy, RouteTrace, Segment, canonical_dtype
 
@@ -31,11 +31,15 @@ MAX_PIECES = 64  # pieces per sample before they are coalesced into one
 class SampleRoutes:
     """The encoded pieces of one sample's routes (see the module docstring); the store's lock guards it."""
 
-    __slots__ = ("mode", "pieces")
+    __slots__ = ("mode", "pieces", "unrankers")
 
-    def __init__(self, mode: CodecMode, pieces: list[EncodedRoutes] | None = None) -> None:
+    def __init__(self, mode: CodecMode, unrankers: UnrankerCache | None = None) -> None:
         self.mode = mode
-        self.pieces: list[EncodedRoutes] = pieces or []
+        self.unrankers = unrankers or UnrankerCache()  # the store's: one unranker for every piece
+        self.pieces: list[EncodedRoutes] = []
+
+    def _encode(self, trace: RouteTrace) -> EncodedRoutes:
+        return EncodedRoutes.encode(trace, mode=self.mode, unrankers=self.unrankers)
 
     def __bool__(self) -> bool:
         return bool(self.pieces)
@@ -59,15 +63,15 @@ class SampleRoutes:
         lo = bisect.bisect_right([p.stop for p in self.pieces], trace.start)  # first piece ending after start
         hi = bisect.bisect_left(starts, trace.stop)  # pieces from hi on start at or after the trace's stop
         if lo >= hi:
-            self.pieces.insert(lo, EncodedRoutes.encode(trace, mode=self.mode))
+            self.pieces.insert(lo, self._encode(trace))
             conflicting = 0
         else:
             old = _joined([p.trace() for p in self.pieces[lo:hi]])
             conflicting = conflicts(old, trace)
             merged = old.merge(trace, policy=policy)
-            self.pieces[lo:hi] = [EncodedRoutes.encode(merged, mode=self.mode)]
+            self.pieces[lo:hi] = [self._encode(merged)]
         if len(self.pieces) > MAX_PIECES:
-            self.pieces = [EncodedRoutes.encode(_joined([p.trace() for p in self.pieces]), mode=self.mode)]
+            self.pieces = [self._encode(_joined([p.trace() for p in self.pieces]))]
         return conflicting
 
     def assemble(self, rows: int, num_experts: int, layers: tuple[int, ...], top_k: int) -> np.ndarray:
@@ -110,7 +114,7 @@ class SampleRoutes:
         if len(self.pieces) > 1:
             joined = self.joined()
             assert joined is not None
-            self.pieces = [EncodedRoutes.encode(joined, mode=self.mode)]
+            self.pieces = [self._encode(joined)]
         return self.pieces[0].blob
 
 

@@ -1,11 +1,12 @@
 """One sample of a `RouteStore`, and what `add_turn` checks before it stores a call.
 
 `Sample` is a sample's stored state: its full token ids, the routes merged so far (encoded:
-`routereplay.store_routes`), metadata and the count of re-sent rows that disagreed. Before a call is stored its token ids must extend the stored ones
-(`check_prefix`, else `MisalignedRoutesError`), its rows must stop at the last token (`check_rows`,
-which names the verl #6029 duplicated-prefix bug as `DuplicatedPrefixError`) and a trace that names its
-tokens must name the sample's (`check_token_ids`); `check_geometry` holds every trace to the store's model
-(num_experts, layers, top_k), which `check_geometry_args` checks when it is given to `RouteStore(...)`.
+`routereplay.store_routes`), metadata and the count of re-sent rows that disagreed. Before a call
+is stored its token ids must extend the stored ones (`check_prefix`, else `MisalignedRoutesError`),
+its rows must stop at the last token (`check_rows`, which names the verl #6029 duplicated-prefix bug
+as `DuplicatedPrefixError`) and a trace that names its tokens must name the sample's
+(`check_token_ids`); `check_geometry` holds every trace to the store's model (num_experts, layers,
+top_k), which `check_geometry_args` checks when it is given to `RouteStore(...)`.
 
 Legend: T = rows (token positions fed as input), L = MoE layers, K = top-k, N = tokens of a sample.
 """

@@ -195,11 +195,14 @@ class RankBundle:
         """(P, L, K) ids in the canonical dtype, -1 where no route (padding, last tokens, unrouted)."""
         L, K = len(self.layers), self.top_k
         out_PLK = np.full((self.rows, L, K), -1, canonical_dtype(self.num_experts))
+        routed = sum(entry.routed for entry in self._entries)
+        unranker = _unranker(self.num_experts, K, self.mode, routed) if routed else None  # one for every span
         for entry in self._entries:
-            dest_RK = out_PLK[entry.dest : entry.dest + entry.length].reshape(-1, K)
-            decoder = _SpanDecoder(self._data, entry, self.num_experts, K, self.mode, self.streams)
             if entry.routed == 0:
                 continue
+            dest_RK = out_PLK[entry.dest : entry.dest + entry.length].reshape(-1, K)
+            decoder = _SpanDecoder(self._data, entry, self.num_experts, K, self.mode, self.streams)
+            decoder.unranker = unranker
             if entry.bitmap_at is None:
                 decoder._rows_into(0, dest_RK)
                 continue
@@ -238,18 +241,17 @@ class _SpanDecoder(PayloadDecoder):
         super().__init__(data, num_experts, top_k, mode, streams)
         self.starts = [offset for offset, _, _ in entry.cuts]
         self.skips = [skip for _, _, skip in entry.cuts]
-        if entry.routed:
-            self.unranker = _unranker(num_experts, top_k, mode)
 
     def _values(self, stream: int, first: int, count: int) -> np.ndarray:
         return super()._values(stream, first + self.skips[stream], count)
 
 
-def _unranker(num_experts: int, top_k: int, mode: CodecMode) -> SubsetUnranker | None:
+def _unranker(num_experts: int, top_k: int, mode: CodecMode, rows: int) -> SubsetUnranker | None:
+    """One unranker for a whole bundle (`rows` routed rows: the bulk lookup table when it pays)."""
     count = math.comb(num_experts, top_k)
     if mode is not CodecMode.SET or rank_bits(count) == 0:
         return None
-    return SubsetUnranker(binomial_table(num_experts, top_k, count), count)
+    return SubsetUnranker(binomial_table(num_experts, top_k, count), count, rows=rows)
 
 
 def _check_envelope(view: memoryview) -> None:

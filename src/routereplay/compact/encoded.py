@@ -71,10 +71,13 @@ class EncodedSpan:
 class EncodedRoutes:
     """A checked codec blob of one trace, with random access to its rows (see the module docstring)."""
 
-    __slots__ = ("_decoder", "_index_B", "_raw", "_unranker", "blob", "header", "routed_by_segment", "routed_tokens")
+    __slots__ = ("_decoder", "_index_B", "_raw", "_unrankers", "blob", "header", "routed_by_segment", "routed_tokens")
 
-    def __init__(self, blob: bytes, *, limits: CodecLimits | None = None) -> None:
-        """Check `blob` (a `codec.encode` output) once; `limits` bound its declared shape as in `decode`."""
+    def __init__(
+        self, blob: bytes, *, limits: CodecLimits | None = None, unrankers: UnrankerCache | None = None
+    ) -> None:
+        """Check `blob` (a `codec.encode` output) once; `limits` bound its declared shape as in `decode`.
+        `unrankers` shares the set-mode unranker (about 100 KB for top-8 of 128) between the pieces of a store."""
         if not isinstance(blob, bytes):
             raise ConfigError(f"EncodedRoutes needs the blob as bytes, got {type(blob).__name__}")
         limits = checked_limits(limits)
@@ -100,19 +103,17 @@ class EncodedRoutes:
             num_valid = int(self._index_B[-1])
         # checks lengths and padding bits: what decode() checks before it unpacks a row
         self._decoder._check_streams(-(-rows // 8) if head.has_missing_rows else 0, num_valid)
-        count = math.comb(E, K) if head.mode is CodecMode.SET else 0
-        self._unranker = None
-        if num_valid and head.mode is CodecMode.SET and rank_bits(count) > 0:
-            self._unranker = SubsetUnranker(binomial_table(E, K, count), count)
-        self._decoder.unranker = self._unranker
+        self._unrankers = unrankers or UnrankerCache()
         self.routed_tokens, self.routed_by_segment = self._summary()
 
     @classmethod
-    def encode(cls, trace: RouteTrace, *, mode: CodecMode | str = CodecMode.SET) -> EncodedRoutes:
+    def encode(
+        cls, trace: RouteTrace, *, mode: CodecMode | str = CodecMode.SET, unrankers: UnrankerCache | None = None
+    ) -> EncodedRoutes:
         """Encode `trace` (its token ids are dropped) and keep it resident."""
         if trace.token_ids is not None:
             trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, trace.segments)
-        return trusted(codec.encode(trace, mode=mode))
+        return trusted(codec.encode(trace, mode=mode), unrankers=unrankers)
 
     # --- what it holds ------------------------------------------------------------------------
     @property
@@ -160,6 +161,7 @@ class EncodedRoutes:
         L, K = self.header.num_layers, self.header.top_k
         r0, r1 = (begin - self.start) * L, (end - self.start) * L
         out_RK = np.empty((r1 - r0, K), canonical_dtype(self.header.num_experts))
+        self._decoder.unranker = self._unrankers.get(self.header.num_experts, K, self.header.mode)
         routed = self.routed_before(r0)
         for c0 in range(r0, r1, chunk_rows):
             c1 = min(r1, c0 + chunk_rows)
@@ -260,13 +262,31 @@ class EncodedRoutes:
         return (trusted, (self.blob,))
 
 
-def trusted(blob: bytes) -> EncodedRoutes:
+class UnrankerCache:
+    """The set-mode unranker of one (E, K), built on first use and shared by every piece that holds it."""
+
+    __slots__ = ("_key", "_unranker")
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] | None = None
+        self._unranker: SubsetUnranker | None = None
+
+    def get(self, num_experts: int, top_k: int, mode: CodecMode) -> SubsetUnranker | None:
+        count = math.comb(num_experts, top_k)
+        if mode is not CodecMode.SET or rank_bits(count) == 0:
+            return None
+        if self._key != (num_experts, top_k) or self._unranker is None:
+            self._unranker = SubsetUnranker(binomial_table(num_experts, top_k, count), count)
+            self._key = (num_experts, top_k)
+        return self._unranker
+
+
+def trusted(blob: bytes, *, unrankers: UnrankerCache | None = None) -> EncodedRoutes:
     """`EncodedRoutes` of a blob this process (or a pickle of it) wrote: checked, with limits sized to it."""
     head = codec.header_info(blob, limits=CodecLimits(max_set_table=1 << 62))
-    entries = head.num_tokens * head.num_layers * head.top_k
-    return EncodedRoutes(
-        blob, limits=CodecLimits(max_entries=max(entries, 1), max_expansion=1 << 62, max_set_table=1 << 62)
-    )
+    entries = max(head.num_tokens * head.num_layers * head.top_k, 1)
+    limits = CodecLimits(max_entries=entries, max_expansion=1 << 62, max_set_table=1 << 62)
+    return EncodedRoutes(blob, limits=limits, unrankers=unrankers)
 
 
-__all__ = ["BLOCK_ROWS", "EncodedRoutes", "EncodedSpan", "StreamCut", "trusted"]
+__all__ = ["BLOCK_ROWS", "EncodedRoutes", "EncodedSpan", "StreamCut", "UnrankerCache", "trusted"]
