@@ -3,12 +3,20 @@ bound router scope, both inert stand-ins when pickled or copied.
 
 `bind(replayer)` installs them (the scopes' classes are untouched) and `unbind` removes them, putting
 back a forward another library had set before `attach`; `attached_replayer(model)` finds the Replayer
-through its hook. A pickled or deep-copied model carries `_ModelCallHook(None)` and the scopes' own
-forwards: no Replayer state, and not attached.
+through its hook. A pickled model carries `_ModelCallHook(None)` and the scopes' own forwards; a
+deep-copied one carries `_ModelCallHook(None)` and, as each scope's `forward`, an inert stand-in that
+calls the scope's own forward (attaching the copy unwraps it). Neither holds Replayer state, and
+neither is attached.
+
+A scope's `forward` is the bound method `_RouterForward.forward` of its binding, not a callable
+object: dynamo guards a patched method by its code (shared by every layer) but a callable object by
+its identity, so with a method one compiled graph serves every MoE block of a model.
 """
 
 from __future__ import annotations
 
+import copy
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from routereplay.runtime.discovery import RouterSite
+from routereplay.runtime.interception import RouterSlot
 
 if TYPE_CHECKING:
     from routereplay.runtime.replayer import Replayer
@@ -40,21 +49,47 @@ class _ModelCallHook:
 
 
 class _RouterForward:
-    """A bound router scope's `forward` (an instance attribute; the class is untouched). It pickles and
-    deep-copies as the forward it wraps, so a copy of the model routes naturally and is not attached."""
+    """The binding of a bound router scope: its `forward` instance attribute is this object's `forward`
+    method (the class is untouched). Pickled, it becomes the forward it wraps; deep-copied, an inert
+    binding (`replayer` None) that calls it. Either way the copy routes naturally and is not attached."""
 
-    __slots__ = ("original", "replayer", "site")
+    __slots__ = ("original", "replayer", "site", "slot")
 
-    def __init__(self, replayer: Replayer, site: RouterSite, original: Callable[..., Any]) -> None:
-        self.replayer, self.site, self.original = replayer, site, original
+    def __init__(
+        self,
+        replayer: Replayer | None,
+        site: RouterSite | None,
+        slot: RouterSlot | None,
+        original: Callable[..., Any],
+    ) -> None:
+        self.replayer, self.site, self.slot, self.original = replayer, site, slot, original
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.replayer._route(self.site, self.original, args, kwargs)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        replayer = self.replayer
+        if replayer is None or self.site is None or self.slot is None:  # a copy's inert stand-in
+            return self.original(*args, **kwargs)
+        return replayer._route(self.site, self.slot, self.original, args, kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        if _is_bound_class_forward(self.original, self.site.scope):
-            return (getattr, (self.site.scope, "forward"))  # re-resolved on the copy: its class's forward
-        return (_unwrapped, (self.original,))
+        # a pickled bound method is `getattr(<its __self__ reduced>, "forward")`
+        if self.site is not None and _is_bound_class_forward(self.original, self.site.scope):
+            return (_unwrapped, (self.site.scope,))  # re-resolved on the copy: its class's forward
+        return (_holding_forward, (self.original,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _RouterForward:
+        # deepcopy rebuilds a bound method around a copy of its __self__: make that inert
+        return _RouterForward(None, None, None, copy.deepcopy(self.original, memo))
+
+
+def _binding(forward: Any) -> _RouterForward | None:
+    """The `_RouterForward` behind a scope's `forward` attribute, if it is one."""
+    if isinstance(forward, types.MethodType) and isinstance(forward.__self__, _RouterForward):
+        return forward.__self__
+    return None
+
+
+def _holding_forward(original: Callable[..., Any]) -> types.SimpleNamespace:
+    return types.SimpleNamespace(forward=original)
 
 
 def _unwrapped(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -77,16 +112,20 @@ def attached_replayer(model: nn.Module) -> Replayer | None:
 def bind(replayer: Replayer) -> list[RemovableHandle]:
     """Hook the model and wrap each bound router scope's `forward`; returns the hook handles."""
     handles = [replayer.model.register_forward_pre_hook(_ModelCallHook(replayer), with_kwargs=True)]
-    for site in replayer.sites:
-        site.scope.forward = _RouterForward(replayer, site, site.scope.forward)  # instance attribute; class untouched
+    for site, slot in zip(replayer.sites, replayer.slots, strict=True):
+        original = site.scope.forward
+        stand_in = _binding(original)
+        if stand_in is not None and stand_in.replayer is None:  # a deep copy's inert stand-in: wrap what it calls
+            original = stand_in.original
+        site.scope.forward = _RouterForward(replayer, site, slot, original).forward  # instance attribute only
     return handles
 
 
 def unbind(replayer: Replayer, handles: list[RemovableHandle]) -> None:
     """Delete the wrappers `bind` set (putting back a forward another library had set) and remove `handles`."""
     for site in replayer.sites:
-        wrapper = site.scope.__dict__.get("forward")
-        if isinstance(wrapper, _RouterForward) and wrapper.replayer is replayer:
+        wrapper = _binding(site.scope.__dict__.get("forward"))
+        if wrapper is not None and wrapper.replayer is replayer:
             del site.scope.__dict__["forward"]
             if not _is_bound_class_forward(wrapper.original, site.scope):
                 site.scope.forward = wrapper.original  # another library's wrapper, set before attach

@@ -8,6 +8,22 @@ scores, renormalising, scaling, dispatch) is the model's own code. So the weight
 the router computes for the forced experts, and gradients reach the gate. Rows of -1 take the live
 choice for that token only.
 
+No host sync per router call. Whether a layer's routes hold -1 rows is decided on the host once,
+when the context takes its routes (`RouterSlot.fallback`): a layer without them uses the forced ids
+as they are; a layer with them runs the live top-k and `torch.where`s it in, unconditionally. No
+`.item()`, `.tolist()` or branch on a tensor's value runs here, so on GPU the router never waits for
+the device, and under `torch.compile` the interception traces into the graph without a break
+(dynamo traces a `TorchFunctionMode` entered inside the compiled region).
+
+Compiled models. Compile the decoder or MoE blocks, not the model: its forward pre-hook starts the
+steps on the host, and the context folds the choices compiled routers leave in their slots (see
+`runtime/session.py`). One graph per fallback variant serves every layer. Checkpoint outside the
+compiled block: dynamo refuses the router's side effects inside a checkpoint it traces ("HOP: Unsafe
+side effect") and runs that block eagerly. `in_backward` is False while dynamo traces (the autograd
+engine's state is no guard), so a compiled router cannot tell a recompute from a forward: replay
+recomputes the same routes (forced rows; -1 rows re-decided live from the same scores, as in eager),
+but `stats.recompute_calls` stays 0, and record recomputes the live top-k instead of reusing its choice.
+
 Legend: T = tokens in this router call, K = top-k, C = choices (experts).
 """
 
@@ -15,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,12 +41,33 @@ from routereplay.runtime.discovery import RouterSite
 
 TOPK_FUNCTIONS = frozenset({torch.topk, torch.Tensor.topk})
 
-# (site, rows T) -> forced ids (T, K) long with -1 rows, or None to run the live top-k
-ForcedLookup = Callable[[RouterSite, int], "torch.Tensor | None"]
+
+@dataclass(slots=True)
+class RouterSlot:
+    """One bound router's exchange with the open context: its forced routes in, its choice out.
+
+    The context fills `forced_TK` and `fallback` on entry and empties the slot on exit; a router call
+    leaves its choice in `chosen_TK`, which the context folds into its steps and counters on the host.
+    A compiled router reads and writes only these attributes, so one graph serves every layer."""
+
+    forced_TK: torch.Tensor | None = None  # replay: this layer's routes, long, on the router's device
+    fallback: bool = False  # forced_TK has -1 rows (decided on the host when the routes were set)
+    chosen_TK: torch.Tensor | None = None  # the last call's choice, not yet folded into the context
+
+    def clear(self) -> None:
+        self.forced_TK, self.fallback, self.chosen_TK = None, False, None
+
+
+# (site, slot, rows T) -> (forced ids (T, K) long, whether they hold -1 rows), or None for the live top-k
+ForcedLookup = Callable[[RouterSite, RouterSlot, int], "tuple[torch.Tensor, bool] | None"]
 
 
 def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass (where checkpoint recomputes happen)."""
+    """True while the autograd engine runs a backward pass (where checkpoint recomputes happen).
+
+    False while dynamo traces (it cannot guard on it): compiled code takes the forward path."""
+    if torch.compiler.is_compiling():
+        return False
     return bool(torch._C._current_graph_task_id() != -1)
 
 
@@ -44,11 +82,11 @@ def on_thread(owner: int) -> bool:
 class TopKInterceptor(TorchFunctionMode):
     """Active for one call of one router scope; keeps the choice of the selection top-k it saw."""
 
-    def __init__(self, site: RouterSite, forced: ForcedLookup) -> None:
+    def __init__(self, site: RouterSite, slot: RouterSlot, forced: ForcedLookup) -> None:
         super().__init__()
-        self.site, self.forced = site, forced
+        self.site, self.slot, self.forced = site, slot, forced
         self.hits = 0
-        self.last: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (ids (T, K), fallback rows (T,))
+        self.last: torch.Tensor | None = None  # ids (T, K) chosen by the last matching call
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -64,25 +102,24 @@ class TopKInterceptor(TorchFunctionMode):
         if k != site.top_k or scores.shape[dim] != site.num_choices:
             return func(*args, **kwargs)
         rows = scores.numel() // site.num_choices
-        forced_TK = self.forced(site, rows)
-        fallback_T: torch.Tensor | None = None
-        if forced_TK is None and not torch.is_grad_enabled():
+        forced = self.forced(site, self.slot, rows)
+        if forced is None and not torch.is_grad_enabled():
             # record without autograd (rollout engines, old-log-prob passes): nothing is saved for a
             # recompute, so the live top-k is returned as is; its values are the gathered scores
             result = func(*args, **kwargs)
             self.hits += 1
-            self.last = (_rows_last(result[1], dim, k), None)
+            self.last = _rows_last(result[1], dim, k)
             return result
-        if forced_TK is None:  # record: the live choice
+        if forced is None:  # record: the live choice
             with torch.no_grad():
                 chosen_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
         else:
-            chosen_TK = forced_TK.to(scores.device)
-            fallback_T = chosen_TK[:, 0] < 0
-            if bool(fallback_T.any()):  # -1 rows: the live router decides for those tokens only
+            forced_TK, fallback = forced
+            chosen_TK = forced_TK if forced_TK.device == scores.device else forced_TK.to(scores.device)
+            if fallback:  # -1 rows (known on the host): the live router decides for those tokens only
                 with torch.no_grad():
                     live_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
-                chosen_TK = torch.where(fallback_T[:, None], live_TK, chosen_TK)
+                chosen_TK = torch.where(chosen_TK[:, :1] < 0, live_TK, chosen_TK)
         # one code path for every mode: selection without autograd, values by gather. A checkpoint
         # recompute (which replays) then saves exactly the tensors its forward (maybe a record) saved.
         lead = scores.shape[:dim] + scores.shape[dim + 1 :]
@@ -91,7 +128,7 @@ class TopKInterceptor(TorchFunctionMode):
             indices = indices.movedim(-1, dim)
         values = scores.gather(dim, indices)
         self.hits += 1
-        self.last = (chosen_TK, fallback_T)  # when several calls match (a one-group group score), the last selects
+        self.last = chosen_TK  # when several calls match (a one-group group score), the last selects
         return torch.return_types.topk((values, indices))
 
 
@@ -102,4 +139,4 @@ def _rows_last(indices: torch.Tensor, dim: int, k: int) -> torch.Tensor:
     return indices.reshape(-1, k)
 
 
-__all__ = ["TopKInterceptor", "in_backward", "on_thread"]
+__all__ = ["RouterSlot", "TopKInterceptor", "in_backward", "on_thread"]

@@ -36,7 +36,8 @@ attribute of each router scope. Both pickle and deep-copy as inert stand-ins (no
 so `pickle.dumps(model)`, `torch.save(model)` and `copy.deepcopy(model)` work while attached and
 give an unattached copy; after `detach()` nothing of routereplay is left on the model
 (`runtime/attachment.py`). A context's state, its `Recording` and the `ReplayStats` counters are
-`runtime/session.py`.
+`runtime/session.py`; a router call holds no host sync, and `torch.compile`d MoE blocks trace it
+without a graph break (`runtime/interception.py`, "Compiled models").
 
 Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S tokens in a call.
 """
@@ -67,7 +68,7 @@ from routereplay.runtime.attachment import _ModelCallHook as _ModelCallHook  # p
 from routereplay.runtime.attachment import _unwrapped as _unwrapped  # name these two here
 from routereplay.runtime.attachment import attached_replayer, bind, unbind
 from routereplay.runtime.discovery import RouterSite, discover
-from routereplay.runtime.interception import TopKInterceptor, in_backward, on_thread
+from routereplay.runtime.interception import RouterSlot, TopKInterceptor, in_backward, on_thread
 from routereplay.runtime.routes import check_routes, mask_array, traces_to_routes
 from routereplay.runtime.session import Recording, ReplayStats, Session, guard_backward
 from routereplay.trace import RouteTrace
@@ -142,12 +143,21 @@ class Replayer:
         self.bindings = tuple(Binding(s.layer, s.name, s.family, s.top_k, s.num_choices) for s in sites)
         self.top_k = sites[0].top_k
         self.num_experts = max(s.num_choices for s in sites)
-        self.stats = ReplayStats()
+        self._stats = ReplayStats()
+        self.slots = tuple(RouterSlot() for _ in sites)  # what each router call reads and leaves (see Session)
         self.mode = ReplayMode.OFF
         self._session: Session | None = None
         self._pending_replay: int | None = None  # thread of a replayed forward whose backward may still run
         self._saved_jitter: list[tuple[nn.Module, str, float]] = []
         self._handles = bind(self)
+
+    @property
+    def stats(self) -> ReplayStats:
+        """The counters (cumulative; `.reset()` them between passes), with every router call folded in."""
+        session = self._session
+        if session is not None and session.owned_here():
+            session.collect()  # compiled routers leave their choices for the host to count
+        return self._stats
 
     # -- contexts ----------------------------------------------------------------------------------
     @contextmanager
@@ -261,7 +271,7 @@ class Replayer:
         for module, name, value in self._saved_jitter:
             setattr(module, name, value)
         self._saved_jitter.clear()
-        session.open = False
+        session.close()
         self._session = None
         self.mode = ReplayMode.OFF
 
@@ -279,7 +289,7 @@ class Replayer:
             return
         if not session.owned_here():
             return  # another thread's forward: routes naturally, untouched and unrecorded
-        self.stats.forwards += 1
+        self._stats.forwards += 1
         if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled():
             self._pending_replay = session.thread  # reentrant checkpointing runs the layers under no_grad
         shape = _batch_shape(args, kwargs)
@@ -287,11 +297,16 @@ class Replayer:
             session.begin_step(shape, _input_ids(args, kwargs))
 
     def _route(
-        self, site: RouterSite, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        site: RouterSite,
+        slot: RouterSlot,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         session = self._session
         if session is not None and session.owned_here():
-            return self._call(session, site, original, args, kwargs)
+            return self._call(session, site, slot, original, args, kwargs)
         pending = self._pending_replay
         if session is None and pending is not None and in_backward() and on_thread(pending):
             raise ReplayStateError(
@@ -304,15 +319,17 @@ class Replayer:
         self,
         session: Session,
         site: RouterSite,
+        slot: RouterSlot,
         original: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        backward = in_backward()
-        self.stats.router_calls += 1
+        # no host sync and no counting on this path: it may be traced by torch.compile (see Session)
+        backward = in_backward()  # False while dynamo traces
         if backward:
-            self.stats.recompute_calls += 1
-        interceptor = TopKInterceptor(site, session.forced)
+            self._stats.router_calls += 1
+            self._stats.recompute_calls += 1
+        interceptor = TopKInterceptor(site, slot, session.forced)
         overrides = dict(site.replay_overrides) if session.mode is ReplayMode.REPLAY else {}
         with _attributes(site.router, overrides), interceptor:
             output = original(*args, **kwargs)
@@ -322,7 +339,10 @@ class Replayer:
                 "choices: a fused or hub kernel (or a changed router) bypassed replay; disable kernels"
             )
         assert interceptor.last is not None
-        session.sink(site, *interceptor.last)
+        if not backward:  # a recompute's choice is its forward's: neither recorded nor counted again
+            slot.chosen_TK = interceptor.last
+            if not torch.compiler.is_compiling():  # eager: count now; compiled: at the next forward or exit
+                session.collect_one(self.layer_index[site.layer])
         if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled() and not backward:
             self._pending_replay = session.thread
             guard_backward(output, session, site)

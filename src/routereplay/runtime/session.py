@@ -21,7 +21,7 @@ from routereplay.enums import ReplayMode, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.discovery import RouterSite
-from routereplay.runtime.interception import in_backward, on_thread
+from routereplay.runtime.interception import RouterSlot, in_backward
 from routereplay.runtime.routes import mask_array, routes_to_traces
 from routereplay.trace import RouteTrace
 
@@ -57,7 +57,15 @@ class ReplayStats:
 
 
 class Session:
-    """State of one record or replay context: its owner thread, steps (forward calls) and routes."""
+    """State of one record or replay context: its owner thread, steps (forward calls) and routes.
+
+    Replay decides on the host, once, what the router calls need: each layer's routes (moved to its
+    router's device), whether they hold -1 rows, and the rows each call of that layer counts as
+    replayed and as fallback (attended positions only). A router call then only reads its
+    `RouterSlot` and leaves its choice there; `collect` folds the choices into the steps and counters
+    on the host: right after each eager call, and under `torch.compile` (where counting inside the
+    graph would recompile it) at the next forward, at exit, and when `.stats` or `.routes` are read.
+    """
 
     def __init__(
         self,
@@ -68,78 +76,130 @@ class Session:
         traces: Sequence[RouteTrace] | None = None,
     ) -> None:
         self.replayer, self.mode, self.open = replayer, mode, True
+        self.stats = replayer._stats  # the Replayer's counters, without folding (`Replayer.stats` folds)
         self.thread = threading.get_ident()  # the context belongs to the thread that opened it
-        self.attended_T = None if attention_mask is None else torch.as_tensor(attention_mask).reshape(-1).bool()
+        self.local = threading.local()  # `owner` is set on the opening thread only (a guard under compile)
+        self.local.owner = True
         self.traces = None if traces is None or all(t.token_ids is None for t in traces) else list(traces)
         self.mask_BS = None if attention_mask is None or self.traces is None else mask_array(attention_mask)
+        self.slots = replayer.slots
         self.routes_LTK: torch.Tensor | None = None
         self.batch_shape: tuple[int, int] | None = None
+        self.replayed_L: list[int] = []  # rows each call of layer l counts as replayed (attended, forced)
+        self.fallback_L: list[int] = []  # rows each call of layer l counts as fallback (attended, -1)
         if routes_BSLK is not None:
             batch, positions, layers, k = routes_BSLK.shape
             self.batch_shape = (batch, positions)
             self.routes_LTK = routes_BSLK.permute(2, 0, 1, 3).reshape(layers, batch * positions, k).contiguous()
+            self._plan(attention_mask)
         self.steps: list[tuple[tuple[int, int], dict[int, torch.Tensor]]] = []
-        self._attended_on: dict[torch.device, torch.Tensor] = {}  # attended_T per device of the router calls
+
+    def _plan(self, attention_mask: torch.Tensor | None) -> None:
+        """Host decisions for replay, once per context: fallback layers, counts, routes on device."""
+        assert self.routes_LTK is not None
+        fallback_LT = self.routes_LTK[:, :, 0].cpu() < 0  # the one device->host copy of the context
+        counted_LT = fallback_LT
+        attended_T = None if attention_mask is None else torch.as_tensor(attention_mask).cpu().reshape(-1).bool()
+        if attended_T is not None and attended_T.numel() == fallback_LT.shape[1]:
+            counted_LT = fallback_LT & attended_T  # padding is neither replayed nor fallback
+            self.replayed_L = (~fallback_LT & attended_T).sum(dim=1).tolist()
+        else:
+            self.replayed_L = (~fallback_LT).sum(dim=1).tolist()
+        self.fallback_L = counted_LT.sum(dim=1).tolist()
+        has_fallback_L = fallback_LT.any(dim=1).tolist()  # any -1 row, padding included, routes live
+        on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device of the routers, not per call
+        for index, (site, slot) in enumerate(zip(self.replayer.sites, self.slots, strict=True)):
+            device = router_device(site) or self.routes_LTK.device
+            if device not in on_device:
+                on_device[device] = self.routes_LTK.to(device)
+            slot.forced_TK = on_device[device][index]
+            slot.fallback = bool(has_fallback_L[index])
+            slot.chosen_TK = None
 
     def owned_here(self) -> bool:
-        """True when the current router call belongs to this context (see "Threads" in `runtime/replayer.py`)."""
-        return on_thread(self.thread)
+        """True when the current router call belongs to this context (see "Threads" in `runtime/replayer.py`).
+
+        Read through a thread-local, so a compiled router's guard checks it per calling thread."""
+        if getattr(self.local, "owner", False):
+            return True
+        return in_backward() and isinstance(threading.current_thread(), threading._DummyThread)
+
+    def close(self) -> None:
+        """Fold what is pending, then empty the slots (they belong to the next context)."""
+        self.collect()
+        for slot in self.slots:
+            slot.clear()
+        self.open = False
 
     # -- steps -------------------------------------------------------------------------------------
     def begin_step(self, shape: tuple[int, int], input_ids: torch.Tensor | None = None) -> None:
+        self.collect()  # compiled routers of the previous forward left their choices in the slots
+        self._new_step(shape, input_ids)
+
+    def _new_step(self, shape: tuple[int, int], input_ids: torch.Tensor | None = None) -> None:
         if self.mode is ReplayMode.REPLAY and self.batch_shape is not None and shape != self.batch_shape:
             raise BatchShapeError(
                 f"replay routes are for a batch of (B, S) = {self.batch_shape} but the model is called with "
                 f"{shape}; routes must be aligned with the model input"
             )
         if self.traces is not None and self.mask_BS is not None and input_ids is not None:
-            self.replayer.stats.checked_sequences += check_tokens(self.traces, self.mask_BS, input_ids)
+            self.stats.checked_sequences += check_tokens(self.traces, self.mask_BS, input_ids)
         self.steps.append((shape, {}))
 
-    def forced(self, site: RouterSite, rows: int) -> torch.Tensor | None:
-        index = self.replayer.layer_index[site.layer]
+    def forced(self, site: RouterSite, slot: RouterSlot, rows: int) -> tuple[torch.Tensor, bool] | None:
         if self.mode is ReplayMode.RECORD:
             if not in_backward():
                 return None
             for _, recorded in reversed(self.steps):  # recompute: reuse this layer's recorded choice
                 found = recorded.get(site.layer)
                 if found is not None and found.shape[0] == rows:
-                    return found.to(torch.long)
+                    return found.to(torch.long), False
             raise RecomputeError(
                 f"layer {site.layer} ({site.name}) is recomputed during backward with {rows} tokens, but no "
                 "forward of this record context routed that many tokens there"
             )
-        assert self.routes_LTK is not None
-        if rows != self.routes_LTK.shape[1]:
+        forced_TK = slot.forced_TK
+        assert forced_TK is not None, "a replay context fills every slot on entry"
+        if rows != forced_TK.shape[0]:
             raise BatchShapeError(
                 f"layer {site.layer} ({site.name}) routes {rows} tokens but the replay routes hold "
-                f"{self.routes_LTK.shape[1]} (B * S = {self.batch_shape}); routes must be aligned with the input"
+                f"{forced_TK.shape[0]} (B * S = {self.batch_shape}); routes must be aligned with the input"
             )
-        return self.routes_LTK[index]
+        return forced_TK, slot.fallback
 
-    def sink(self, site: RouterSite, chosen_TK: torch.Tensor, fallback_T: torch.Tensor | None) -> None:
-        stats = self.replayer.stats
-        if in_backward():
+    def collect(self) -> None:
+        """Fold the choices routers left in their slots into the current step and the counters."""
+        for index in range(len(self.slots)):
+            self.collect_one(index)
+
+    def collect_one(self, index: int) -> None:
+        """Fold bound router `index`'s pending choice, if any: host work only (ints known since entry)."""
+        slot = self.slots[index]
+        chosen_TK = slot.chosen_TK
+        if chosen_TK is None or not self.open:
             return
+        slot.chosen_TK = None
+        site, stats = self.replayer.sites[index], self.stats
+        stats.router_calls += 1
         if not self.steps:
-            self.begin_step((1, chosen_TK.shape[0]))
+            self._new_step((1, chosen_TK.shape[0]))
         self.steps[-1][1][site.layer] = chosen_TK.detach().to(torch.int32)  # replay: the routes used
         if self.mode is ReplayMode.RECORD:
             stats.recorded_rows += chosen_TK.shape[0]
-        else:
-            rows, device = chosen_TK.shape[0], chosen_TK.device
-            fallback_T = torch.zeros(rows, dtype=torch.bool, device=device) if fallback_T is None else fallback_T
-            forced_T = ~fallback_T
-            if self.attended_T is not None and self.attended_T.numel() == rows:
-                attended_T = self._attended_on.get(device)
-                if attended_T is None:
-                    attended_T = self._attended_on[device] = self.attended_T.to(device)
-                fallback_T, forced_T = fallback_T & attended_T, forced_T & attended_T  # padding is neither
-            fallbacks, forced = torch.stack([fallback_T.sum(), forced_T.sum()]).tolist()  # one device sync
-            stats.replayed_rows += forced
-            stats.fallback_rows += fallbacks
-            if fallbacks:
-                stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
+            return
+        fallbacks = self.fallback_L[index]
+        stats.replayed_rows += self.replayed_L[index]
+        stats.fallback_rows += fallbacks
+        if fallbacks:
+            stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
+
+
+def router_device(site: RouterSite) -> torch.device | None:
+    """Where a router computes its scores (its first parameter or buffer), or None if unknown (meta)."""
+    for module in (site.router, site.scope):
+        for tensor in (*module.parameters(), *module.buffers()):
+            return None if tensor.device.type == "meta" else tensor.device
+    return None
 
 
 class Recording:
@@ -164,6 +224,8 @@ class Recording:
     @property
     def steps(self) -> list[torch.Tensor]:
         """One (B, S_i, L, K) int tensor per forward call."""
+        if self._session.owned_here():
+            self._session.collect()  # compiled routers leave their last choices pending
         out = []
         for (batch, positions), recorded in self._session.steps:
             missing = [layer for layer in self.layers if layer not in recorded]
