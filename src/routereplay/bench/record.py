@@ -42,9 +42,9 @@ NOTES = {
     "store": (
         "Peak and held bytes traced while each holder is built from an empty start, all from the same routes. The "
         "store keeps each sample encoded (set codec, 5.125 B per (token, layer) row against 16 B as int16) with its "
-        "int64 token ids (8 bytes per token); held bytes beyond `store.nbytes` are what each resident piece keeps "
-        "to decode (its unranking tables). The ragged int16 holder is what RouteStore kept before; dense tensors "
-        "pay for padding to the longest sample, and int32 doubles it."
+        "int64 token ids (8 bytes per token); its peak adds one sample's encode temporaries, and held bytes count "
+        "what `store.nbytes` leaves out (Python objects, decode state). The ragged int16 holder is what RouteStore "
+        "kept before; dense tensors pay for padding to the longest sample, and int32 doubles it."
     ),
     "delivery": (
         "*cost / share* is a range's decode time over the whole sample's, divided by its share of the rows: 1 means "
