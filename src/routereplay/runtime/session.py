@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from routereplay.enums import ReplayMode, Source
@@ -97,16 +98,20 @@ class Session:
     def _plan(self, attention_mask: torch.Tensor | None) -> None:
         """Host decisions for replay, once per context: fallback layers, counts, routes on device."""
         assert self.routes_LTK is not None
-        fallback_LT = self.routes_LTK[:, :, 0].cpu() < 0  # the one device->host copy of the context
+        # numpy, not torch, on the host: a torch CPU reduction over >= 32k elements wakes the intra-op thread
+        # pool, which cost ~20 ms per context on a 16-core GPU host whose threads sleep while the GPU works
+        fallback_LT: np.ndarray = self.routes_LTK[:, :, 0].cpu().numpy() < 0  # the context's one device->host copy
         counted_LT = fallback_LT
-        attended_T = None if attention_mask is None else torch.as_tensor(attention_mask).cpu().reshape(-1).bool()
-        if attended_T is not None and attended_T.numel() == fallback_LT.shape[1]:
+        attended_T: np.ndarray | None = None
+        if attention_mask is not None:
+            attended_T = torch.as_tensor(attention_mask).detach().reshape(-1).cpu().numpy() != 0
+        if attended_T is not None and attended_T.size == fallback_LT.shape[1]:
             counted_LT = fallback_LT & attended_T  # padding is neither replayed nor fallback
-            self.replayed_L = (~fallback_LT & attended_T).sum(dim=1).tolist()
+            self.replayed_L = np.count_nonzero(~fallback_LT & attended_T, axis=1).tolist()
         else:
-            self.replayed_L = (~fallback_LT).sum(dim=1).tolist()
-        self.fallback_L = counted_LT.sum(dim=1).tolist()
-        has_fallback_L = fallback_LT.any(dim=1).tolist()  # any -1 row, padding included, routes live
+            self.replayed_L = np.count_nonzero(~fallback_LT, axis=1).tolist()
+        self.fallback_L = np.count_nonzero(counted_LT, axis=1).tolist()
+        has_fallback_L: list[bool] = np.asarray(fallback_LT.any(axis=1)).tolist()  # any -1 row, padding included
         on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device of the routers, not per call
         for index, (site, slot) in enumerate(zip(self.replayer.sites, self.slots, strict=True)):
             device = router_device(site) or self.routes_LTK.device
