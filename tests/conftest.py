@@ -43,6 +43,12 @@ def _share_cores() -> None:
 
 _share_cores()
 
+# Ray reads these when it is first imported (vLLM may import it long before the Ray tests run): no usage
+# reporting, and a local runtime bound to 127.0.0.1 rather than the machine's address (Linux Ray binds the
+# machine's address unless "clusters" are disabled); tests/integrations/test_ray_routes.py checks it.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import numpy as np  # noqa: E402 - after the thread variables are set
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

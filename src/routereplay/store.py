@@ -45,14 +45,13 @@ from typing import Any
 
 import numpy as np
 
-from routereplay import codec
 from routereplay.atomicfile import atomic_write
 from routereplay.codec_limits import CodecLimits, checked_limits
 from routereplay.compact.encoded import EncodedRoutes, UnrankerCache
 from routereplay.enums import CodecMode
 from routereplay.errors import CodecError, ConfigError, RowCountError, StoreHeaderError
 from routereplay.jsondocument import JsonLimits
-from routereplay.store_file import MAGIC, VERSION, check_envelope, check_json, pack_envelope
+from routereplay.store_file import MAGIC, VERSION, check_envelope, check_json, pack_envelope, sample_entries
 from routereplay.store_routes import SampleRoutes
 from routereplay.store_sample import (
     DuplicatedPrefixError,
@@ -364,32 +363,9 @@ class RouteStore:
             samples = header["samples"]
             if not isinstance(samples, list):
                 raise TypeError(f"samples is a {type(samples).__name__}, not a list")
-            position = 0
-            for entry in samples:
-                if not isinstance(entry, dict):
-                    raise TypeError(f"a sample entry is a {type(entry).__name__}, not an object")
-                sample_id, count, size = entry["id"], entry["tokens"], entry["routes"]
-                conflicting = entry["conflicting_rows"]
-                if not is_int(conflicting) or conflicting < 0:
-                    raise ValueError(f"sample {sample_id!r} has conflicting_rows={conflicting!r}")
-                if sample_id in store:
-                    raise ValueError(f"sample id {sample_id!r} appears twice")
-                if not isinstance(count, int) or count < 1 or position + 8 * count > len(body):
-                    raise ValueError(f"sample {sample_id!r} declares {count!r} tokens past the data section")
-                tokens = np.frombuffer(body, "<i8", count, position)
-                position += 8 * count
-                trace = None
-                if size is not None:
-                    if not isinstance(size, int) or not 0 <= size <= len(body) - position:
-                        raise ValueError(f"sample {sample_id!r} declares a {size!r}-byte routes blob past the data")
-                    trace = codec.decode(body[position : position + size], limits=codec_limits)
-                    position += size
-                    if trace.num_tokens == 0:
-                        raise ValueError(f"sample {sample_id!r} has an empty routes blob")
-                store.add_turn(sample_id, tokens, trace, metadata=entry["metadata"])
+            for sample_id, tokens, trace, metadata, conflicting in sample_entries(samples, body, codec_limits):
+                store.add_turn(sample_id, tokens, trace, metadata=metadata)
                 store._samples[sample_id].conflicting_rows = conflicting
-            if position != len(body):
-                raise ValueError(f"{len(body) - position} stray bytes at the end of the data section")
         except CodecError:
             raise
         except (KeyError, TypeError, ValueError) as error:  # ConfigError / RowCountError are ValueErrors

@@ -2,7 +2,8 @@
 
 `RouteStore.to_bytes` builds the JSON header and the data section and `pack_envelope` frames them;
 `check_envelope` checks magic, version, lengths and the CRC before the header is parsed (within
-`JsonLimits`). `check_json` refuses sample metadata that `load` would refuse or change.
+`JsonLimits`) and `sample_entries` reads the samples it lists. `check_json` refuses sample metadata
+that `load` would refuse or change.
 
 File format (`save` / `load`), little-endian, one file per batch, written atomically:
 
@@ -10,10 +11,11 @@ File format (`save` / `load`), little-endian, one file per batch, written atomic
     4   u8   version (1), then 3 reserved zero bytes
     8   u64  header length H      16  u64  data length D
     24  H    UTF-8 JSON header: {"geometry": null | {"num_experts", "layers", "top_k"},
+             "codec_mode": "set" | "ordered" (absent in files before the compact store: "ordered"),
              "samples": [{"id", "tokens": count, "routes": blob bytes | null, "metadata",
              "conflicting_rows"}, ...]}
-        D    per sample in header order: its token ids as int64, then its codec blob
-             (`routereplay.codec.encode(trace, mode="ordered")`: exact ids and provenance)
+        D    per sample in header order: its token ids as int64, then its codec blob in the store's
+             codec mode (the resident blob itself; provenance included)
         u32  CRC32 (zlib) of every byte before it
 """
 
@@ -22,10 +24,17 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from routereplay import codec
+from routereplay.codec_limits import CodecLimits
 from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError, ConfigError, StoreHeaderError
 from routereplay.jsondocument import JsonLimits, load_json
+from routereplay.trace import RouteTrace
+from routereplay.wire.limits import is_int
 
 if TYPE_CHECKING:
     from routereplay.store_sample import SampleId
@@ -95,3 +104,37 @@ def check_json(metadata: dict[str, Any], sample_id: SampleId) -> None:
             f"sample {sample_id!r}: metadata {metadata!r} changes through JSON (tuples, non-str keys); store lists "
             "and str keys so that load(save(store)) == store"
         )
+
+
+def sample_entries(
+    samples: list[Any], body: bytes, codec_limits: CodecLimits
+) -> Iterator[tuple[SampleId, np.ndarray, RouteTrace | None, Any, int]]:
+    """(id, token ids, decoded routes or None, metadata, conflicting rows) of each header entry, its bytes
+    taken from `body` in order; a malformed entry raises ValueError / TypeError / KeyError (the caller
+    names them `StoreHeaderError`), a bad blob its `CodecError`."""
+    position, seen = 0, set()
+    for entry in samples:
+        if not isinstance(entry, dict):
+            raise TypeError(f"a sample entry is a {type(entry).__name__}, not an object")
+        sample_id, count, size = entry["id"], entry["tokens"], entry["routes"]
+        conflicting = entry["conflicting_rows"]
+        if not is_int(conflicting) or conflicting < 0:
+            raise ValueError(f"sample {sample_id!r} has conflicting_rows={conflicting!r}")
+        if isinstance(sample_id, (str, int)) and not isinstance(sample_id, bool) and sample_id in seen:
+            raise ValueError(f"sample id {sample_id!r} appears twice")
+        seen.add(sample_id)
+        if not isinstance(count, int) or count < 1 or position + 8 * count > len(body):
+            raise ValueError(f"sample {sample_id!r} declares {count!r} tokens past the data section")
+        tokens = np.frombuffer(body, "<i8", count, position)
+        position += 8 * count
+        trace = None
+        if size is not None:
+            if not isinstance(size, int) or not 0 <= size <= len(body) - position:
+                raise ValueError(f"sample {sample_id!r} declares a {size!r}-byte routes blob past the data")
+            trace = codec.decode(body[position : position + size], limits=codec_limits)
+            position += size
+            if trace.num_tokens == 0:
+                raise ValueError(f"sample {sample_id!r} has an empty routes blob")
+        yield sample_id, tokens, trace, entry["metadata"], conflicting
+    if position != len(body):
+        raise ValueError(f"{len(body) - position} stray bytes at the end of the data section")

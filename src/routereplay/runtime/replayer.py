@@ -13,10 +13,9 @@ managers:
         loss = loss_fn(model(input_ids, attention_mask=mask)); loss.backward()
 
 Recompute safety: a router call made during backward (an activation-checkpoint recompute) reuses
-the routes of its own forward, both in replay (same forced routes) and in record (the recorded
-choice, not a fresh top-k that near-ties could flip). A backward that runs after a replay context
-closed raises `ReplayStateError` instead of silently recomputing natural routes. All state lives
-on the Replayer and its session objects.
+the routes of its own forward, in replay (same forced routes) and in record (the recorded choice,
+not a fresh top-k that near-ties could flip). A backward after a replay context closed raises
+`ReplayStateError` rather than recompute natural routes. State lives on the Replayer and its sessions.
 
 Threads: a context belongs to the thread that opened it. Forwards of that thread are recorded or
 replayed; a forward of any other thread while the context is open routes naturally, untouched and
@@ -31,13 +30,11 @@ routes tensor whose -1 padding disagrees with the attention mask, a trace that s
 sequence (`PaddingMismatchError`), and a batch whose token ids differ from the traces' `token_ids`
 (`TokenMismatchError`, checked at entry with `input_ids=` and at every forward that passes them).
 
-Saving and copying: the attachment lives in a forward pre-hook of the model and a `forward`
-attribute of each router scope. Both pickle and deep-copy as inert stand-ins (no Replayer state),
-so `pickle.dumps(model)`, `torch.save(model)` and `copy.deepcopy(model)` work while attached and
-give an unattached copy; after `detach()` nothing of routereplay is left on the model
-(`runtime/attachment.py`). A context's state, its `Recording` and the `ReplayStats` counters are
-`runtime/session.py`; a router call holds no host sync, and `torch.compile`d MoE blocks trace it
-without a graph break (`runtime/interception.py`, "Compiled models").
+Saving and copying: the model's pre-hook and each scope's `forward` pickle and deep-copy as inert
+stand-ins, so `torch.save(model)` and `copy.deepcopy(model)` work while attached and give an
+unattached copy; `detach()` leaves nothing behind (`runtime/attachment.py`). Contexts, `Recording`
+and `ReplayStats` are `runtime/session.py`; a router call holds no host sync, and `torch.compile`d
+MoE blocks trace it without a graph break (`runtime/interception.py`, "Compiled models").
 
 Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S tokens in a call.
 """
