@@ -39,12 +39,16 @@ def random_routes(batch: int, positions: int, layers: int, top_k: int, experts: 
 
 @contextmanager
 def experts_inputs(model: nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
-    """Capture the expert ids each experts module receives, keyed by layer (first int tensor input)."""
+    """Capture the expert ids each experts module receives, keyed by layer (first int tensor input).
+
+    An experts module is a `*Experts` class, or the `down_embed` table of a product-key block (Doge's
+    experts are embedding rows, looked up by expert id)."""
     seen: dict[int, list[torch.Tensor]] = {}
     handles = []
     for name, module in model.named_modules():
         found = LAYER_PATH.findall(name)
-        if not type(module).__name__.endswith("Experts") or not found:
+        experts = type(module).__name__.endswith("Experts") or name.endswith(".down_embed")
+        if not experts or not found:
             continue
         layer = int(found[-1])
 

@@ -5,8 +5,19 @@ Gate, Gating or TopkRouter, with a resolvable top-k and number of selectable exp
 layer number comes from its path (`model.layers.7.mlp.gate` -> 7). The *scope* is the module whose
 forward holds the selection `torch.topk`: the router itself for almost every family, the parent
 block for DBRX (top-k in `DbrxFFN.route_tokens_to_experts`). Routers whose selection is not a top-k
-(PhiMoE's sparsemixer, Switch/NLLB argmax with capacity, DeepSeek-V4 hash routers) are refused
-with the reason, as are layers holding two routers (JetMoE attention experts).
+(Switch/NLLB argmax with capacity) are refused with the reason, as are layers holding two routers
+(JetMoE attention experts); DeepSeek-V4 hash routers stay natural (`NATURAL_BY_CONSTRUCTION`).
+
+Two families select by another rule, each intercepted by its own `Selection`
+(`runtime/family_interceptors.py`):
+- PhiMoE's sparsemixer (`PhimoeTopKRouter`, scope: the router) picks expert 1 by a `max` over the
+  logits, then expert 2 by a `max` over the logits with expert 1 masked; each weight is a softmax
+  over the experts within a relative threshold of that max. In training the two picks are Gumbel
+  samples (`max` of noisy masked logits). Always two experts (`top_k` must be 2).
+- Doge's product keys (`DogeCDMoE`, a block with no router class; router = its `router_gate`, scope:
+  the block) sort each half of the gate logits (keys x and y, a `topk` over all `keys` entries), then
+  take the top-k of the `keys**2` sums x_i + y_j: positions in that sorted grid, not expert ids
+  (expert = i * keys + j). Experts beyond `keys**2` (a non-square count) are unreachable.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ from typing import Any
 
 from torch import nn
 
+from routereplay.enums import StrEnum
+
 ROUTER_CLASS = re.compile(r"(Router|Gate|Gating|TopkRouter|TopKRouter)$")
 NOT_ROUTER_CLASS = re.compile(r"(GateUp|Gated|MLPGate|GateProj|ForgetGate|OutputGate|InputGate)")
 LAYER_PATH = re.compile(r"(?:^|\.)(?:layers|blocks|h|layer|decoder_layers)\.(\d+)(?:\.|$)")
@@ -26,15 +39,24 @@ CONFIG_TOP_K_ATTRS = ("top_k_experts", "num_experts_per_tok", "moe_topk", "moe_t
 CHOICE_ATTRS = ("num_router_classes", "n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts")
 # families whose selection is not a top-k over learned scores: refused with the reason
 NON_TOPK_REASONS = {
-    "PhimoeTopKRouter": "PhiMoE routes with sparsemixer (max + threshold, Gumbel sampling in training), not top-k",
     "SwitchTransformersTop1Router": "Switch routes by argmax with expert capacity (tokens can be dropped)",
     "NllbMoeTop2Router": "NLLB-MoE routes top-2 by argmax with capacity and random second-expert dropping",
 }
-# MoE blocks whose routing no router class exposes, and which cannot be forced honestly
-UNSUPPORTED_BLOCKS = {
-    "DogeCDMoE": "Doge product-key routing: the top-k picks positions in a live shortlist of keys, not expert "
-    "ids, so forcing experts would need the key choice too",
-}
+
+
+class Selection(StrEnum):
+    """How a router picks its experts, and so which interceptor forces them."""
+
+    TOPK = "topk"  # one torch.topk over the experts (almost every family)
+    SPARSEMIXER = "sparsemixer"  # PhiMoE: two maxes (Gumbel maxes in training), threshold-masked softmax weights
+    PRODUCT_KEYS = "product_keys"  # Doge: a topk over the keys x keys grid of summed half-logits
+
+
+# routers selecting by a rule of their own (the scope is the router itself), and what it needs
+SELECTION_RULES = {"PhimoeTopKRouter": Selection.SPARSEMIXER}
+SPARSEMIXER_TOP_K = 2  # sparsemixer picks two experts whatever `top_k` says
+# MoE blocks routing by product keys, and the child linear that makes their key logits
+PRODUCT_KEY_BLOCKS = {"DogeCDMoE": "router_gate"}
 # routers whose choice is a pure function of the token ids: engines and trainers cannot disagree,
 # so they stay natural and are left out of traces (like dense layers), without refusing the model
 NATURAL_BY_CONSTRUCTION = {
@@ -61,6 +83,7 @@ class RouterSite:
     family: str  # router class name
     block: nn.Module | None = None  # the MoE block holding the router (where Mixtral applies jitter)
     replay_overrides: dict[str, Any] = field(default_factory=dict)
+    selection: Selection = Selection.TOPK  # which interceptor forces it (runtime/family_interceptors.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +103,12 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
     refused: list[Refusal] = []
     for name, module in modules.items():
         family = type(module).__name__
-        if family in UNSUPPORTED_BLOCKS:
-            refused.append(Refusal(name, family, UNSUPPORTED_BLOCKS[family]))
+        if family in PRODUCT_KEY_BLOCKS:
+            found = _product_key_site(name, module, PRODUCT_KEY_BLOCKS[family])
+            if isinstance(found, RouterSite):
+                sites.append(found)
+            else:
+                refused.append(found)
             continue
         if not ROUTER_CLASS.search(family) or NOT_ROUTER_CLASS.search(family):
             continue
@@ -100,18 +127,19 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
                     Refusal(name, family, f"cannot resolve top_k={top_k}, experts={num_choices}, layer={layer}")
                 )
             continue
-        if _has_topk(type(module)):
+        selection = SELECTION_RULES.get(family, Selection.TOPK)
+        if selection is Selection.SPARSEMIXER and top_k != SPARSEMIXER_TOP_K:
+            refused.append(Refusal(name, family, f"sparsemixer always picks 2 experts, but top_k={top_k}"))
+            continue
+        if selection is not Selection.TOPK or _has_topk(type(module)):
             scope = module
         elif parent is not None and _has_topk(type(parent)):
             scope = parent
         else:
             refused.append(Refusal(name, family, "no torch.topk in the router or its block: not a top-k router"))
             continue
-        sites.append(
-            RouterSite(
-                name, module, scope, layer, top_k, num_choices, family, parent, dict(REPLAY_OVERRIDES.get(family, {}))
-            )
-        )
+        overrides = dict(REPLAY_OVERRIDES.get(family, {}))
+        sites.append(RouterSite(name, module, scope, layer, top_k, num_choices, family, parent, overrides, selection))
     by_layer: dict[int, list[RouterSite]] = {}
     for site in sites:
         by_layer.setdefault(site.layer, []).append(site)
@@ -130,6 +158,20 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
             continue
         kept.append(group[0])
     return kept, refused
+
+
+def _product_key_site(name: str, block: nn.Module, gate_name: str) -> RouterSite | Refusal:
+    """The site of a product-key block: its key linear as the router, the block as the scope."""
+    family = type(block).__name__
+    gate = getattr(block, gate_name, None)
+    keys, top_k, layer = getattr(block, "num_keys", None), getattr(block, "top_k", None), _layer_number(name)
+    if not isinstance(gate, nn.Linear) or not isinstance(keys, int) or not isinstance(top_k, int) or layer is None:
+        return Refusal(name, family, f"product keys: cannot resolve {gate_name}, num_keys={keys}, top_k={top_k}")
+    if keys < 2 or not 0 < top_k <= keys * keys:
+        return Refusal(name, family, f"product keys: num_keys={keys} (need >= 2) with top_k={top_k}")
+    return RouterSite(
+        f"{name}.{gate_name}", gate, block, layer, top_k, keys * keys, family, block, selection=Selection.PRODUCT_KEYS
+    )
 
 
 def _top_k(router: nn.Module, parent: nn.Module | None) -> int | None:
@@ -192,4 +234,4 @@ def _has_topk(cls: type) -> bool:
     return False
 
 
-__all__ = ["Refusal", "RouterSite", "discover"]
+__all__ = ["Refusal", "RouterSite", "Selection", "discover"]

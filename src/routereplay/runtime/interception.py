@@ -6,7 +6,9 @@ calls. The selection top-k is the call with `k == top_k` over a dimension of `nu
 returns `(input.gather(dim, forced), forced)` instead: every step after it (gathering unbiased
 scores, renormalising, scaling, dispatch) is the model's own code. So the weights are exactly what
 the router computes for the forced experts, and gradients reach the gate. Rows of -1 take the live
-choice for that token only.
+choice for that token only. PhiMoE's sparsemixer (two `max` picks) and Doge's product keys (a top-k
+over a sorted key grid) have interceptors of their own, on the same principle
+(`runtime/family_interceptors.py`).
 
 No host sync per router call. Whether a layer's routes hold -1 rows is decided on the host once,
 when the context takes its routes (`RouterSlot.fallback`): a layer without them uses the forced ids
@@ -80,7 +82,11 @@ def on_thread(owner: int) -> bool:
 
 
 class TopKInterceptor(TorchFunctionMode):
-    """Active for one call of one router scope; keeps the choice of the selection top-k it saw."""
+    """Active for one call of one router scope; keeps the choice of the selection top-k it saw.
+
+    The selection top-k picks *positions* along its dimension. For a plain router a position is an
+    expert id; a family whose positions are not ids (Doge's product keys) overrides `ids_of` and
+    `positions_of` (see `runtime/family_interceptors.py`)."""
 
     def __init__(self, site: RouterSite, slot: RouterSlot, forced: ForcedLookup) -> None:
         super().__init__()
@@ -94,42 +100,60 @@ class TopKInterceptor(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in TOPK_FUNCTIONS:
             return func(*args, **kwargs)
-        scores = args[0]
-        k = args[1] if len(args) > 1 else kwargs.get("k")
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-        dim = dim % scores.dim()
-        site = self.site
-        if k != site.top_k or scores.shape[dim] != site.num_choices:
+        scores, k, dim = topk_arguments(args, kwargs)
+        if k != self.site.top_k or scores.shape[dim] != self.site.num_choices:
             return func(*args, **kwargs)
-        rows = scores.numel() // site.num_choices
-        forced = self.forced(site, self.slot, rows)
+        return self.select(func, args, kwargs, scores, k, dim)
+
+    def ids_of(self, positions_TK: torch.Tensor) -> torch.Tensor:
+        """Expert ids of positions chosen along the selection dimension (the same for a plain router)."""
+        return positions_TK
+
+    def positions_of(self, ids_TK: torch.Tensor) -> torch.Tensor:
+        """Positions along the selection dimension that hold these expert ids (the same for a plain router)."""
+        return ids_TK
+
+    def select(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], scores: torch.Tensor, k: int, dim: int
+    ) -> Any:
+        """The selection top-k: the live choice (record), or the forced one with its values gathered."""
+        rows = scores.numel() // scores.shape[dim]
+        forced = self.forced(self.site, self.slot, rows)
         if forced is None and not torch.is_grad_enabled():
             # record without autograd (rollout engines, old-log-prob passes): nothing is saved for a
             # recompute, so the live top-k is returned as is; its values are the gathered scores
             result = func(*args, **kwargs)
             self.hits += 1
-            self.last = _rows_last(result[1], dim, k)
+            self.last = self.ids_of(_rows_last(result[1], dim, k))
             return result
         if forced is None:  # record: the live choice
             with torch.no_grad():
-                chosen_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
+                chosen_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
         else:
             forced_TK, fallback = forced
             chosen_TK = forced_TK if forced_TK.device == scores.device else forced_TK.to(scores.device)
             if fallback:  # -1 rows (known on the host): the live router decides for those tokens only
                 with torch.no_grad():
-                    live_TK = _rows_last(func(*args, **kwargs)[1], dim, k)
+                    live_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
                 chosen_TK = torch.where(chosen_TK[:, :1] < 0, live_TK, chosen_TK)
         # one code path for every mode: selection without autograd, values by gather. A checkpoint
         # recompute (which replays) then saves exactly the tensors its forward (maybe a record) saved.
         lead = scores.shape[:dim] + scores.shape[dim + 1 :]
-        indices = chosen_TK.reshape(*lead, k)
+        indices = self.positions_of(chosen_TK).reshape(*lead, k)
         if dim != scores.dim() - 1:
             indices = indices.movedim(-1, dim)
         values = scores.gather(dim, indices)
         self.hits += 1
         self.last = chosen_TK  # when several calls match (a one-group group score), the last selects
         return torch.return_types.topk((values, indices))
+
+
+def topk_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, int]:
+    """(input, k, non-negative dim) of a `torch.topk` / `Tensor.topk` call."""
+    scores = args[0]
+    k = args[1] if len(args) > 1 else kwargs.get("k")
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    return scores, k, dim % scores.dim()
 
 
 def _rows_last(indices: torch.Tensor, dim: int, k: int) -> torch.Tensor:
@@ -139,4 +163,4 @@ def _rows_last(indices: torch.Tensor, dim: int, k: int) -> torch.Tensor:
     return indices.reshape(-1, k)
 
 
-__all__ = ["RouterSlot", "TopKInterceptor", "in_backward", "on_thread"]
+__all__ = ["TOPK_FUNCTIONS", "RouterSlot", "TopKInterceptor", "in_backward", "on_thread", "topk_arguments"]

@@ -65,12 +65,14 @@ from routereplay.runtime.attachment import _ModelCallHook as _ModelCallHook  # p
 from routereplay.runtime.attachment import _unwrapped as _unwrapped  # name these two here
 from routereplay.runtime.attachment import attached_replayer, bind, unbind
 from routereplay.runtime.discovery import RouterSite, discover
-from routereplay.runtime.interception import RouterSlot, TopKInterceptor, in_backward, on_thread
+from routereplay.runtime.family_interceptors import interceptor_for
+from routereplay.runtime.interception import RouterSlot, in_backward, on_thread
 from routereplay.runtime.routes import check_routes, mask_array, traces_to_routes
 from routereplay.runtime.session import Recording, ReplayStats, Session, guard_backward
 from routereplay.trace import RouteTrace
 
-JITTER_ATTRS = ("jitter_noise", "moe_jitter_eps", "router_jitter_noise")
+# PhiMoE's `router_jitter_noise` is not noise but sparsemixer's threshold width: it is kept
+JITTER_ATTRS = ("jitter_noise", "moe_jitter_eps", "input_jitter_noise")
 
 
 class AuxLossRouting(StrEnum):
@@ -80,7 +82,7 @@ class AuxLossRouting(StrEnum):
 
 
 class JitterPolicy(StrEnum):
-    """Training-time router jitter (Mixtral, DBRX) while recording or replaying."""
+    """Training-time router jitter (Mixtral, DBRX, PhiMoE input jitter) while recording or replaying."""
 
     MODEL = "model"  # keep the model's own behaviour: jitter perturbs the recomputed gate weights
     OFF = "off"  # jitter switched off inside record/replay contexts (restored when the context exits)
@@ -326,7 +328,7 @@ class Replayer:
         if backward:
             self._stats.router_calls += 1
             self._stats.recompute_calls += 1
-        interceptor = TopKInterceptor(site, slot, session.forced)
+        interceptor = interceptor_for(site, slot, session.forced)
         overrides = dict(site.replay_overrides) if session.mode is ReplayMode.REPLAY else {}
         with _attributes(site.router, overrides), interceptor:
             output = original(*args, **kwargs)
