@@ -138,7 +138,15 @@ def decode(
     if head.has_token_ids:  # bounds checked by parse_header: they sit just before the payload lengths
         token_ids = np.frombuffer(data, "<i4", T, token_ids_offset(offset, T)).astype(np.int64)
     try:
-        return RouteTrace(experts_TLK, E, head.layers, head.start, head.segments, token_ids)
+        return RouteTrace(
+            experts_TLK,
+            E,
+            head.layers,
+            head.start,
+            head.segments,
+            token_ids,
+            ordered=head.mode is CodecMode.ORDERED,
+        )
     except RouteReplayError as error:
         raise CodecFormatError(f"blob decodes to an invalid trace: {error}") from error
 

@@ -42,4 +42,11 @@ class ReplayMode(StrEnum):
     REPLAY = "replay"  # the top-k choice is forced from given routes; weights stay the router's own
 
 
-__all__ = ["CodecMode", "ReplayMode", "Source", "StrEnum"]
+class ReplayOrder(StrEnum):
+    """Which top-k order a replay forces into the model's combine (it changes bf16 accumulation)."""
+
+    SET = "set"  # the expert SET is forced; its order is the one the live router gives that set
+    ENGINE = "engine"  # the routes' own order (ordered codec, engines returning unsorted top-k)
+
+
+__all__ = ["CodecMode", "ReplayMode", "ReplayOrder", "Source", "StrEnum"]

@@ -184,6 +184,14 @@ class ForeignThreadError(ReplayStateError):
     """A thread tried to open a context on a Replayer whose context another thread holds."""
 
 
+class OrderLostError(ConfigError):
+    """Replay was asked to force the routes' top-k order, but the routes kept only the expert set."""
+
+
+class ModalityMismatchError(AlignmentError):
+    """Routes name a router that does not run for the token (a text route on a vision token, or the reverse)."""
+
+
 # --- the Megatron-core adapter ------------------------------------------------------------------
 
 

@@ -246,7 +246,8 @@ class RouteStore:
         ids_T = np.array(sample.tokens[:rows])
         ids_T[(ids_T < 0) | (ids_T > TOKEN_ID_MAX)] = -1  # not a vocabulary id: unknown, never checked
         experts_TLK = sample.routes.assemble(rows, num_experts, layers, top_k)
-        return RouteTrace(experts_TLK, num_experts, layers, 0, sample.routes.segments(rows), ids_T)
+        ordered = self._mode is CodecMode.ORDERED
+        return RouteTrace(experts_TLK, num_experts, layers, 0, sample.routes.segments(rows), ids_T, ordered=ordered)
 
     def rows(self, sample_id: SampleId, begin: int, end: int) -> np.ndarray:
         """(end - begin, L, K) ids of positions [begin, end) of one sample, -1 where unrouted; decodes only

@@ -2,7 +2,12 @@
 
 Legend: T = rows (tokens fed as input), L = MoE layers, K = top-k, E = experts.
 `experts_TLK[t, l]` is the set of K expert ids that the router of global layer `layers[l]` chose
-when token `start + t` was the input position; `-1` everywhere in that (t, l) row means "no route"
+when token `start + t` was the input position (in the router's top-k order when `ordered`: a set
+codec or `sorted_rows` keeps the set only, and `ordered` is then False). A layer holding two
+routers (JetMoE's attention and MLP experts, Ernie-4.5-VL's text and vision routers) has a column
+per router: column `l` is `(layers[l], slots[l])`, the slot named by the router's path inside its
+layer ("mlp.router"); `slots` is None when every layer has one router (engines' traces).
+`-1` everywhere in that (t, l) row means "no route"
 (never routed, padding, a cached prefix the engine did not report). Engines return
 `num_tokens - 1` rows: the last sampled token is never fed back. `token_ids_T[t]` (optional) is the
 token id at position `start + t`, the input whose routes row `t` holds (-1 = id unknown); replay
@@ -28,6 +33,7 @@ from routereplay.trace_validation import (
     as_route_array,
     as_token_ids,
     canonical_dtype,
+    check_slots,
     validate_routes,
 )
 
@@ -46,7 +52,7 @@ class RouteTrace:
     for the full content checks (ids in range, no duplicates, no partial rows, no all-zero layer).
     """
 
-    __slots__ = ("experts", "layers", "num_experts", "segments", "start", "token_ids")
+    __slots__ = ("experts", "layers", "num_experts", "ordered", "segments", "slots", "start", "token_ids")
 
     experts: np.ndarray
     num_experts: int
@@ -54,6 +60,8 @@ class RouteTrace:
     start: int
     segments: tuple[Segment, ...]
     token_ids: np.ndarray | None  # (T,) int64: token id at position start + t, -1 = unknown; None = not known
+    slots: tuple[str, ...] | None  # router slot of each column within its layer; None = one router per layer
+    ordered: bool  # rows keep the router's top-k order (False: only the set is known, e.g. a set codec)
 
     def __init__(
         self,
@@ -63,6 +71,9 @@ class RouteTrace:
         start: int = 0,
         segments: Sequence[Segment] = (),
         token_ids: Any = None,
+        *,
+        slots: Sequence[str] | None = None,
+        ordered: bool = True,
     ) -> None:
         if not isinstance(num_experts, (int, np.integer)) or isinstance(num_experts, bool) or num_experts < 1:
             raise ConfigError(f"num_experts={num_experts!r} must be a positive int")
@@ -75,8 +86,8 @@ class RouteTrace:
                 f"layers has {len(self.layers)} entries but experts has {num_layers} layers (shape "
                 f"{self.experts.shape}); pass one global layer number per layer of the array"
             )
-        if len(set(self.layers)) != num_layers or any(x < 0 for x in self.layers):
-            raise ConfigError(f"layers={self.layers} must be distinct non-negative global layer numbers")
+        self.slots = check_slots(slots, self.layers)
+        self.ordered = bool(ordered)
         if not isinstance(start, (int, np.integer)) or start < 0:
             raise ConfigError(f"start={start!r} must be a non-negative int (token position of row 0)")
         self.start = int(start)
@@ -152,27 +163,51 @@ class RouteTrace:
         )
         rows = self.experts[begin - self.start : end - self.start].copy()
         ids = None if self.token_ids is None else self.token_ids[begin - self.start : end - self.start].copy()
-        return RouteTrace(rows, self.num_experts, self.layers, begin, segments, ids)
+        return self._like(rows, start=begin, segments=segments, token_ids=ids)
+
+    @property
+    def columns(self) -> tuple[tuple[int, str], ...]:
+        """(global layer, router slot) of each column; the slot is "" where a layer has one router."""
+        return tuple(zip(self.layers, self.slots or ("",) * len(self.layers), strict=True))
 
     def select_layers(self, layers: Sequence[int]) -> RouteTrace:
-        """A copy holding only the given global layer numbers, in the given order."""
-        index = {layer: i for i, layer in enumerate(self.layers)}
-        missing = [x for x in layers if x not in index]
+        """A copy holding only the given global layer numbers (every router slot of each), in the given order."""
+        missing = [x for x in layers if x not in self.layers]
         if missing:
             raise ConfigError(f"layers {missing} are not in this trace (it has {list(self.layers)})")
-        rows = self.experts[:, [index[x] for x in layers]].copy()
-        return RouteTrace(rows, self.num_experts, tuple(layers), self.start, self.segments, self.token_ids)
+        return self.select_columns([c for layer in layers for c in self.columns if c[0] == layer])
+
+    def select_columns(self, columns: Sequence[tuple[int, str]]) -> RouteTrace:
+        """A copy holding only the given (layer, slot) columns, in the given order."""
+        index = {column: i for i, column in enumerate(self.columns)}
+        wanted = [(int(layer), str(slot)) for layer, slot in columns]
+        missing = [c for c in wanted if c not in index]
+        if missing:
+            raise ConfigError(f"(layer, slot) columns {missing} are not in this trace (it has {list(self.columns)})")
+        rows = self.experts[:, [index[c] for c in wanted]].copy()
+        return self._like(rows, layers=tuple(c[0] for c in wanted), slots=tuple(c[1] for c in wanted))
 
     def sorted_rows(self) -> RouteTrace:
-        """A copy with each row's ids in ascending order (the canonical form of a route set)."""
-        return RouteTrace(
-            np.sort(self.experts, axis=2), self.num_experts, self.layers, self.start, self.segments, self.token_ids
-        )
+        """A copy with each row's ids in ascending order (the canonical form of a route set; order is lost)."""
+        return self._like(np.sort(self.experts, axis=2), ordered=False)
+
+    def _like(self, experts: np.ndarray, **changes: Any) -> RouteTrace:
+        """A trace like this one with `experts` and the given fields changed (slots and order carried)."""
+        fields: dict[str, Any] = {
+            "layers": self.layers,
+            "start": self.start,
+            "segments": self.segments,
+            "token_ids": self.token_ids,
+            "slots": self.slots,
+            "ordered": self.ordered,
+        }
+        fields.update(changes)
+        return RouteTrace(experts, self.num_experts, **fields)
 
     def with_provenance(self, source: Source | str, policy_version: int | None = None) -> RouteTrace:
         """A shallow copy whose rows are all attributed to one engine and policy version."""
         segments = (Segment(self.start, self.stop, source, policy_version),) if self.num_tokens else ()
-        return RouteTrace(self.experts, self.num_experts, self.layers, self.start, segments, self.token_ids)
+        return self._like(self.experts, segments=segments)
 
     def with_token_ids(self, token_ids: Any) -> RouteTrace:
         """A shallow copy that names the token of every row (`token_ids[t]` at position start + t; -1 = unknown).
@@ -182,7 +217,7 @@ class RouteTrace:
         ids = np.asarray(token_ids)
         if ids.ndim == 1 and ids.shape[0] == self.num_tokens + 1:
             ids = ids[:-1]
-        return RouteTrace(self.experts, self.num_experts, self.layers, self.start, self.segments, ids)
+        return self._like(self.experts, token_ids=ids)
 
     def merge(self, other: RouteTrace, *, policy: MergePolicy | str = MergePolicy.KEEP) -> RouteTrace:
         """Merge another trace of the same sequence by absolute token position, into a new trace.
@@ -204,18 +239,20 @@ class RouteTrace:
             raise ConfigError(f"cannot merge traces of {self.num_experts} and {other.num_experts} experts")
         if other.top_k != self.top_k:
             raise TopKMismatchError(f"cannot merge traces of top-k {self.top_k} and {other.top_k}")
-        if other.layers != self.layers:
+        if other.columns != self.columns:
             raise LayerCountError(
                 f"cannot merge traces of layers {list(self.layers)} and {list(other.layers)}; select the same "
                 "global layers first (select_layers / moe_layers=)"
+                + ("" if self.slots == other.slots else f" (router slots {self.slots} and {other.slots})")
             )
+        ordered = self.ordered and other.ordered
         if not (self.num_tokens and other.num_tokens):
             kept = self if self.num_tokens or not other.num_tokens else other
             ids = None if kept.token_ids is None else kept.token_ids.copy()
-            return RouteTrace(kept.experts.copy(), kept.num_experts, kept.layers, kept.start, kept.segments, ids)
+            return kept._like(kept.experts.copy(), token_ids=ids, ordered=ordered)
         first, second = (self, other) if policy is MergePolicy.KEEP else (other, self)
         experts, start, segments, token_ids = merge_rows(first, second)
-        return RouteTrace(experts, self.num_experts, self.layers, start, segments, token_ids)
+        return self._like(experts, start=start, segments=segments, token_ids=token_ids, ordered=ordered)
 
     def to_torch(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The ids as a (T, L, K) tensor (shares memory on CPU unless `dtype` differs)."""
@@ -241,6 +278,7 @@ class RouteTrace:
         return (
             self.num_experts == other.num_experts
             and self.layers == other.layers
+            and self.slots == other.slots
             and self.start == other.start
             and self.segments == other.segments
             and self.experts.shape == other.experts.shape
@@ -257,12 +295,13 @@ class RouteTrace:
     def __repr__(self) -> str:
         layers = list(self.layers)
         shown = f"{layers}" if len(layers) <= 6 else f"[{layers[0]}..{layers[-1]}]"
+        slots = f", slots {list(self.slots)}" if self.slots else ""
         sources = ", ".join(s.describe() for s in self.segments[:3])
         if len(self.segments) > 3:
             sources += f", +{len(self.segments) - 3} more"
         return (
             f"RouteTrace(tokens {self.start}..{self.stop} ({self.num_tokens} rows), "
-            f"{self.num_layers} layers {shown}, top_k={self.top_k}, num_experts={self.num_experts}, "
+            f"{self.num_layers} layers {shown}{slots}, top_k={self.top_k}, num_experts={self.num_experts}, "
             f"routed {self.num_routed}/{self.num_tokens} rows, {self.experts.dtype}, "
             f"{'token ids, ' if self.token_ids is not None else ''}"
             f"sources [{sources}])"

@@ -88,6 +88,37 @@ def as_token_ids(value: Any, num_rows: int) -> np.ndarray:
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
+MAX_SLOT_NAME = 64  # characters of a router slot name (a module path inside its layer, e.g. "mlp.router")
+
+
+def check_slots(slots: Any, layers: tuple[int, ...]) -> tuple[str, ...] | None:
+    """The router slot names of a trace's columns, checked: None when every layer has one router.
+
+    Layers must be non-negative, and each (layer, slot) column distinct: a layer may repeat only
+    under distinct slot names. Names are printable, at most `MAX_SLOT_NAME` characters."""
+    if any(x < 0 for x in layers):
+        raise ConfigError(f"layers={layers} must be non-negative global layer numbers")
+    if slots is None:
+        if len(set(layers)) != len(layers):
+            raise ConfigError(
+                f"layers={layers} must be distinct non-negative global layer numbers (a layer with two routers "
+                "needs slots= naming each router)"
+            )
+        return None
+    if isinstance(slots, (str, bytes)) or not all(isinstance(x, str) for x in slots):
+        raise ConfigError(f"slots={slots!r} must be a sequence of router slot names (str), one per layer column")
+    names = tuple(slots)
+    if len(names) != len(layers):
+        raise LayerCountError(f"slots has {len(names)} names but the trace has {len(layers)} layer columns")
+    bad = [x for x in names if len(x) > MAX_SLOT_NAME or not x.isprintable()]
+    if bad:
+        raise ConfigError(f"slot names {bad[:3]!r} must be printable and at most {MAX_SLOT_NAME} characters")
+    columns = list(zip(layers, names, strict=True))
+    if len(set(columns)) != len(columns):
+        raise ConfigError(f"(layer, slot) columns {columns} repeat: each router of a layer needs its own slot name")
+    return None if not any(names) and len(set(layers)) == len(layers) else names
+
+
 def validate_routes(
     trace: RouteTrace, sequence: str | int | None, *, top_k: int | None, num_layers: int | None
 ) -> None:

@@ -191,7 +191,9 @@ class EncodedRoutes:
             if s.begin < end and s.end > begin
         )
         head = self.header
-        return RouteTrace(experts_TLK, head.num_experts, head.layers, begin, segments)
+        return RouteTrace(
+            experts_TLK, head.num_experts, head.layers, begin, segments, ordered=head.mode is CodecMode.ORDERED
+        )
 
     def span(self, begin: int, end: int) -> EncodedSpan:
         """The encoded bytes of token positions [begin, end), cut without decoding (see `EncodedSpan`)."""

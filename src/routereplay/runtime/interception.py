@@ -54,10 +54,11 @@ class RouterSlot:
 
     forced_TK: torch.Tensor | None = None  # replay: this layer's routes, long, on the router's device
     fallback: bool = False  # forced_TK has -1 rows (decided on the host when the routes were set)
+    keep_order: bool = False  # replay(order="engine"): force forced_TK's order, not the live order of its set
     chosen_TK: torch.Tensor | None = None  # the last call's choice, not yet folded into the context
 
     def clear(self) -> None:
-        self.forced_TK, self.fallback, self.chosen_TK = None, False, None
+        self.forced_TK, self.fallback, self.keep_order, self.chosen_TK = None, False, False, None
 
 
 # (site, slot, rows T) -> (forced ids (T, K) long, whether they hold -1 rows), or None for the live top-k

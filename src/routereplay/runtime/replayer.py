@@ -50,13 +50,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from routereplay.enums import ReplayMode, StrEnum
+from routereplay.enums import ReplayMode, ReplayOrder, StrEnum
 from routereplay.errors import (
     AlreadyAttachedError,
     ConfigError,
     ForeignThreadError,
     KernelBypassError,
     NoRoutersError,
+    OrderLostError,
     ReplayStateError,
     UnsupportedRouterError,
 )
@@ -64,6 +65,7 @@ from routereplay.runtime.alignment import check_padding, check_tokens, refuse_me
 from routereplay.runtime.attachment import _ModelCallHook as _ModelCallHook  # pickles of earlier releases
 from routereplay.runtime.attachment import _unwrapped as _unwrapped  # name these two here
 from routereplay.runtime.attachment import attached_replayer, bind, unbind
+from routereplay.runtime.call_inputs import attributes, call_ids, call_shape, refuse_kernels
 from routereplay.runtime.discovery import RouterSite, discover
 from routereplay.runtime.family_interceptors import interceptor_for
 from routereplay.runtime.interception import RouterSlot, in_backward, on_thread
@@ -120,7 +122,7 @@ class Replayer:
                 "loss from router logits outside the router, with its own top-k, so it always sees natural routing"
             ) from None
         self.jitter = JitterPolicy(jitter)
-        _refuse_kernels(model)
+        refuse_kernels(model)
         sites, refused = discover(model)
         if not sites and not refused:
             raise NoRoutersError(
@@ -178,6 +180,7 @@ class Replayer:
         *,
         input_ids: torch.Tensor | None = None,
         check_alignment: bool = True,
+        order: ReplayOrder | str = ReplayOrder.SET,
     ) -> Iterator[Recording]:
         """Force routes: a (B, S, L, K) int tensor aligned with the input, or RouteTraces + attention_mask.
 
@@ -194,7 +197,14 @@ class Replayer:
           is given and again at every forward called with `input_ids` (`TokenMismatchError`, which
           names a one-position shift such as an extra or stripped BOS).
         `check_alignment=False` replays a layout you built on purpose as given.
+
+        `order` is the top-k order forced into the model's combine (it changes bf16 accumulation):
+        `"set"` (default) forces each row's expert set in the order the live router gives that set
+        (its own order when the set is its choice), so set-codec routes replay bit-exact;
+        `"engine"` forces the routes' own order (ordered codec, engines returning unsorted top-k).
+        RouteTraces that kept only the set (`ordered=False`) are refused under `"engine"`.
         """
+        order = _replay_order(order)
         refuse_meta(attention_mask, "attention_mask")
         refuse_meta(input_ids, "input_ids")
         traces: list[RouteTrace] | None = None
@@ -203,6 +213,8 @@ class Replayer:
                 raise ConfigError("replaying RouteTraces needs the batch's attention_mask to place them")
             traces = list(routes)
             self._check_uniform_top_k()
+            if order is ReplayOrder.ENGINE:
+                _refuse_unordered(traces)
             if check_alignment and input_ids is not None:
                 self.stats.checked_sequences += check_tokens(traces, mask_array(attention_mask), input_ids)
             routes = traces_to_routes(traces, attention_mask, self.layers, self.top_k, check_alignment=check_alignment)
@@ -215,7 +227,7 @@ class Replayer:
         checked = check_routes(routes, self.layers, self.top_k, self.num_experts)
         if check_alignment and traces is None and attention_mask is not None:
             check_padding(checked, mask_array(attention_mask))
-        session = self._enter(ReplayMode.REPLAY, checked, attention_mask, traces if check_alignment else None)
+        session = self._enter(ReplayMode.REPLAY, checked, attention_mask, traces if check_alignment else None, order)
         try:
             yield Recording(session, self.layers, self.num_experts)
         finally:
@@ -242,6 +254,7 @@ class Replayer:
         routes: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         traces: Sequence[RouteTrace] | None = None,
+        order: ReplayOrder = ReplayOrder.SET,
     ) -> Session:
         current = self._session
         if current is not None and current.thread != threading.get_ident():
@@ -253,7 +266,7 @@ class Replayer:
             )
         if current is not None:
             raise ReplayStateError(f"already inside a {self.mode} context; contexts do not nest")
-        self._session = Session(self, mode, routes, attention_mask, traces)
+        self._session = Session(self, mode, routes, attention_mask, traces, order)
         self.mode = mode
         if self.jitter is JitterPolicy.OFF:  # jitter acts in the block, before the router: off for the context
             for module in {
@@ -291,9 +304,9 @@ class Replayer:
         self._stats.forwards += 1
         if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled():
             self._pending_replay = session.thread  # reentrant checkpointing runs the layers under no_grad
-        shape = _batch_shape(args, kwargs)
+        shape = call_shape(args, kwargs)
         if shape is not None:
-            session.begin_step(shape, _input_ids(args, kwargs))
+            session.begin_step(shape, call_ids(args, kwargs))
 
     def _route(
         self,
@@ -330,7 +343,7 @@ class Replayer:
             self._stats.recompute_calls += 1
         interceptor = interceptor_for(site, slot, session.forced)
         overrides = dict(site.replay_overrides) if session.mode is ReplayMode.REPLAY else {}
-        with _attributes(site.router, overrides), interceptor:
+        with attributes(site.router, overrides), interceptor:
             output = original(*args, **kwargs)
         if interceptor.hits == 0:
             raise KernelBypassError(
@@ -359,44 +372,20 @@ def attach(
     return Replayer(model, strict=strict, aux_loss_routing=aux_loss_routing, jitter=jitter)
 
 
-@contextmanager
-def _attributes(module: nn.Module, values: dict[str, Any]) -> Iterator[None]:
-    saved = {name: getattr(module, name) for name in values if hasattr(module, name)}
-    for name, value in values.items():
-        if name in saved:
-            setattr(module, name, value)
+def _replay_order(order: ReplayOrder | str) -> ReplayOrder:
     try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
+        return ReplayOrder(order)
+    except ValueError:
+        raise ConfigError(f"order={order!r}: use 'set' (default) or 'engine'") from None
 
 
-def _input_ids(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    value = kwargs.get("input_ids", args[0] if args else None)
-    if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point():
-        return value
-    return None
-
-
-def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
-    for key in ("input_ids", "inputs_embeds"):
-        value = kwargs.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return int(value.shape[0]), int(value.shape[1])
-    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
-        return int(args[0].shape[0]), int(args[0].shape[1])
-    return None
-
-
-def _refuse_kernels(model: nn.Module) -> None:
-    if not getattr(model, "use_kernels", False):
-        return
-    kernelized = sorted({type(m).__name__ for m in model.modules() if getattr(type(m), "kernel_layer_name", None)})
-    raise KernelBypassError(
-        f"model.use_kernels is on ({', '.join(kernelized[:4]) or 'hub kernels'}): hub kernels run routers outside "
-        "Python where replay cannot reach; load the model with use_kernels=False"
-    )
+def _refuse_unordered(traces: Sequence[RouteTrace]) -> None:
+    lost = [i for i, trace in enumerate(traces) if not trace.ordered]
+    if lost:
+        raise OrderLostError(
+            f"order='engine' forces the routes' top-k order, but traces {lost[:8]} keep only the expert set "
+            "(a set codec or sorted rows); store them with codec_mode='ordered', or replay with order='set'"
+        )
 
 
 __all__ = ["AuxLossRouting", "Binding", "JitterPolicy", "Recording", "ReplayStats", "Replayer", "attach"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from routereplay.enums import ReplayMode, Source
+from routereplay.enums import ReplayMode, ReplayOrder, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.discovery import RouterSite
@@ -75,8 +75,9 @@ class Session:
         routes_BSLK: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         traces: Sequence[RouteTrace] | None = None,
+        order: ReplayOrder = ReplayOrder.SET,
     ) -> None:
-        self.replayer, self.mode, self.open = replayer, mode, True
+        self.replayer, self.mode, self.open, self.order = replayer, mode, True, order
         self.stats = replayer._stats  # the Replayer's counters, without folding (`Replayer.stats` folds)
         self.thread = threading.get_ident()  # the context belongs to the thread that opened it
         self.local = threading.local()  # `owner` is set on the opening thread only (a guard under compile)
@@ -119,6 +120,7 @@ class Session:
                 on_device[device] = self.routes_LTK.to(device)
             slot.forced_TK = on_device[device][index]
             slot.fallback = bool(has_fallback_L[index])
+            slot.keep_order = self.order is ReplayOrder.ENGINE
             slot.chosen_TK = None
 
     def owned_here(self) -> bool:
