@@ -145,6 +145,7 @@ def decode(
             head.start,
             head.segments,
             token_ids,
+            slots=head.slots,
             ordered=head.mode is CodecMode.ORDERED,
         )
     except RouteReplayError as error:

@@ -6,10 +6,12 @@ Version 1 layout, all integers little-endian (offsets in bytes):
     4   u8    version (1)
     5   u8    mode: 0 = set, 1 = ordered
     6   u8    flags: bit 0 = payload is zstd-compressed, bit 1 = some rows are all -1 (bitmap present),
-              bit 2 = token ids present (a blob without it decodes with `token_ids` None)
+              bit 2 = token ids present (a blob without it decodes with `token_ids` None),
+              bit 3 = router slot names present (layers holding several routers, `RouteTrace.slots`)
     7   u8    reserved, 0
     8   u64   T          16  u32 L          20  u16 K          22  u32 E          26  u64 start
     34  L x u32           global layer numbers
+        L x (u8 n, n bytes UTF-8)  router slot name of each layer column, only when flag bit 3 is set
         u32               segment count S, then S x (u64 begin, u64 end, i64 policy_version
                           (-1 = None), u16 n, n bytes UTF-8 source name)
         T x i32           token ids, only when flag bit 2 is set (`RouteTrace.token_ids`, -1 = unknown)
@@ -34,13 +36,14 @@ import numpy as np
 from routereplay.codec_limits import CodecLimits
 from routereplay.codec_rows import payload_bytes, payload_streams
 from routereplay.enums import CodecMode
-from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError
+from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError, RouteReplayError
 from routereplay.trace import RouteTrace, Segment
+from routereplay.trace_validation import check_slots
 
 MAGIC = b"RRTC"
 VERSION = 1
 READABLE_VERSIONS = (1,)
-FLAG_ZSTD, FLAG_MISSING_ROWS, FLAG_TOKEN_IDS = 1, 2, 4
+FLAG_ZSTD, FLAG_MISSING_ROWS, FLAG_TOKEN_IDS, FLAG_SLOTS = 1, 2, 4, 8
 MAX_EXPERTS = 1 << 31  # ids must fit the int32 canonical dtype
 _ZSTD_MAX_RATIO = 1 << 15  # no zstd frame expands more (a 128 KiB block from a 4-byte RLE block)
 _FIXED = struct.Struct("<4sBBBBQIHIQ")  # magic, version, mode, flags, reserved, T, L, K, E, start
@@ -71,13 +74,18 @@ class CodecHeader:
     bits_per_row: int
     total_bytes: int
     has_token_ids: bool = False  # flag bit 2: T x i32 token ids sit just before the payload lengths
+    slots: tuple[str, ...] | None = None  # flag bit 3: the router slot of each layer column
 
 
 def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, stored: bytes) -> bytes:
     """The whole blob: header (with `flags`), the stored payload and the CRC32 of everything before it."""
     T, L, K, E = trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts
+    flags |= FLAG_SLOTS if trace.slots is not None else 0
     parts = [_FIXED.pack(MAGIC, VERSION, _MODE_CODES[mode], flags, 0, T, L, K, E, trace.start)]
     parts.append(np.asarray(trace.layers, dtype="<u4").tobytes())
+    for slot in trace.slots or ():
+        name = slot.encode("utf-8")  # <= MAX_SLOT_NAME printable characters: RouteTrace checked them
+        parts.append(bytes([len(name)]) + name)
     parts.append(_U32.pack(len(trace.segments)))
     for segment in trace.segments:
         name = str(segment.source).encode("utf-8")
@@ -160,6 +168,9 @@ def _declared_size(data: memoryview) -> int | None:
         fixed = reader.unpack(_FIXED, "fixed header")
         flags, num_tokens, num_layers = fixed[3], fixed[5], fixed[6]
         reader.take(4 * num_layers, "layer numbers")
+        if flags & FLAG_SLOTS:
+            for i in range(num_layers):  # each takes >= 1 byte, so this stops at the end of data
+                reader.take(reader.data[reader.take(1, f"slot {i} length")], f"slot {i} name")
         (num_segments,) = reader.unpack(_U32, "segment count")
         for i in range(num_segments):  # each takes >= 26 bytes, so this stops at the end of data
             reader.take(reader.unpack(_SEGMENT, f"segment {i}")[3], f"segment {i} source name")
@@ -181,7 +192,7 @@ def parse_header(data: memoryview, limits: CodecLimits) -> tuple[CodecHeader, in
     _, version, mode_code, flags, reserved, T, L, K, E, start = reader.unpack(_FIXED, "fixed header")
     if mode_code not in (0, 1):
         raise CodecFormatError(f"mode byte (offset 5) is {mode_code}, expected 0 (set) or 1 (ordered): corrupt")
-    if flags & ~(FLAG_ZSTD | FLAG_MISSING_ROWS | FLAG_TOKEN_IDS) or reserved:
+    if flags & ~(FLAG_ZSTD | FLAG_MISSING_ROWS | FLAG_TOKEN_IDS | FLAG_SLOTS) or reserved:
         raise CodecFormatError(
             f"unknown bits in flags {flags:#04x} (offset 6) or reserved byte {reserved} (offset 7): the blob is "
             "corrupt or from a newer writer (upgrade routereplay)"
@@ -192,7 +203,8 @@ def parse_header(data: memoryview, limits: CodecLimits) -> tuple[CodecHeader, in
         )
     mode = CodecMode.SET if mode_code == 0 else CodecMode.ORDERED
     layers = tuple(np.frombuffer(data, "<u4", L, reader.take(4 * L, "layer numbers")).tolist())
-    if len(set(layers)) != L:
+    slots = _parse_slots(reader, layers) if flags & FLAG_SLOTS else None
+    if slots is None and len(set(layers)) != L:
         raise CodecFormatError(f"layer numbers at byte offset {_FIXED.size} repeat ({list(layers)[:8]}...): corrupt")
     segments = _parse_segments(reader, start, T)
     has_token_ids = bool(flags & FLAG_TOKEN_IDS)
@@ -222,8 +234,27 @@ def parse_header(data: memoryview, limits: CodecLimits) -> tuple[CodecHeader, in
         version=version, mode=mode, compressed=compressed, has_missing_rows=missing, num_tokens=T, num_layers=L,
         top_k=K, num_experts=E, start=start, layers=layers, segments=segments, raw_payload_bytes=raw_bytes,
         stored_payload_bytes=stored_bytes, bits_per_row=bits, total_bytes=len(data), has_token_ids=has_token_ids,
+        slots=slots,
     )  # fmt: skip
     return header, offset
+
+
+def _parse_slots(reader: _Reader, layers: tuple[int, ...]) -> tuple[str, ...]:
+    """The router slot names (flag bit 3): one per layer column, distinct within a layer."""
+    at = reader.pos
+    names = []
+    for i in range(len(layers)):  # each takes >= 1 byte: bounded by the blob's length
+        size = reader.data[reader.take(1, f"slot {i} length")]
+        name_at = reader.take(size, f"slot {i} name")
+        try:
+            names.append(bytes(reader.data[name_at : name_at + size]).decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise CodecFormatError(f"slot {i} name at byte offset {name_at} is not UTF-8: corrupt") from error
+    try:
+        checked = check_slots(names, layers)
+    except RouteReplayError as error:
+        raise CodecFormatError(f"router slots at byte offset {at} are malformed: {error}") from error
+    return checked or tuple(names)
 
 
 def _parse_segments(reader: _Reader, start: int, num_tokens: int) -> tuple[Segment, ...]:

@@ -17,22 +17,18 @@ names the token of every row (`token_ids`, from the sample's tokens), so replay 
 batch it is applied to holds the same tokens. A trace given to `add_turn` that names its tokens must
 name the sample's tokens at its positions.
 
-Threads: every method holds the store's lock (a `threading.RLock`), so `add_turn` from rollout
-threads and `to_bytes` / `save` / `trace` / `stats` from another thread are safe together; `save`
-serialises under the lock and writes the file outside it. The dict `metadata(sample_id)` returns is
-the stored one: edit it from one thread at a time. Pickling and `copy.deepcopy` leave the lock out
-and give the copy a new one.
+Threads: every method holds the store's lock (a `threading.RLock`): `add_turn` from rollout threads
+and `to_bytes` / `save` / `trace` / `stats` from another are safe together (`save` writes outside it).
+Edit the dict `metadata(sample_id)` returns from one thread at a time. Copies get a new lock.
 
 Limits: `from_bytes` / `load` parse the JSON header within `routereplay.jsondocument.JsonLimits`
 (256 MiB, 64 levels deep, 100-digit numbers, finite numbers only), and each sample's routes blob
 within `codec_limits` (`routereplay.codec_limits.CodecLimits`, default 2**28 ids per sample and 4096x
-expansion); raise them to load a trusted store beyond those (e.g. one sample of more than 2**28 ids).
-`save` refuses metadata that `load` would refuse.
+expansion); raise them to load a trusted store beyond those. `save` refuses metadata that `load` would refuse.
 
-File format (`save` / `load`): one file per batch, written atomically, laid out in `routereplay.store_file`;
-each sample's token ids and its codec blob (`routereplay.codec.encode(trace, mode="ordered")`: exact ids and
-provenance). A sample's stored state and the checks `add_turn` runs are `routereplay.store_sample`; what
-`stats()` and `stale_fraction()` count is `routereplay.store_stats`.
+File format (`save` / `load`): one file per batch, written atomically (`routereplay.store_file`): each
+sample's token ids and codec blob (the store's codec mode; ids, provenance, router slots). Stored state
+and `add_turn`'s checks: `routereplay.store_sample`; `stats()` / `stale_fraction()`: `store_stats`.
 """
 
 from __future__ import annotations
@@ -90,10 +86,11 @@ class RouteStore:
         layers: Sequence[int] | None = None,
         top_k: int | None = None,
         codec_mode: CodecMode | str = CodecMode.SET,
+        slots: Sequence[str] | None = None,
     ) -> None:
         """`codec_mode` is how samples are kept resident: "set" (default; rows read back sorted, all that
         replay forces) or "ordered" (keeps each row's id order, for order-preserving replay: 1.37x larger
-        for top-8 of 128)."""
+        for top-8 of 128). `slots` names the router slot of each layer column (`RouteTrace.slots`)."""
         try:
             self._mode = CodecMode(codec_mode)
         except (ValueError, TypeError):
@@ -105,8 +102,9 @@ class RouteStore:
         if any(given) and not all(given):
             raise ConfigError("give all of num_experts, layers and top_k, or none (taken from the first trace)")
         self._geometry: tuple[int, tuple[int, ...], int] | None = None
+        self._slots: tuple[str, ...] | None = None  # router slot of each layer column (several routers in a layer)
         if num_experts is not None and layers is not None and top_k is not None:
-            self._geometry = check_geometry_args(num_experts, layers, top_k)
+            self._geometry, self._slots = check_geometry_args(num_experts, layers, top_k, slots)
         self._samples: dict[SampleId, Sample] = {}
         self._unrankers = UnrankerCache()  # one set-mode unranker shared by every sample's pieces
         self._lock = threading.RLock()
@@ -169,7 +167,7 @@ class RouteStore:
         except ValueError:
             raise ConfigError(f"policy={policy!r} is not a merge policy; use 'keep' or 'replace'") from None
         if trace is not None:
-            check_geometry(self._geometry, trace, sample_id)
+            check_geometry(self._geometry, trace, sample_id, self._slots)
             stored = (None, None) if sample is None else (sample.tokens, sample.routes.stop)
             check_rows(trace, len(tokens), sample_id, *stored)
             check_token_ids(trace, tokens, sample_id)
@@ -179,9 +177,9 @@ class RouteStore:
             if policy_version is not None:
                 segments = tuple(replace(s, policy_version=int(policy_version)) for s in trace.segments)
             # the sample holds the tokens: stored rows carry none (`trace()` names them from the tokens)
-            trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments)
+            trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments, slots=trace.slots)
             if self._geometry is None:
-                self._geometry = (trace.num_experts, trace.layers, trace.top_k)
+                self._geometry, self._slots = (trace.num_experts, trace.layers, trace.top_k), trace.slots
         if sample is None:
             sample = self._samples[sample_id] = Sample(tokens, SampleRoutes(self._mode, self._unrankers))
         sample.tokens = tokens
@@ -246,8 +244,8 @@ class RouteStore:
         ids_T = np.array(sample.tokens[:rows])
         ids_T[(ids_T < 0) | (ids_T > TOKEN_ID_MAX)] = -1  # not a vocabulary id: unknown, never checked
         experts_TLK = sample.routes.assemble(rows, num_experts, layers, top_k)
-        ordered = self._mode is CodecMode.ORDERED
-        return RouteTrace(experts_TLK, num_experts, layers, 0, sample.routes.segments(rows), ids_T, ordered=ordered)
+        segments, ordered = sample.routes.segments(rows), self._mode is CodecMode.ORDERED
+        return RouteTrace(experts_TLK, num_experts, layers, 0, segments, ids_T, slots=self._slots, ordered=ordered)
 
     def rows(self, sample_id: SampleId, begin: int, end: int) -> np.ndarray:
         """(end - begin, L, K) ids of positions [begin, end) of one sample, -1 where unrouted; decodes only
@@ -325,6 +323,7 @@ class RouteStore:
         if self._geometry is not None:
             num_experts, layers, top_k = self._geometry
             geometry = {"num_experts": num_experts, "layers": list(layers), "top_k": top_k}
+            geometry.update({"slots": list(self._slots)} if self._slots else {})
         header = {"geometry": geometry, "codec_mode": str(self._mode), "samples": entries}
         return pack_envelope(header, b"".join(chunks))
 

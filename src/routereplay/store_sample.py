@@ -22,6 +22,7 @@ import numpy as np
 from routereplay.errors import ConfigError, LayerCountError, RowCountError, TopKMismatchError
 from routereplay.store_routes import SampleRoutes
 from routereplay.trace import RouteTrace
+from routereplay.trace_validation import check_slots
 from routereplay.wire.limits import is_int
 
 SampleId = str | int
@@ -174,8 +175,13 @@ def same_sample(a: Sample, b: Sample) -> bool:
     )
 
 
-def check_geometry(geometry: tuple[int, tuple[int, ...], int] | None, trace: RouteTrace, sample_id: SampleId) -> None:
-    """A trace must match the store's model (num_experts, layers, top_k); None: no geometry yet."""
+def check_geometry(
+    geometry: tuple[int, tuple[int, ...], int] | None,
+    trace: RouteTrace,
+    sample_id: SampleId,
+    slots: tuple[str, ...] | None = None,
+) -> None:
+    """A trace must match the store's model (num_experts, layers, top_k, slots); None: no geometry yet."""
     if geometry is None:
         return
     num_experts, layers, top_k = geometry
@@ -189,16 +195,23 @@ def check_geometry(geometry: tuple[int, tuple[int, ...], int] | None, trace: Rou
             f"{where}: routes cover layers {list(trace.layers)}, the store holds layers {list(layers)}; decode "
             "with the same moe_layers= for every call"
         )
+    if trace.slots != slots:
+        raise LayerCountError(
+            f"{where}: routes name router slots {trace.slots}, the store holds {slots}: routes of another model"
+        )
 
 
-def check_geometry_args(num_experts: Any, layers: Any, top_k: Any) -> tuple[int, tuple[int, ...], int]:
-    """The geometry given to `RouteStore(...)`, checked and normalised."""
+def check_geometry_args(
+    num_experts: Any, layers: Any, top_k: Any, slots: Any = None
+) -> tuple[tuple[int, tuple[int, ...], int], tuple[str, ...] | None]:
+    """The geometry given to `RouteStore(...)` and its router slots, checked and normalised."""
     if not (is_int(num_experts) and num_experts >= 1):
         raise ConfigError(f"num_experts={num_experts!r} must be a positive int")
     if not (is_int(top_k) and 1 <= top_k <= num_experts):
         raise ConfigError(f"top_k={top_k!r} must be an int in [1, num_experts={num_experts}]")
     if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, np.ndarray)):
         raise ConfigError(f"layers={layers!r} must be a sequence of global layer numbers")
-    if not all(is_int(x) and x >= 0 for x in layers) or len(set(layers)) != len(layers) or not len(layers):
+    if not all(is_int(x) and x >= 0 for x in layers) or not len(layers):
         raise ConfigError(f"layers={list(layers)!r} must be distinct non-negative global layer numbers (at least one)")
-    return int(num_experts), tuple(int(x) for x in layers), int(top_k)
+    columns = tuple(int(x) for x in layers)
+    return (int(num_experts), columns, int(top_k)), check_slots(slots, columns)

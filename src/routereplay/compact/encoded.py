@@ -112,7 +112,9 @@ class EncodedRoutes:
     ) -> EncodedRoutes:
         """Encode `trace` (its token ids are dropped) and keep it resident."""
         if trace.token_ids is not None:
-            trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, trace.segments)
+            trace = RouteTrace(
+                trace.experts, trace.num_experts, trace.layers, trace.start, trace.segments, slots=trace.slots
+            )
         return trusted(codec.encode(trace, mode=mode), unrankers=unrankers)
 
     # --- what it holds ------------------------------------------------------------------------
@@ -192,7 +194,13 @@ class EncodedRoutes:
         )
         head = self.header
         return RouteTrace(
-            experts_TLK, head.num_experts, head.layers, begin, segments, ordered=head.mode is CodecMode.ORDERED
+            experts_TLK,
+            head.num_experts,
+            head.layers,
+            begin,
+            segments,
+            slots=head.slots,
+            ordered=head.mode is CodecMode.ORDERED,
         )
 
     def span(self, begin: int, end: int) -> EncodedSpan:

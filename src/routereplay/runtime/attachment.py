@@ -48,6 +48,24 @@ class _ModelCallHook:
         return (_ModelCallHook, (None,))
 
 
+class _SplitHook:
+    """A modality block's forward pre-hook (which tokens each of its routers sees); inert when pickled or
+    copied, like `_ModelCallHook`."""
+
+    __slots__ = ("replayer",)
+
+    def __init__(self, replayer: Replayer | None) -> None:
+        self.replayer = replayer
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        replayer = self.replayer
+        if replayer is not None and replayer._handles:
+            replayer._on_split(module, args, kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_SplitHook, (None,))
+
+
 class _RouterForward:
     """The binding of a bound router scope: its `forward` instance attribute is this object's `forward`
     method (the class is untouched). Pickled, it becomes the forward it wraps; deep-copied, an inert
@@ -112,6 +130,9 @@ def attached_replayer(model: nn.Module) -> Replayer | None:
 def bind(replayer: Replayer) -> list[RemovableHandle]:
     """Hook the model and wrap each bound router scope's `forward`; returns the hook handles."""
     handles = [replayer.model.register_forward_pre_hook(_ModelCallHook(replayer), with_kwargs=True)]
+    splitters = {id(s.splitter): s.splitter for s in replayer.sites if s.splitter is not None}
+    for block in splitters.values():
+        handles.append(block.register_forward_pre_hook(_SplitHook(replayer), with_kwargs=True))
     for site, slot in zip(replayer.sites, replayer.slots, strict=True):
         original = site.scope.forward
         stand_in = _binding(original)

@@ -5,8 +5,14 @@ Gate, Gating or TopkRouter, with a resolvable top-k and number of selectable exp
 layer number comes from its path (`model.layers.7.mlp.gate` -> 7). The *scope* is the module whose
 forward holds the selection `torch.topk`: the router itself for almost every family, the parent
 block for DBRX (top-k in `DbrxFFN.route_tokens_to_experts`). Routers whose selection is not a top-k
-(Switch/NLLB argmax with capacity) are refused with the reason, as are layers holding two routers
-(JetMoE attention experts); DeepSeek-V4 hash routers stay natural (`NATURAL_BY_CONSTRUCTION`).
+(Switch/NLLB argmax with capacity) are refused with the reason; DeepSeek-V4 hash routers stay
+natural (`NATURAL_BY_CONSTRUCTION`).
+
+A layer may hold several routers (JetMoE: attention experts and MLP experts; Ernie-4.5-VL: a text
+and a vision router). Each is a *slot* of its layer, named by its module path inside the layer
+("self_attention.experts.router", "mlp.router"), in module order; a layer with one router has the
+slot "". Routers that split tokens by modality (Ernie-4.5-VL) carry their `Modality` and their
+splitting block (`runtime/modality.py`).
 
 Two families select by another rule, each intercepted by its own `Selection`
 (`runtime/family_interceptors.py`):
@@ -30,6 +36,7 @@ from typing import Any
 from torch import nn
 
 from routereplay.enums import StrEnum
+from routereplay.runtime.modality import MODALITY_BLOCKS, Modality
 
 ROUTER_CLASS = re.compile(r"(Router|Gate|Gating|TopkRouter|TopKRouter)$")
 NOT_ROUTER_CLASS = re.compile(r"(GateUp|Gated|MLPGate|GateProj|ForgetGate|OutputGate|InputGate)")
@@ -84,6 +91,10 @@ class RouterSite:
     block: nn.Module | None = None  # the MoE block holding the router (where Mixtral applies jitter)
     replay_overrides: dict[str, Any] = field(default_factory=dict)
     selection: Selection = Selection.TOPK  # which interceptor forces it (runtime/family_interceptors.py)
+    slot: str = ""  # router slot within its layer: its path inside the layer when the layer has several
+    modality: Modality | None = None  # the tokens it runs for, when its block splits them by modality
+    splitter: nn.Module | None = None  # that block (its forward pre-hook picks each router's tokens)
+    column: int = -1  # its column in the Replayer's routes (set by the Replayer; discovery order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,25 +150,40 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
             refused.append(Refusal(name, family, "no torch.topk in the router or its block: not a top-k router"))
             continue
         overrides = dict(REPLAY_OVERRIDES.get(family, {}))
-        sites.append(RouterSite(name, module, scope, layer, top_k, num_choices, family, parent, overrides, selection))
+        site = RouterSite(name, module, scope, layer, top_k, num_choices, family, parent, overrides, selection)
+        _split_by_modality(site, modules)
+        sites.append(site)
     by_layer: dict[int, list[RouterSite]] = {}
     for site in sites:
         by_layer.setdefault(site.layer, []).append(site)
     kept: list[RouterSite] = []
-    for layer, group in sorted(by_layer.items()):
-        if len(group) > 1:
-            names = ", ".join(s.name for s in group)
-            refused.extend(
-                Refusal(
-                    s.name,
-                    s.family,
-                    f"layer {layer} holds {len(group)} routers ({names}); a trace has one route per layer",
-                )
-                for s in group
-            )
-            continue
-        kept.append(group[0])
+    for _, group in sorted(by_layer.items()):
+        if len(group) > 1:  # one slot per router, named by its path inside the layer, in module order
+            for site in group:
+                site.slot = site.name[_layer_path_end(site.name) :]
+        kept.extend(group)
     return kept, refused
+
+
+def _split_by_modality(site: RouterSite, modules: dict[str, nn.Module]) -> None:
+    """Mark a router whose grandparent block hands it the tokens of one modality (`MODALITY_BLOCKS`)."""
+    moe_name = site.name.rsplit(".", 1)[0] if "." in site.name else ""
+    if "." not in moe_name:
+        return
+    block_name, child = moe_name.rsplit(".", 1)
+    block = modules.get(block_name)
+    split = MODALITY_BLOCKS.get(type(block).__name__)
+    if block is None or split is None:
+        return
+    for attribute, modality in split.children:
+        if attribute == child:
+            site.modality, site.splitter = modality, block
+
+
+def _layer_path_end(name: str) -> int:
+    """Where the decoder layer's own path ends in a module path ("model.layers.3." of "model.layers.3.mlp.gate")."""
+    matches = list(LAYER_PATH.finditer(name))
+    return matches[-1].end() if matches else 0
 
 
 def _product_key_site(name: str, block: nn.Module, gate_name: str) -> RouterSite | Refusal:

@@ -44,20 +44,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from routereplay.enums import ReplayMode, ReplayOrder, StrEnum
+from routereplay.enums import ReplayMode, ReplayOrder
 from routereplay.errors import (
     AlreadyAttachedError,
     ConfigError,
     ForeignThreadError,
     KernelBypassError,
     NoRoutersError,
-    OrderLostError,
     ReplayStateError,
     UnsupportedRouterError,
 )
@@ -65,40 +63,15 @@ from routereplay.runtime.alignment import check_padding, check_tokens, refuse_me
 from routereplay.runtime.attachment import _ModelCallHook as _ModelCallHook  # pickles of earlier releases
 from routereplay.runtime.attachment import _unwrapped as _unwrapped  # name these two here
 from routereplay.runtime.attachment import attached_replayer, bind, unbind
+from routereplay.runtime.binding import JITTER_ATTRS, AuxLossRouting, Binding, JitterPolicy
 from routereplay.runtime.call_inputs import attributes, call_ids, call_shape, refuse_kernels
 from routereplay.runtime.discovery import RouterSite, discover
 from routereplay.runtime.family_interceptors import interceptor_for
 from routereplay.runtime.interception import RouterSlot, in_backward, on_thread
-from routereplay.runtime.routes import check_routes, mask_array, traces_to_routes
+from routereplay.runtime.modality import MODALITY_BLOCKS, check_rows, counts, rows_of, scatter_rows, token_types
+from routereplay.runtime.routes import check_routes, mask_array, refuse_unordered, replay_order, traces_to_routes
 from routereplay.runtime.session import Recording, ReplayStats, Session, guard_backward
 from routereplay.trace import RouteTrace
-
-# PhiMoE's `router_jitter_noise` is not noise but sparsemixer's threshold width: it is kept
-JITTER_ATTRS = ("jitter_noise", "moe_jitter_eps", "input_jitter_noise")
-
-
-class AuxLossRouting(StrEnum):
-    """Which routing the model's auxiliary load-balancing loss sees."""
-
-    NATURAL = "natural"  # HF recomputes top-k from router logits outside the router: natural experts
-
-
-class JitterPolicy(StrEnum):
-    """Training-time router jitter (Mixtral, DBRX, PhiMoE input jitter) while recording or replaying."""
-
-    MODEL = "model"  # keep the model's own behaviour: jitter perturbs the recomputed gate weights
-    OFF = "off"  # jitter switched off inside record/replay contexts (restored when the context exits)
-
-
-@dataclass(frozen=True, slots=True)
-class Binding:
-    """What `attach` bound: one router per MoE layer."""
-
-    layer: int
-    name: str
-    family: str
-    top_k: int
-    num_experts: int
 
 
 class Replayer:
@@ -139,9 +112,14 @@ class Replayer:
                 + ("; pass strict=False to bind the others and leave these natural" if sites else "")
             )
         self.model, self.sites, self.refused = model, sites, refused
-        self.layers: tuple[int, ...] = tuple(s.layer for s in sites)
-        self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
-        self.bindings = tuple(Binding(s.layer, s.name, s.family, s.top_k, s.num_choices) for s in sites)
+        for column, site in enumerate(sites):
+            site.column = column
+        self.layers: tuple[int, ...] = tuple(s.layer for s in sites)  # global layer of each column (may repeat)
+        self.slot_names = tuple(s.slot for s in sites) if any(s.slot for s in sites) else None
+        self.columns = tuple(zip(self.layers, self.slot_names or ("",) * len(sites), strict=True))
+        self.bindings = tuple(
+            Binding(s.layer, s.name, s.family, s.top_k, s.num_choices, s.slot, str(s.modality or "")) for s in sites
+        )
         self.top_k = sites[0].top_k
         self.num_experts = max(s.num_choices for s in sites)
         self._stats = ReplayStats()
@@ -168,7 +146,7 @@ class Replayer:
         The context belongs to the calling thread: other threads' forwards are neither recorded nor touched."""
         session = self._enter(ReplayMode.RECORD, None)
         try:
-            yield Recording(session, self.layers, self.num_experts)
+            yield Recording(session)
         finally:
             self._exit(session)
 
@@ -204,7 +182,7 @@ class Replayer:
         `"engine"` forces the routes' own order (ordered codec, engines returning unsorted top-k).
         RouteTraces that kept only the set (`ordered=False`) are refused under `"engine"`.
         """
-        order = _replay_order(order)
+        order = replay_order(order)
         refuse_meta(attention_mask, "attention_mask")
         refuse_meta(input_ids, "input_ids")
         traces: list[RouteTrace] | None = None
@@ -214,22 +192,24 @@ class Replayer:
             traces = list(routes)
             self._check_uniform_top_k()
             if order is ReplayOrder.ENGINE:
-                _refuse_unordered(traces)
+                refuse_unordered(traces)
             if check_alignment and input_ids is not None:
                 self.stats.checked_sequences += check_tokens(traces, mask_array(attention_mask), input_ids)
-            routes = traces_to_routes(traces, attention_mask, self.layers, self.top_k, check_alignment=check_alignment)
+            routes = traces_to_routes(
+                traces, attention_mask, self.layers, self.top_k, check_alignment=check_alignment, slots=self.slot_names
+            )
         elif input_ids is not None:
             raise ConfigError(
                 "input_ids is checked against the token_ids of RouteTraces, and a routes tensor carries none: pass "
                 "the traces with attention_mask (Recording.traces(mask, input_ids=ids) keeps them), or drop input_ids"
             )
         self._check_uniform_top_k()
-        checked = check_routes(routes, self.layers, self.top_k, self.num_experts)
+        checked = check_routes(routes, self.layers, self.top_k, self.num_experts, self.slot_names)
         if check_alignment and traces is None and attention_mask is not None:
             check_padding(checked, mask_array(attention_mask))
         session = self._enter(ReplayMode.REPLAY, checked, attention_mask, traces if check_alignment else None, order)
         try:
-            yield Recording(session, self.layers, self.num_experts)
+            yield Recording(session)
         finally:
             self._exit(session)
 
@@ -243,7 +223,11 @@ class Replayer:
         lines = [
             f"{len(self.sites)} routers bound (top-{self.top_k} of {self.num_experts}), layers {list(self.layers)}"
         ]
-        lines += [f"  layer {b.layer}: {b.name} ({b.family})" for b in self.bindings]
+        lines += [
+            f"  layer {b.layer}{f' [{b.slot}]' if b.slot else ''}: {b.name} ({b.family}"
+            + (f", {b.modality} tokens)" if b.modality else ")")
+            for b in self.bindings
+        ]
         lines += [f"  refused {r.name} ({r.family}): {r.reason}" for r in self.refused]
         return "\n".join(lines)
 
@@ -308,6 +292,22 @@ class Replayer:
         if shape is not None:
             session.begin_step(shape, call_ids(args, kwargs))
 
+    def _on_split(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A modality block is called: pick the tokens each of its routers sees (see `runtime/modality.py`)."""
+        session = self._session
+        if session is None or not session.owned_here():
+            return
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        tokens = int(hidden.shape[0] * hidden.shape[1]) if isinstance(hidden, torch.Tensor) else 0
+        for site, slot in zip(self.sites, self.slots, strict=True):
+            if site.splitter is not block or site.modality is None:
+                continue
+            split = MODALITY_BLOCKS[type(block).__name__]
+            slot.rows_T = rows_of(site.modality, token_types(split, args, kwargs), tokens)
+            if session.mode is ReplayMode.REPLAY and slot.forced_TK is not None and not in_backward():
+                check_rows(slot.forced_TK, slot.rows_T, f"layer {site.layer} ({site.name})", site.modality)
+                slot.counts = counts(slot.forced_TK, slot.rows_T, session.attended_T)
+
     def _route(
         self,
         site: RouterSite,
@@ -345,16 +345,18 @@ class Replayer:
         overrides = dict(site.replay_overrides) if session.mode is ReplayMode.REPLAY else {}
         with attributes(site.router, overrides), interceptor:
             output = original(*args, **kwargs)
-        if interceptor.hits == 0:
+        if interceptor.hits == 0 and site.modality is not None and slot.rows_T is not None and not slot.rows_T.any():
+            interceptor.last = torch.empty((0, site.top_k), dtype=torch.long)  # no token of its modality here
+        elif interceptor.hits == 0:
             raise KernelBypassError(
                 f"layer {site.layer} ({site.name}) ran without a visible top-{site.top_k} over {site.num_choices} "
                 "choices: a fused or hub kernel (or a changed router) bypassed replay; disable kernels"
             )
         assert interceptor.last is not None
         if not backward:  # a recompute's choice is its forward's: neither recorded nor counted again
-            slot.chosen_TK = interceptor.last
+            slot.chosen_TK = interceptor.last if site.modality is None else scatter_rows(interceptor.last, slot.rows_T)
             if not torch.compiler.is_compiling():  # eager: count now; compiled: at the next forward or exit
-                session.collect_one(self.layer_index[site.layer])
+                session.collect_one(site.column)
         if session.mode is ReplayMode.REPLAY and torch.is_grad_enabled() and not backward:
             self._pending_replay = session.thread
             guard_backward(output, session, site)
@@ -370,22 +372,6 @@ def attach(
 ) -> Replayer:
     """Bind every router of an HF transformers MoE model for record / replay (see `Replayer`)."""
     return Replayer(model, strict=strict, aux_loss_routing=aux_loss_routing, jitter=jitter)
-
-
-def _replay_order(order: ReplayOrder | str) -> ReplayOrder:
-    try:
-        return ReplayOrder(order)
-    except ValueError:
-        raise ConfigError(f"order={order!r}: use 'set' (default) or 'engine'") from None
-
-
-def _refuse_unordered(traces: Sequence[RouteTrace]) -> None:
-    lost = [i for i, trace in enumerate(traces) if not trace.ordered]
-    if lost:
-        raise OrderLostError(
-            f"order='engine' forces the routes' top-k order, but traces {lost[:8]} keep only the expert set "
-            "(a set codec or sorted rows); store them with codec_mode='ordered', or replay with order='set'"
-        )
 
 
 __all__ = ["AuxLossRouting", "Binding", "JitterPolicy", "Recording", "ReplayStats", "Replayer", "attach"]

@@ -5,7 +5,10 @@ positions, L bound layers in order, K experts), -1 where there is no route. Sequ
 through the attention mask: the i-th attended position of row b is token i of sequence b, so left
 padding, right padding and packed rows all work the same.
 
-Legend: B = batch rows, S = positions per row, L = layers, K = top-k, T = tokens of one sequence.
+A layer with several routers has a column per router (`slots`: each column's router slot in its
+layer, see `RouteTrace.columns`); traces are matched to the model by (layer, slot) column.
+
+Legend: B = batch rows, S = positions per row, L = layer columns, K = top-k, T = tokens of one sequence.
 """
 
 from __future__ import annotations
@@ -15,8 +18,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from routereplay.enums import Source
-from routereplay.errors import BatchShapeError, ConfigError, DtypeError, LayerCountError, TopKMismatchError
+from routereplay.enums import ReplayOrder, Source
+from routereplay.errors import (
+    BatchShapeError,
+    ConfigError,
+    DtypeError,
+    LayerCountError,
+    OrderLostError,
+    TopKMismatchError,
+)
 from routereplay.runtime.alignment import check_coverage, refuse_meta
 from routereplay.trace import RouteTrace, Segment, canonical_dtype
 
@@ -28,6 +38,7 @@ def traces_to_routes(
     top_k: int,
     *,
     check_alignment: bool = True,
+    slots: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """(B, S, L, K) int routes for a padded batch: token i of sequence b gets row i - start of its trace.
 
@@ -42,7 +53,7 @@ def traces_to_routes(
     num_experts = max((t.num_experts for t in traces), default=1)
     routes_BSLK = np.full((batch, positions, len(layers), top_k), -1, dtype=canonical_dtype(num_experts))
     for b, trace in enumerate(traces):
-        trace = _on_layers(trace, layers, b)
+        trace = _on_columns(trace, layers, slots, b)
         if trace.top_k != top_k:
             raise TopKMismatchError(f"sequence {b}: trace has top-k {trace.top_k}, the model's routers use {top_k}")
         attended_T = np.flatnonzero(mask_BS[b])
@@ -66,6 +77,7 @@ def routes_to_traces(
     source: Source | str = Source.TRAINER,
     policy_version: int | None = None,
     input_ids: torch.Tensor | None = None,
+    slots: Sequence[str] | None = None,
 ) -> list[RouteTrace]:
     """Per-sequence traces from batch routes: attended positions only, padding dropped.
 
@@ -93,11 +105,17 @@ def routes_to_traces(
         experts_TLK = routes[b, mask_BS[b]]
         segments = (Segment(0, len(experts_TLK), source, policy_version),) if len(experts_TLK) else ()
         token_ids = None if ids_BS is None else ids_BS[b, mask_BS[b]]
-        traces.append(RouteTrace(experts_TLK, num_experts, tuple(layers), 0, segments, token_ids))
+        traces.append(RouteTrace(experts_TLK, num_experts, tuple(layers), 0, segments, token_ids, slots=slots))
     return traces
 
 
-def check_routes(routes_BSLK: torch.Tensor, layers: Sequence[int], top_k: int, num_experts: int) -> torch.Tensor:
+def check_routes(
+    routes_BSLK: torch.Tensor,
+    layers: Sequence[int],
+    top_k: int,
+    num_experts: int,
+    slots: Sequence[str] | None = None,
+) -> torch.Tensor:
     """Validate a replay batch (shape, ids, partial and duplicate rows) and return it as int64."""
     if not isinstance(routes_BSLK, torch.Tensor):
         raise ConfigError(
@@ -117,20 +135,41 @@ def check_routes(routes_BSLK: torch.Tensor, layers: Sequence[int], top_k: int, n
     if k != top_k:
         raise TopKMismatchError(f"routes have top-k {k}, the model's routers use top-k {top_k}")
     flat = routes_BSLK.detach().cpu().reshape(batch * positions, num_layers, k).numpy()
-    RouteTrace(flat, num_experts, tuple(layers)).validate("replay batch (token = b * S + s)")
+    RouteTrace(flat, num_experts, tuple(layers), slots=slots).validate("replay batch (token = b * S + s)")
     return routes_BSLK.detach().to(torch.long)
 
 
-def _on_layers(trace: RouteTrace, layers: Sequence[int], index: int) -> RouteTrace:
-    if tuple(trace.layers) == tuple(layers):
+def replay_order(order: ReplayOrder | str) -> ReplayOrder:
+    """`order=` of `Replayer.replay`, checked."""
+    try:
+        return ReplayOrder(order)
+    except ValueError:
+        raise ConfigError(f"order={order!r}: use 'set' (default) or 'engine'") from None
+
+
+def refuse_unordered(traces: Sequence[RouteTrace]) -> None:
+    """order='engine' needs traces that kept the top-k order: `OrderLostError` otherwise."""
+    lost = [i for i, trace in enumerate(traces) if not trace.ordered]
+    if lost:
+        raise OrderLostError(
+            f"order='engine' forces the routes' top-k order, but traces {lost[:8]} keep only the expert set "
+            "(a set codec or sorted rows); store them with codec_mode='ordered', or replay with order='set'"
+        )
+
+
+def _on_columns(trace: RouteTrace, layers: Sequence[int], slots: Sequence[str] | None, index: int) -> RouteTrace:
+    columns = tuple(zip((int(x) for x in layers), slots or ("",) * len(layers), strict=True))
+    if trace.columns == columns:
         return trace
-    missing = sorted(set(layers) - set(trace.layers))
+    missing = sorted(set(columns) - set(trace.columns))
     if missing:
+        shown = [c[0] for c in missing] if slots is None else missing
         raise LayerCountError(
             f"sequence {index}: trace has layers {list(trace.layers)} but the model routes in layers {list(layers)} "
-            f"(missing {missing}); decode the payload with moe_layers= set to the model's MoE layers"
+            f"(missing {shown}); decode the payload with moe_layers= set to the model's MoE layers"
+            + ("" if slots is None else f"; the model's router slots are {list(columns)}, the trace's {trace.slots}")
         )
-    return trace.select_layers(layers)
+    return trace.select_columns(columns)
 
 
 def _mask(attention_mask: torch.Tensor) -> np.ndarray:
@@ -150,4 +189,4 @@ def mask_array(attention_mask: torch.Tensor) -> np.ndarray:
     return _mask(attention_mask)
 
 
-__all__ = ["check_routes", "mask_array", "routes_to_traces", "traces_to_routes"]
+__all__ = ["check_routes", "mask_array", "refuse_unordered", "replay_order", "routes_to_traces", "traces_to_routes"]

@@ -23,6 +23,7 @@ from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeErro
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.discovery import RouterSite
 from routereplay.runtime.interception import RouterSlot, in_backward
+from routereplay.runtime.modality import take_rows
 from routereplay.runtime.routes import mask_array, routes_to_traces
 from routereplay.trace import RouteTrace
 
@@ -85,6 +86,7 @@ class Session:
         self.traces = None if traces is None or all(t.token_ids is None for t in traces) else list(traces)
         self.mask_BS = None if attention_mask is None or self.traces is None else mask_array(attention_mask)
         self.slots = replayer.slots
+        self.attended_T: np.ndarray | None = None
         self.routes_LTK: torch.Tensor | None = None
         self.batch_shape: tuple[int, int] | None = None
         self.replayed_L: list[int] = []  # rows each call of layer l counts as replayed (attended, forced)
@@ -94,7 +96,7 @@ class Session:
             self.batch_shape = (batch, positions)
             self.routes_LTK = routes_BSLK.permute(2, 0, 1, 3).reshape(layers, batch * positions, k).contiguous()
             self._plan(attention_mask)
-        self.steps: list[tuple[tuple[int, int], dict[int, torch.Tensor]]] = []
+        self.steps: list[tuple[tuple[int, int], dict[int, torch.Tensor]]] = []  # per forward: column -> (T, K)
 
     def _plan(self, attention_mask: torch.Tensor | None) -> None:
         """Host decisions for replay, once per context: fallback layers, counts, routes on device."""
@@ -106,6 +108,7 @@ class Session:
         attended_T: np.ndarray | None = None
         if attention_mask is not None:
             attended_T = torch.as_tensor(attention_mask).detach().reshape(-1).cpu().numpy() != 0
+        self.attended_T = attended_T  # modality routers count their own tokens per call
         if attended_T is not None and attended_T.size == fallback_LT.shape[1]:
             counted_LT = fallback_LT & attended_T  # padding is neither replayed nor fallback
             self.replayed_L = np.count_nonzero(~fallback_LT & attended_T, axis=1).tolist()
@@ -158,7 +161,9 @@ class Session:
             if not in_backward():
                 return None
             for _, recorded in reversed(self.steps):  # recompute: reuse this layer's recorded choice
-                found = recorded.get(site.layer)
+                found = recorded.get(site.column)
+                if found is not None and site.modality is not None:
+                    found = take_rows(found, slot.rows_T)
                 if found is not None and found.shape[0] == rows:
                     return found.to(torch.long), False
             raise RecomputeError(
@@ -167,6 +172,8 @@ class Session:
             )
         forced_TK = slot.forced_TK
         assert forced_TK is not None, "a replay context fills every slot on entry"
+        if site.modality is not None:
+            forced_TK = take_rows(forced_TK, slot.rows_T)
         if rows != forced_TK.shape[0]:
             raise BatchShapeError(
                 f"layer {site.layer} ({site.name}) routes {rows} tokens but the replay routes hold "
@@ -190,15 +197,22 @@ class Session:
         stats.router_calls += 1
         if not self.steps:
             self._new_step((1, chosen_TK.shape[0]))
-        self.steps[-1][1][site.layer] = chosen_TK.detach().to(torch.int32)  # replay: the routes used
+        self.steps[-1][1][index] = chosen_TK.detach().to(torch.int32)  # replay: the routes used
         if self.mode is ReplayMode.RECORD:
-            stats.recorded_rows += chosen_TK.shape[0]
+            stats.recorded_rows += chosen_TK.shape[0] if slot.rows_T is None else int(slot.rows_T.sum())
             return
-        fallbacks = self.fallback_L[index]
-        stats.replayed_rows += self.replayed_L[index]
+        replayed, fallbacks = (
+            slot.counts if site.modality is not None else (self.replayed_L[index], self.fallback_L[index])
+        )
+        stats.replayed_rows += replayed
         stats.fallback_rows += fallbacks
         if fallbacks:
             stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
+
+
+def first_device(recorded: dict[int, torch.Tensor]) -> torch.device:
+    """Where a step's routes live: the device of its first recorded column (a filled -1 column is on the CPU)."""
+    return next(iter(recorded.values())).device
 
 
 def router_device(site: RouterSite) -> torch.device | None:
@@ -220,8 +234,10 @@ class Recording:
     or read `.steps`.
     """
 
-    def __init__(self, session: Session, layers: tuple[int, ...], num_experts: int) -> None:
-        self._session, self.layers, self.num_experts = session, layers, num_experts
+    def __init__(self, session: Session) -> None:
+        replayer = session.replayer
+        self._session, self.layers, self.num_experts = session, replayer.layers, replayer.num_experts
+        self.slots = replayer.slot_names  # router slot of each column, None when every layer has one router
 
     @property
     def stats(self) -> ReplayStats:
@@ -234,14 +250,20 @@ class Recording:
         if self._session.owned_here():
             self._session.collect()  # compiled routers leave their last choices pending
         out = []
+        sites = self._session.replayer.sites
         for (batch, positions), recorded in self._session.steps:
-            missing = [layer for layer in self.layers if layer not in recorded]
+            for site in sites:  # a modality router that saw no token of this forward: -1 on every token
+                if site.column not in recorded and site.modality is not None and recorded:
+                    recorded[site.column] = torch.full(
+                        (batch * positions, site.top_k), -1, dtype=torch.int32, device=first_device(recorded)
+                    )
+            missing = [site.layer for site in sites if site.column not in recorded]
             if missing:
                 raise KernelBypassError(
                     f"layers {missing} recorded nothing in a forward: their routers never ran (a fused kernel "
                     "replaced the MoE block?) or ran outside this model's forward"
                 )
-            stacked = torch.stack([recorded[layer] for layer in self.layers], dim=1)  # (T, L, K)
+            stacked = torch.stack([recorded[site.column] for site in sites], dim=1)  # (T, L, K)
             out.append(stacked.reshape(batch, positions, len(self.layers), -1))
         return out
 
@@ -268,7 +290,7 @@ class Recording:
 
         With the batch's `input_ids` the traces carry their token ids, so a later replay checks them."""
         return routes_to_traces(
-            self.routes, attention_mask, self.layers, self.num_experts, source, policy_version, input_ids
+            self.routes, attention_mask, self.layers, self.num_experts, source, policy_version, input_ids, self.slots
         )
 
 
