@@ -38,6 +38,29 @@ def random_routes(batch: int, positions: int, layers: int, top_k: int, experts: 
 
 
 @contextmanager
+def experts_inputs_by_name(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Like `experts_inputs`, keyed by the experts module's path (a layer may hold several experts modules)."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if not (type(module).__name__.endswith("Experts") or name.endswith(".down_embed")):
+            continue
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+            for value in list(args) + list(kwargs.values()):
+                if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 2:
+                    seen.setdefault(name, []).append(value.detach().clone())
+                    return
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
 def experts_inputs(model: nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
     """Capture the expert ids each experts module receives, keyed by layer (first int tensor input).
 
