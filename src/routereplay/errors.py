@@ -80,6 +80,10 @@ class TopKMismatchError(TraceShapeError):
     """Last axis length != the model's top-k."""
 
 
+class IndexerRouteError(TraceShapeError):
+    """DSA indexer choices are impossible: a future key, a repeat, unsorted, -1 mid-row, a partial row."""
+
+
 # --- content of a trace -----------------------------------------------------------------------
 
 

@@ -1,0 +1,98 @@
+"""Indexer benchmark (issue 16 item 4): compact DSA indexer choices against the dense int32 form.
+
+Two synthetic sequences of T query tokens over L DSA layers picking I keys each: `recent` (a query
+at position p picks key k with weight 1 / (1 + p - k), the recency bias real indexers show, plus
+the first keys as attention sinks) and `uniform` (every visible key alike: the worst case for the
+gap form). For each: bytes of the `IndexerTrace` blob and of its resident form against
+T * L * I * 4 dense bytes, and the median seconds (over `repeats`) of encode (dense array ->
+trace -> blob) and decode (blob -> checked trace -> dense array). The decode is checked to give the
+input back exactly. Not wired into the CLI: `indexer_bench()` returns a JSON-ready dict.
+Legend: T = query tokens, L = DSA layers, I = index_topk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from routereplay.bench.timing import measure
+from routereplay.indexer.trace import IndexerTrace
+
+SINK_KEYS = 4  # recent case: the first keys every query keeps (attention sinks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IndexerBenchConfig:
+    num_tokens: int = 4096
+    num_layers: int = 4
+    index_topk: int = 512
+    repeats: int = 5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "num_layers", "index_topk", "repeats"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"IndexerBenchConfig.{name}={value!r} must be an int >= 1")
+
+
+def synthetic_choices(num_tokens: int, num_layers: int, index_topk: int, *, recent: bool, seed: int = 0) -> np.ndarray:
+    """A canonical (T, L, I) int32 array: weighted sampling without replacement (Gumbel top-k)."""
+    rng = np.random.default_rng(seed)
+    out_TLI = np.full((num_tokens, num_layers, index_topk), -1, np.int32)
+    for t in range(num_tokens):
+        visible = t + 1
+        if visible <= index_topk:
+            out_TLI[t, :, :visible] = np.arange(visible, dtype=np.int32)
+            continue
+        scores_LN = rng.gumbel(size=(num_layers, visible))
+        if recent:
+            scores_LN -= np.log1p(np.arange(visible)[::-1])
+            scores_LN[:, :SINK_KEYS] = np.inf
+        picked_LI = np.argpartition(scores_LN, visible - index_topk, axis=1)[:, visible - index_topk :]
+        out_TLI[t] = np.sort(picked_LI, axis=1)
+    return out_TLI
+
+
+def _encode(dense_TLI: np.ndarray, layers: tuple[int, ...], index_topk: int) -> bytes:
+    return IndexerTrace.from_dense(dense_TLI, layers, index_topk).encode()
+
+
+def _decode(blob: bytes) -> np.ndarray:
+    return IndexerTrace.decode(blob).to_dense()
+
+
+def indexer_bench(config: IndexerBenchConfig | None = None) -> dict[str, Any]:
+    """Sizes and encode/decode medians of both synthetic cases (see the module docstring)."""
+    config = config or IndexerBenchConfig()
+    T, L, I = config.num_tokens, config.num_layers, config.index_topk
+    layers = tuple(range(L))
+    cases = []
+    for name, recent in (("recent", True), ("uniform", False)):
+        dense_TLI = synthetic_choices(T, L, I, recent=recent, seed=config.seed)
+        trace = IndexerTrace.from_dense(dense_TLI, layers, I)
+        blob = trace.encode()
+        if not np.array_equal(IndexerTrace.decode(blob).to_dense(), dense_TLI):
+            raise AssertionError(f"indexer bench case {name}: decode(encode(x)) != x")
+        encode = measure(partial(_encode, dense_TLI, layers, I), config.repeats)
+        decode = measure(partial(_decode, blob), config.repeats)
+        dense_bytes = dense_TLI.nbytes
+        cases.append({
+            "case": name,
+            "dense_bytes": dense_bytes,
+            "blob_bytes": len(blob),
+            "resident_bytes": trace.nbytes,
+            "dense_over_blob": dense_bytes / len(blob),
+            "bytes_per_token": len(blob) / T,
+            "encode_seconds": encode.to_dict(),
+            "decode_seconds": decode.to_dict(),
+            "encode_dense_mb_per_s": dense_bytes / encode.median / 1e6 if encode.median > 0 else float("inf"),
+            "decode_dense_mb_per_s": dense_bytes / decode.median / 1e6 if decode.median > 0 else float("inf"),
+        })  # fmt: skip
+    return {"suite": "indexer", "config": asdict(config), "cases": cases}
+
+
+__all__ = ["IndexerBenchConfig", "indexer_bench", "synthetic_choices"]

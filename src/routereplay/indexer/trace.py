@@ -1,0 +1,228 @@
+"""`IndexerTrace`: the DSA indexer choices of one sequence, held compactly.
+
+DeepSeek-V3.2 / GLM-5 sparse attention picks, per query token and DSA layer, `index_topk` (I) key
+positions to attend. Dense, that is T x L x I int32 (DeepSeek-V3.2: 61 x 2048 x 4 = 488 KiB a
+token), so the trace keeps it compact (`routereplay.indexer.layout`): a row whose query sees at
+most I keys costs nothing (it picks them all), an unknown row costs one bit, and every other row
+is a block of bit-packed gaps or a bitmap over its visible keys, whichever is smaller
+(`routereplay.indexer.blocks`). `to_dense` gives back the canonical form exactly
+(`routereplay.indexer.canonical`); `encode` / `decode` are the checksummed blob
+(`routereplay.indexer.blob`).
+Legend: T = query tokens (rows), L = DSA layers, I = index_topk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from routereplay.errors import ConfigError
+from routereplay.indexer.blocks import decode_block, encode_block
+from routereplay.indexer.canonical import check_dense
+from routereplay.indexer.layout import BlockLayout, pack_unknown, unpack_unknown
+from routereplay.indexer.limits import DEFAULT_INDEXER_LIMITS, MAX_POSITION, IndexerLimits
+
+DEFAULT_BLOCK_ROWS = 128  # rows per block: the gap width adapts per block, the block table stays small
+MAX_BLOCK_ROWS = 4096
+
+
+class IndexerTrace:
+    """The indexer choices of one sequence: rows are query tokens start .. start + T - 1."""
+
+    __slots__ = ("_bits", "_extra", "_modes", "_offsets", "_payload", "_unknown", "block_rows", "index_topk",
+                 "layers", "num_tokens", "start")  # fmt: skip
+    __hash__ = None  # type: ignore[assignment]  # equality compares contents; instances are not keys
+
+    def __init__(
+        self,
+        *,
+        layers: tuple[int, ...],
+        index_topk: int,
+        start: int,
+        num_tokens: int,
+        block_rows: int,
+        unknown: np.ndarray | None,
+        modes: np.ndarray,
+        bits: np.ndarray,
+        extra: np.ndarray,
+        offsets: np.ndarray,
+        payload: bytes,
+    ) -> None:
+        """Internal: use `from_dense` or `decode`, which check what they are given."""
+        self.layers, self.index_topk, self.start, self.num_tokens = layers, index_topk, start, num_tokens
+        self.block_rows = block_rows
+        self._unknown, self._modes, self._bits, self._extra = unknown, modes, bits, extra
+        self._offsets, self._payload = offsets, payload
+
+    @classmethod
+    def from_dense(
+        cls,
+        positions_TLI: Any,
+        layers: Sequence[int],
+        index_topk: int,
+        start: int = 0,
+        *,
+        block_rows: int = DEFAULT_BLOCK_ROWS,
+    ) -> IndexerTrace:
+        """The trace of a canonical dense (T, L, I) array (checked: `IndexerRouteError` names the bad row)."""
+        layer_tuple = checked_layers(layers)
+        index_topk = _checked(index_topk, "index_topk", 1, DEFAULT_INDEXER_LIMITS.max_index_topk)
+        start = _checked(start, "start", 0, MAX_POSITION)
+        block_rows = _checked(block_rows, "block_rows", 1, MAX_BLOCK_ROWS)
+        dense_TLI = check_dense(positions_TLI, layer_tuple, index_topk, start)
+        layout = BlockLayout(dense_TLI.shape[0], len(layer_tuple), index_topk, start, block_rows)
+        unknown_LT = (dense_TLI[:, :, 0] < 0).T
+        modes = np.zeros(layout.num_blocks, np.uint8)
+        bits = np.zeros(layout.num_blocks, np.uint8)
+        extra = np.zeros(layout.num_blocks, np.uint32)
+        offsets = np.zeros(layout.num_blocks + 1, np.int64)
+        parts: list[bytes] = []
+        for index in range(layout.num_blocks):
+            layer, begin, end = layout.block(index)
+            tokens = begin + np.flatnonzero(~unknown_LT[layer, begin:end])
+            mode, width, unary, data = encode_block(dense_TLI[tokens, layer, :], layout.visible(tokens))
+            modes[index], bits[index], extra[index] = mode, width, unary
+            offsets[index + 1] = offsets[index] + len(data)
+            parts.append(data)
+        return cls(
+            layers=layer_tuple, index_topk=index_topk, start=start, num_tokens=layout.num_tokens,
+            block_rows=block_rows, unknown=pack_unknown(unknown_LT), modes=modes, bits=bits, extra=extra,
+            offsets=offsets, payload=b"".join(parts),
+        )  # fmt: skip
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def layout(self) -> BlockLayout:
+        return BlockLayout(self.num_tokens, self.num_layers, self.index_topk, self.start, self.block_rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the compact form (payload, block table, unknown-row bits)."""
+        unknown = 0 if self._unknown is None else self._unknown.nbytes
+        table = self._modes.nbytes + self._bits.nbytes + self._extra.nbytes + self._offsets.nbytes
+        return len(self._payload) + table + unknown
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of the dense int32 form: T * L * I * 4."""
+        return self.num_tokens * self.num_layers * self.index_topk * 4
+
+    def unknown_rows(self) -> np.ndarray:
+        """(T, L) bool: rows whose choices are unknown (all -1; replay computes them live)."""
+        unknown_LT = unpack_unknown(self._unknown, self.num_layers, self.num_tokens)
+        if unknown_LT is None:
+            return np.zeros((self.num_tokens, self.num_layers), np.bool_)
+        return unknown_LT.T.copy()
+
+    def to_dense(self) -> np.ndarray:
+        """The canonical (T, L, I) int32 array: sorted positions, -1 padding, all -1 for unknown rows."""
+        return self._dense_rows(0, self.num_tokens)
+
+    def slice(self, begin: int, end: int) -> IndexerTrace:
+        """Rows begin .. end - 1 (tokens start + begin ..), as a trace of their own."""
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= self.num_tokens):
+            raise ConfigError(
+                f"slice({begin!r}, {end!r}) must satisfy 0 <= begin <= end <= num_tokens={self.num_tokens}"
+            )
+        return IndexerTrace.from_dense(
+            self._dense_rows(begin, end), self.layers, self.index_topk, self.start + begin, block_rows=self.block_rows
+        )
+
+    def encode(self) -> bytes:
+        """The versioned, checksummed blob of this trace (`IndexerTrace.decode` reads it back)."""
+        from routereplay.indexer.blob import pack_blob
+
+        return pack_blob(self, self._unknown, self._modes, self._bits, self._extra, self._payload)
+
+    @classmethod
+    def decode(
+        cls, blob: bytes | bytearray | memoryview, limits: IndexerLimits = DEFAULT_INDEXER_LIMITS
+    ) -> IndexerTrace:
+        """The trace of an `encode` blob, every length and row checked before it is trusted."""
+        from routereplay.indexer.blob import parse_blob
+
+        return parse_blob(blob, limits)
+
+    def _dense_rows(self, begin: int, end: int) -> np.ndarray:
+        layout, index_topk = self.layout, self.index_topk
+        out_TLI = np.full((end - begin, self.num_layers, index_topk), -1, np.int32)
+        implicit_end = min(end, layout.first_stored)
+        if begin < implicit_end:  # queries seeing <= I keys pick every one: 0 .. p
+            visible = layout.visible(np.arange(begin, implicit_end))
+            slots = np.arange(index_topk, dtype=np.int32)
+            out_TLI[: implicit_end - begin] = np.where(slots < visible[:, None], slots, -1)[:, None, :]
+        unknown_LT = unpack_unknown(self._unknown, self.num_layers, self.num_tokens)
+        if unknown_LT is not None and begin < implicit_end:
+            out_TLI[: implicit_end - begin][unknown_LT[:, begin:implicit_end].T] = -1
+        rows = self.block_rows
+        for layer in range(self.num_layers):
+            first = max(0, (begin - layout.first_stored) // rows)
+            for j in range(first, layout.blocks_per_layer):
+                index = layer * layout.blocks_per_layer + j
+                _, block_begin, block_end = layout.block(index)
+                if block_begin >= end:
+                    break
+                tokens = np.arange(block_begin, block_end)
+                if unknown_LT is not None:
+                    tokens = tokens[~unknown_LT[layer, block_begin:block_end]]
+                positions_CI = self.block_positions(index, tokens)
+                keep = (tokens >= begin) & (tokens < end)
+                out_TLI[tokens[keep] - begin, layer, :] = positions_CI[keep]
+        return out_TLI
+
+    def block_positions(self, index: int, tokens: np.ndarray) -> np.ndarray:
+        """The (C, I) positions stored in block `index` for its known rows `tokens`."""
+        data = memoryview(self._payload)[int(self._offsets[index]) : int(self._offsets[index + 1])]
+        return decode_block(
+            data, int(self._modes[index]), int(self._bits[index]), int(self._extra[index]), self.layout.visible(tokens),
+            self.index_topk,
+            f"indexer block {index}",
+        )  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, IndexerTrace):
+            return NotImplemented
+        same_shape = (self.layers, self.index_topk, self.start, self.num_tokens) == (
+            other.layers, other.index_topk, other.start, other.num_tokens,
+        )  # fmt: skip
+        if not same_shape:
+            return False
+        if self.block_rows == other.block_rows and self._payload == other._payload:
+            if all(np.array_equal(a, b) for a, b in zip(self._table(), other._table(), strict=True)):
+                return np.array_equal(self.unknown_rows(), other.unknown_rows())
+        return bool(np.array_equal(self.to_dense(), other.to_dense()))
+
+    def _table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._modes, self._bits, self._extra
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexerTrace(tokens={self.num_tokens}, layers={list(self.layers)[:8]}, index_topk={self.index_topk}, "
+            f"start={self.start}, nbytes={self.nbytes}, dense_nbytes={self.dense_nbytes})"
+        )
+
+
+def checked_layers(layers: Any) -> tuple[int, ...]:
+    """Distinct global layer numbers in [0, 2^32) as a tuple (ConfigError otherwise)."""
+    if isinstance(layers, (str, bytes, dict)) or not isinstance(layers, (Sequence, np.ndarray, range)):
+        raise ConfigError(f"layers must be a sequence of global layer numbers, got {type(layers).__name__}")
+    if len(layers) > DEFAULT_INDEXER_LIMITS.max_layers:
+        raise ConfigError(f"layers names {len(layers)} layers, above {DEFAULT_INDEXER_LIMITS.max_layers}")
+    out = tuple(_checked(x, f"layers[{i}]", 0, (1 << 32) - 1) for i, x in enumerate(layers))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"layers={list(out)[:16]} names a layer twice; global layer numbers are distinct")
+    return out
+
+
+def _checked(value: Any, name: str, low: int, high: int) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or not low <= value <= high:
+        raise ConfigError(f"{name}={value!r} must be an int in [{low}, {high}]")
+    return int(value)
+
+
+__all__ = ["DEFAULT_BLOCK_ROWS", "MAX_BLOCK_ROWS", "IndexerTrace", "checked_layers"]
