@@ -5,28 +5,33 @@ are exactly the ids the experts module computes with; (c) router gradients are n
 the gradients of natural routing with the same choice (an independent reference: plain torch.topk);
 (d) -1 rows route live, so recorded routes with holes still reproduce logits; (e) one batch and two
 micro-batches give the same routes and logits (packed == padded: test_policies.py); (f) activation
-checkpointing gives the same gradients as a plain step under replay. Types the runtime refuses must
-be refused with their reason (see EXPECTED_REFUSALS).
+checkpointing gives the same gradients as a plain step under replay. No type is refused: layers
+with two routers (JetMoE's attention and MLP experts, Ernie-4.5-VL's text and vision routers) have a
+column per router, and Ernie-4.5-VL's batches hold vision tokens so both of its routers run.
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from routereplay.errors import UnsupportedRouterError
-from tests.runtime.models import experts_inputs
+from routereplay.runtime.discovery import LAYER_PATH
+from tests.runtime.models import experts_inputs_by_name
 
 pytestmark = pytest.mark.hf
 
 hf_tiny = pytest.importorskip("routereplay.hf_tiny", reason="needs transformers (pip install 'routereplay[hf]')")
 MODEL_TYPES = hf_tiny.MOE_MODEL_TYPES
 
-# model type -> substring of the refusal reason
-EXPECTED_REFUSALS = {
-    "jetmoe": "holds 2 routers",  # attention experts and MLP experts route in the same layer
-    "ernie4_5_vl_moe": "holds 2 routers",  # text and vision routers split tokens by modality
-}
+# model types whose MoE blocks split tokens between routers by modality: the argument naming each token's type
+MODALITY_INPUTS = {"ernie4_5_vl_moe": "moe_mm_token_type_ids"}  # vision tokens at positions 3..6 of every row
+# model types transformers flags as not checkpointable whose decoder layers are GradientCheckpointingLayers
+MANUAL_CHECKPOINTING = {"jetmoe"}  # JetMoePreTrainedModel.supports_gradient_checkpointing = False
+# model types whose experts take no id tensor: (b) reads the dispatch from the router's output instead
+DISPATCH_FROM_ROUTER = {"jetmoe"}  # JetMoeTopKGating -> (sorted slots, token of each slot, gates, counts, logits)
 DENSE_EXPERTS = {"llama4", "llama4_text"}  # experts run densely on score-scaled input: no id tensor to check
 # Zaya's router has a skip class (index E): it reaches the experts module as expert 0 with weight 0
 SKIP_CLASS_TO_ZERO = {"zaya"}
@@ -41,25 +46,64 @@ BATCH_COUPLED = {
 def _inputs(model: torch.nn.Module, batch: int = 2, positions: int = 12) -> dict[str, torch.Tensor]:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, positions), generator=torch.Generator().manual_seed(7))
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if model.config.model_type in MODALITY_INPUTS:
+        types = torch.zeros_like(ids)
+        types[:, 3:7] = 1
+        inputs[MODALITY_INPUTS[model.config.model_type]] = types
+    return inputs
 
 
 def _attach(model_type: str, **kwargs: object):  # type: ignore[no-untyped-def]
     from routereplay.runtime import attach
 
     model = hf_tiny.tiny_model(model_type)
-    if model_type in EXPECTED_REFUSALS:
-        with pytest.raises(UnsupportedRouterError, match=EXPECTED_REFUSALS[model_type]):
-            attach(model)
-        return model, None  # refused by design, with its reason: nothing to replay
     return model, attach(model, **kwargs)
 
 
-def _random_routes(replayer, batch: int, positions: int, seed: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _runs(replayer, inputs: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """(B, S, L) bool: the router of column l runs for token (b, s) (modality routers: its tokens only)."""
+    batch, positions = inputs["input_ids"].shape
+    runs = torch.ones(batch, positions, len(replayer.layers), dtype=torch.bool)
+    types = next((inputs[name] for name in MODALITY_INPUTS.values() if name in inputs), None)
+    vision = torch.zeros(batch, positions, dtype=torch.bool) if types is None else types.bool()
+    for index, binding in enumerate(replayer.bindings):
+        if binding.modality:
+            runs[:, :, index] = vision if binding.modality == "vision" else ~vision
+    return runs
+
+
+def _random_routes(replayer, inputs: dict[str, torch.Tensor], seed: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    batch, positions = inputs["input_ids"].shape
     generator = torch.Generator().manual_seed(seed)
     choices = min(b.num_experts for b in replayer.bindings)
     keys = torch.rand(batch * positions * len(replayer.layers), choices, generator=generator)
-    return keys.argsort(dim=1)[:, : replayer.top_k].reshape(batch, positions, len(replayer.layers), replayer.top_k)
+    routes = keys.argsort(dim=1)[:, : replayer.top_k].reshape(batch, positions, len(replayer.layers), replayer.top_k)
+    return routes.masked_fill(~_runs(replayer, inputs)[..., None], -1)  # -1 where a column's router does not run
+
+
+def _dispatched(model: torch.nn.Module, replayer):  # type: ignore[no-untyped-def]
+    """Context capturing, per column, the (tokens, K) expert ids each router dispatched (DISPATCH_FROM_ROUTER)."""
+    seen: dict[int, torch.Tensor] = {}
+    routers = dict(model.named_modules())
+    handles = []
+    for index, binding in enumerate(replayer.bindings):
+
+        def hook(
+            module: torch.nn.Module, args: tuple, output: tuple, index: int = index, k: int = binding.top_k
+        ) -> None:
+            slots_N, _, _, counts, _ = output
+            experts_N = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+            ids = torch.empty_like(slots_N)
+            ids[slots_N] = experts_N  # slot p of the sorted dispatch is (token p // K, its k-th expert)
+            seen[index] = ids.reshape(-1, k)
+
+        handles.append(routers[binding.name].register_forward_hook(hook))
+    return seen, handles
+
+
+def _layer_of(name: str) -> int:
+    return int(LAYER_PATH.findall(name)[-1])
 
 
 def _logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -69,8 +113,6 @@ def _logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Te
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_replay_reproduces_logits_and_reaches_experts(model_type: str) -> None:
     model, replayer = _attach(model_type)
-    if replayer is None:
-        return
     inputs = _inputs(model)
     with replayer.record() as rec:
         natural = _logits(model, inputs)
@@ -81,21 +123,36 @@ def test_replay_reproduces_logits_and_reaches_experts(model_type: str) -> None:
     holes[:, 2:5] = -1
     with replayer.replay(holes) as used:
         assert torch.equal(_logits(model, inputs), natural), "(d) -1 rows must route exactly like the live router"
-    assert used.stats.fallback_rows == 2 * 3 * len(replayer.layers)
-    forced = _random_routes(replayer, 2, 12, seed=11)
-    with replayer.replay(forced), experts_inputs(model) as seen:
+    assert used.stats.fallback_rows == int(_runs(replayer, inputs)[:, 2:5].sum())  # routers that run there
+    forced = _random_routes(replayer, inputs, seed=11)
+    runs = _runs(replayer, inputs)
+    if model_type in DISPATCH_FROM_ROUTER:
+        dispatched, handles = _dispatched(model, replayer)
+        with replayer.replay(forced):
+            _logits(model, inputs)
+        for handle in handles:
+            handle.remove()
+        for index in range(len(replayer.layers)):
+            got = dispatched[index].sort(dim=-1).values
+            assert torch.equal(got, forced[:, :, index].reshape(got.shape).sort(dim=-1).values), f"(b) column {index}"
+        return
+    with replayer.replay(forced), experts_inputs_by_name(model) as seen:
         _logits(model, inputs)
     if model_type in DENSE_EXPERTS:
         return
     checked = 0
-    for index, layer in enumerate(replayer.layers):
-        if layer not in seen:
-            continue
-        expected = forced[:, :, index]
+    for index, binding in enumerate(replayer.bindings):
+        in_layer = [n for n in seen if _layer_of(n) == binding.layer]
+        if not in_layer:
+            continue  # this layer's experts take no id tensor
+        block = binding.name.rsplit(".", 1)[0] + "."  # the experts of this router sit beside it in its block
+        names = [n for n in in_layer if n.startswith(block)] if binding.slot else in_layer
+        assert len(names) == 1, f"(b) experts of {binding.name}: {names or in_layer}"
+        expected = forced[:, :, index][runs[:, :, index]]  # (tokens the router runs for, K)
         if model_type in SKIP_CLASS_TO_ZERO:
-            expected = expected.masked_fill(expected == replayer.bindings[index].num_experts - 1, 0)
-        got = seen[layer][0].reshape(2, 12, -1).sort(dim=-1).values
-        assert torch.equal(got, expected.sort(dim=-1).values), f"(b) layer {layer}"
+            expected = expected.masked_fill(expected == binding.num_experts - 1, 0)
+        got = seen[names[0]][0].reshape(expected.shape).sort(dim=-1).values
+        assert torch.equal(got, expected.sort(dim=-1).values), f"(b) column {index} ({binding.name})"
         checked += 1
     assert checked >= 1, "(b) no experts module received ids"
 
@@ -103,8 +160,6 @@ def test_replay_reproduces_logits_and_reaches_experts(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_router_gradients_match_natural_routing(model_type: str) -> None:
     model, replayer = _attach(model_type)
-    if replayer is None:
-        return
     inputs = _inputs(model)
     with replayer.record() as rec, torch.no_grad():
         _logits(model, inputs)
@@ -130,15 +185,17 @@ def test_router_gradients_match_natural_routing(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_checkpointed_equals_plain_under_replay(model_type: str) -> None:
     model, replayer = _attach(model_type, jitter="off")
-    if replayer is None:
-        return
-    assert getattr(model, "supports_gradient_checkpointing", False), f"{model_type}: no checkpointing in transformers"
+    supported = getattr(model, "supports_gradient_checkpointing", False)
+    assert supported or model_type in MANUAL_CHECKPOINTING, f"{model_type}: no checkpointing in transformers"
     inputs = _inputs(model)
-    forced = _random_routes(replayer, 2, 12, seed=3)
+    forced = _random_routes(replayer, inputs, seed=3)
     grads = []
     for checkpointing in (False, True):
         model.train()
-        if checkpointing:
+        if checkpointing and model_type in MANUAL_CHECKPOINTING:  # its layers checkpoint; the model flag says no
+            model._set_gradient_checkpointing(True, functools.partial(checkpoint, use_reentrant=False))
+            assert sum(bool(getattr(m, "gradient_checkpointing", False)) for m in model.modules()) >= 2
+        elif checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.zero_grad(set_to_none=True)
         torch.manual_seed(0)  # the same draws in both steps: PhiMoE's training sparsemixer samples its Heun mask
@@ -154,8 +211,6 @@ def test_checkpointed_equals_plain_under_replay(model_type: str) -> None:
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_one_batch_equals_micro_batches(model_type: str) -> None:
     model, replayer = _attach(model_type)
-    if replayer is None:
-        return
     inputs = _inputs(model, batch=4, positions=8)
     halves = [{k: v[part] for k, v in inputs.items()} for part in (slice(0, 2), slice(2, 4))]
     if model_type in BATCH_COUPLED:
@@ -169,7 +224,7 @@ def test_one_batch_equals_micro_batches(model_type: str) -> None:
             _logits(model, half)
         pieces.append(rec.routes)
     assert torch.equal(torch.cat(pieces), whole.routes), "(e) routes of 1 batch == routes of 2 micro-batches"
-    forced = _random_routes(replayer, 4, 8, seed=5)
+    forced = _random_routes(replayer, inputs, seed=5)
     with replayer.replay(forced):
         reference = _logits(model, inputs)
     for part, half in zip((slice(0, 2), slice(2, 4)), halves, strict=True):
@@ -187,8 +242,9 @@ def _check_batch_coupled(model, replayer, inputs, halves) -> None:  # type: igno
         whole = _logits(model, inputs)
         parts = torch.cat([_logits(model, half) for half in halves])
     assert not torch.allclose(whole, parts, atol=1e-5, rtol=1e-4), "(e) the model no longer couples a batch's tokens"
-    forced = _random_routes(replayer, 4, 8, seed=5)
+    forced = _random_routes(replayer, inputs, seed=5)
     for part, half in zip((slice(0, 2), slice(2, 4)), halves, strict=True):
         with replayer.replay(forced[part]) as used:
             _logits(model, half)
-        assert torch.equal(used.routes, forced[part].to(used.routes.dtype)), "(e) micro-batch routes are the forced"
+        used_sets, forced_sets = used.routes.sort(dim=-1).values, forced[part].to(used.routes.dtype).sort(dim=-1).values
+        assert torch.equal(used_sets, forced_sets), "(e) micro-batch routes are the forced sets"

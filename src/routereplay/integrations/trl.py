@@ -201,6 +201,7 @@ class RouterReplayGRPOTrainer(GRPOTrainer):
                 layers=state.replayer.layers,
                 num_experts=state.replayer.num_experts,
                 policy_version=self.state.global_step,
+                slots=state.replayer.slot_names,
             )
         except (MissingRoutesError, RowCountError) as exc:
             if state.mode is RouterReplay.R3:
@@ -249,6 +250,7 @@ class RouterReplayGRPOTrainer(GRPOTrainer):
                 completion_width,
                 layers=state.replayer.layers,
                 top_k=state.replayer.top_k,
+                slots=state.replayer.slot_names,
             )
 
     def _forced_old_pass(self, ids_BS: torch.Tensor, mask_BS: torch.Tensor, completion_width: int) -> None:

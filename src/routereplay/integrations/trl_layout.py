@@ -36,6 +36,7 @@ def generation_traces(
     layers: Sequence[int],
     num_experts: int,
     policy_version: int | None = None,
+    slots: Sequence[str] | None = None,
 ) -> list[RouteTrace]:
     """One trace per completion from the recorded forwards of one `model.generate` call.
 
@@ -74,7 +75,7 @@ def generation_traces(
         response_TLK = routes_BSLK[b, width : width + generated]
         experts_TLK = torch.cat([prompt_TLK, response_TLK])[: len(fed)].numpy().astype(dtype)
         segments = (Segment(0, len(fed), Source.HF, policy_version),) if fed else ()
-        traces.append(RouteTrace(experts_TLK, num_experts, tuple(layers), 0, segments, fed))
+        traces.append(RouteTrace(experts_TLK, num_experts, tuple(layers), 0, segments, fed, slots=slots))
     return traces
 
 
@@ -86,6 +87,7 @@ def engine_routes(
     *,
     layers: Sequence[int],
     top_k: int,
+    slots: Sequence[str] | None = None,
 ) -> torch.Tensor:
     """(B, S, L, K) routes of `traces` on TRL's batch: prompt rows at the left-padded prompt columns,
     completion rows from column P = S - C on; -1 on the last token, padding and masked completions.
@@ -114,7 +116,7 @@ def engine_routes(
         fed_BS[b, prompt_width : prompt_width + completion] = True
     fed = fed_BS.numpy()
     check_tokens(traces, fed, input_ids_BS)
-    routes_BSLK = traces_to_routes(traces, fed_BS, layers, top_k)
+    routes_BSLK = traces_to_routes(traces, fed_BS, layers, top_k, slots=slots)
     routes_BSLK[~mask_BS] = -1
     return routes_BSLK.to(attention_mask_BS.device)
 

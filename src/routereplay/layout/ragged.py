@@ -128,19 +128,21 @@ def from_traces(traces: Sequence[RouteTrace], layers: Sequence[int] | None = Non
     first, so row i of sequence b is always token i (the engine's missing rows stay visibly missing)."""
     if not traces:
         raise ConfigError("from_traces needs at least one trace")
-    layers = tuple(layers) if layers is not None else traces[0].layers
+    # columns: (layer, router slot); `layers` selects every slot of each layer
+    columns = traces[0].columns if layers is None else traces[0].select_layers(tuple(layers)).columns
     top_k = traces[0].top_k
     num_experts = max(t.num_experts for t in traces)
     lengths = [t.stop for t in traces]
-    values_NLK = np.full((sum(lengths), len(layers), top_k), -1, dtype=canonical_dtype(num_experts))
+    values_NLK = np.full((sum(lengths), len(columns), top_k), -1, dtype=canonical_dtype(num_experts))
     offset = 0
     for b, trace in enumerate(traces):  # one block copy per sequence: the data is already per sequence
-        if trace.layers != layers:
-            if not set(layers) <= set(trace.layers):
+        if trace.columns != columns:
+            if not set(columns) <= set(trace.columns):
                 raise LayerCountError(
-                    f"sequence {b}: trace has layers {list(trace.layers)[:8]}..., not all of {list(layers)[:8]}..."
+                    f"sequence {b}: trace has layers {list(trace.layers)[:8]}..., not all of "
+                    f"{[c[0] for c in columns][:8]}..."
                 )
-            trace = trace.select_layers(layers)
+            trace = trace.select_columns(columns)
         if trace.top_k != top_k:
             raise TopKMismatchError(f"sequence {b}: top-k {trace.top_k}, sequence 0 has {top_k}")
         values_NLK[offset + trace.start : offset + trace.stop] = trace.experts
@@ -155,6 +157,7 @@ def to_traces(
     layers: Sequence[int],
     source: Source | str = Source.TRAINER,
     policy_version: int | None = None,
+    slots: Sequence[str] | None = None,
 ) -> list[RouteTrace]:
     """One trace per sequence (views of a numpy copy of the values)."""
     values_NLK = np.asarray(as_tensor(ragged.values).detach().cpu().numpy())
@@ -164,5 +167,5 @@ def to_traces(
     traces = []
     for begin, end in itertools.pairwise(cu):
         segments = (Segment(0, end - begin, source, policy_version),) if end > begin else ()
-        traces.append(RouteTrace(values_NLK[begin:end], num_experts, tuple(layers), 0, segments))
+        traces.append(RouteTrace(values_NLK[begin:end], num_experts, tuple(layers), 0, segments, slots=slots))
     return traces
