@@ -228,7 +228,7 @@ def test_bench_all_writes_benchmarks_and_the_readme_table(tmp_path: Path, capsys
     output = tmp_path / "BENCHMARKS.md"
     assert main(["bench", "all", "--quick", "--output", str(output), "--readme", str(readme), "--json"]) == EXIT_OK
     results = json.loads(capsys.readouterr().out)
-    assert list(results) == ["codec", "layout", "store", "delivery", "replay", "engine"]
+    assert list(results) == ["codec", "layout", "store", "delivery", "indexer", "replay", "engine"]
     text = output.read_text()
     for suite in results:
         assert f"`routereplay bench {suite}`" in text

@@ -6,19 +6,22 @@ the first keys as attention sinks) and `uniform` (every visible key alike: the w
 gap form). For each: bytes of the `IndexerTrace` blob and of its resident form against
 T * L * I * 4 dense bytes, and the median seconds (over `repeats`) of encode (dense array ->
 trace -> blob) and decode (blob -> checked trace -> dense array). The decode is checked to give the
-input back exactly. Not wired into the CLI: `indexer_bench()` returns a JSON-ready dict.
+input back exactly. `routereplay bench indexer` (part of `bench all`) runs `run`; `indexer_bench()`
+returns the same JSON-ready dict without the machine and targets.
 Legend: T = query tokens, L = DSA layers, I = index_topk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from routereplay.bench.timing import measure
+from routereplay.bench.timing import measure, target
+from routereplay.environment import collect
 from routereplay.indexer.trace import IndexerTrace
 
 SINK_KEYS = 4  # recent case: the first keys every query keeps (attention sinks)
@@ -95,4 +98,38 @@ def indexer_bench(config: IndexerBenchConfig | None = None) -> dict[str, Any]:
     return {"suite": "indexer", "config": asdict(config), "cases": cases}
 
 
-__all__ = ["IndexerBenchConfig", "indexer_bench", "synthetic_choices"]
+DENSE_OVER_BLOB_TARGET = 8.0  # the recency-biased case's blob is at least 8x smaller than dense int32
+
+
+def run(config: IndexerBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`indexer_bench` with the machine and the target: the record `bench indexer` prints."""
+    (progress or (lambda _step: None))("recent and uniform cases")
+    result = indexer_bench(config)
+    recent = next(case for case in result["cases"] if case["case"] == "recent")
+    result["machine"] = collect()
+    result["targets"] = {
+        "recent_dense_over_blob": target(recent["dense_over_blob"], DENSE_OVER_BLOB_TARGET, higher_is_better=True)
+    }
+    return result
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The BENCHMARKS.md table for a `run` record."""
+    config = result["config"]
+    lines = [
+        f"T={config['num_tokens']} query tokens x L={config['num_layers']} DSA layers, index_topk "
+        f"I={config['index_topk']}, {config['repeats']} repeats (median); dense = T x L x I int32.",
+        "",
+        "| case | dense bytes | blob bytes | dense / blob | bytes / token | encode MB/s dense | decode MB/s dense |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for case in result["cases"]:
+        lines.append(
+            f"| {case['case']} | {case['dense_bytes']:,} | {case['blob_bytes']:,} | {case['dense_over_blob']:.2f} | "
+            f"{case['bytes_per_token']:.1f} | {case['encode_dense_mb_per_s']:.1f} | "
+            f"{case['decode_dense_mb_per_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+__all__ = ["IndexerBenchConfig", "indexer_bench", "markdown", "run", "synthetic_choices"]

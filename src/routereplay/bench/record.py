@@ -21,6 +21,7 @@ TITLES = {
     "layout": "Layouts: pack + sequence-parallel shard against a per-sequence glue loop",
     "store": "Memory: the compact store against int16 ragged and dense padded batch tensors",
     "delivery": "Delivery: random-access decode, per-rank bundles over gloo, vLLM responses to rank tensors",
+    "indexer": "DSA indexer choices: the compact IndexerTrace against dense int32",
     "replay": "Replay overhead of a training step (CPU)",
     "engine": "Engine capture overhead",
     "load": "The demo's CPU paths on a busy machine: loaded against quiet",

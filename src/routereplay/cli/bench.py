@@ -15,7 +15,7 @@ from typing import Any
 from routereplay.cli.arguments import add_json_argument, non_negative_int, positive_int, seed_int
 from routereplay.cli.threads import add_threads_argument
 
-SUITES = ("codec", "layout", "store", "delivery", "replay", "engine")  # what `bench all` runs
+SUITES = ("codec", "layout", "store", "delivery", "indexer", "replay", "engine")  # what `bench all` runs
 # run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm];
 # `async` trains the demo model (cached) and runs nine GRPO runs
 SEPARATE_SUITES = ("load", "vllm", "async")
@@ -24,8 +24,8 @@ SEPARATE_SUITES = ("load", "vllm", "async")
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="run a benchmark suite (codec, layout, store, delivery, replay, engine, load, vllm, async, all) and print "
-        "medians",
+        help="run a benchmark suite (codec, layout, store, delivery, indexer, replay, engine, load, vllm, async, "
+        "all) and print medians",
         description=(
             "Run a benchmark suite; every ratio is measured side by side in the same run. "
             "`codec`: bytes per (token, layer) row and encode/decode speed of routereplay's codec against JSON lists, "
@@ -37,6 +37,8 @@ def add_parser(subparsers: Any) -> None:
             "`delivery`: random-access decode of one rank's rows against the whole sample; DP=4 delivery over 4 gloo "
             "processes of per-rank compact bundles against a broadcast of the dense padded batch (bytes per rank, "
             "wall time); vLLM HTTP responses to every SP rank's replay-ready tensor, rows/s and each stage's share. "
+            "`indexer`: bytes of the compact DSA indexer choices (IndexerTrace blob) against dense int32 on a "
+            "recency-biased and a uniform synthetic case, and encode/decode speed. "
             "`replay`: forward + backward step time of a Qwen3-MoE-shaped model with routers off, recording and "
             "replaying. `engine`: the built-in engine's generation time with and without route capture. "
             "`load`: the demo model's training steps, the demo and one GRPO step, quiet and with --busy processes "
@@ -147,6 +149,15 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
             window=16 if quick else 64,
             repeats=repeats or 5,
             access_repeats=repeats or 11,
+            seed=args.seed,
+        )
+    if name == "indexer":
+        from routereplay.bench import indexer
+
+        return indexer, indexer.IndexerBenchConfig(
+            num_tokens=256 if quick else 4096,
+            index_topk=32 if quick else 512,
+            repeats=repeats or 5,
             seed=args.seed,
         )
     if name == "load":
