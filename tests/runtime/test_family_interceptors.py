@@ -67,7 +67,7 @@ def test_sparsemixer_eval_weights_forced_experts_by_its_threshold_rule() -> None
     replayer = attach(model)
     router = model.model.layers[0].mlp.router
     forced = _non_argmax_routes(2, 6, len(replayer.layers), router.num_experts)
-    with replayer.replay(forced), _outputs(router) as seen:
+    with replayer.replay(forced, order="engine"), _outputs(router) as seen:
         model(**_ids(model)).logits.float().pow(2).mean().backward()
     logits_TC, weights_TK, experts_TK = seen[0]  # type: ignore[misc]
     forced_TK = forced[:, :, 0].reshape(-1, 2)
@@ -117,7 +117,7 @@ def test_sparsemixer_training_forces_the_gumbel_picks() -> None:
     forced = rec.routes.flip(-1)  # the same two experts in the other order: the first pick is not the max
     for seed in range(3):
         torch.manual_seed(seed)
-        with replayer.replay(forced) as used, _outputs(router) as seen, torch.no_grad():
+        with replayer.replay(forced, order="engine") as used, _outputs(router) as seen, torch.no_grad():
             model(**inputs)
         assert torch.equal(used.routes, forced.to(used.routes.dtype))
         logits_TC, weights_TK, experts_TK = seen[0]  # type: ignore[misc]

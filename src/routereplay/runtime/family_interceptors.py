@@ -18,6 +18,13 @@ keeps them. The op that chooses, by mode (`router.training`, what sparsemixer is
   model's training rule has it, and a forced expert beyond the threshold gets weight 0 (the model
   could never sample it). The noise is still drawn; the forced expert wins regardless.
 So a selection is a `max` over the experts whose `keepdim` is `not training`; a call sees two.
+The pick order is semantic (pick 1 is masked for pick 2, and each has its own threshold), so the
+forced pair is ordered before pick 1: `order="engine"` as given; `order="set"` as the live rule would,
+by logit descending (the raw logits: in training those of the first threshold max, not the Gumbel
+scores). In eval that is the live order when the set is the live pair (ties too: the live pick 1
+goes first whenever it is forced); in training the live picks are random draws, so a replayed pair
+goes by logit whatever order it was sampled in (replay it with `order="engine"` from an ordered codec
+to keep the draw's order).
 
 Doge product keys (`ProductKeyInterceptor`). `DogeCDMoE` sorts each half of its gate logits
 (`topk(keys)` over (2, T, keys): orders x and y), then takes the top-k of the keys x keys grid
@@ -25,7 +32,8 @@ x_sorted[a] + y_sorted[b], at positions a * keys + b. Expert = order_x[a] * keys
 The key sort passes through and its orders are kept; the grid top-k is the plain selection with
 positions translated: live positions -> ids for the record, forced ids -> positions through the
 inverse orders for replay, so the model's gather of its index grid yields the forced ids and its
-softmax runs over their summed logits.
+softmax runs over their summed logits. In set order a row is ordered by the grid value at its forced
+positions, descending (the live grid order when the set is the live one).
 
 Legend: T = tokens in this router call, K = top-k, C = choices (experts), N = keys per half.
 """
@@ -57,6 +65,7 @@ class SparseMixerInterceptor(TopKInterceptor):
         super().__init__(site, slot, forced)
         self.picked_T: list[torch.Tensor] = []  # ids of each pick of this call, in order
         self.choice: tuple[torch.Tensor, bool] | None = None  # forced ids (T, 2), looked up at the first pick
+        self.logits: torch.Tensor | None = None  # training: the input of the first threshold max (the logits)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -69,8 +78,12 @@ class SparseMixerInterceptor(TopKInterceptor):
         keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         if not isinstance(dim, int) or dim % scores.dim() != scores.dim() - 1:
             return func(*args, **kwargs)  # a full reduction, an elementwise max, or another dimension
-        if scores.shape[-1] != self.site.num_choices or keepdim == self.site.router.training:
-            return func(*args, **kwargs)  # a threshold or Heun-mask max in training
+        if scores.shape[-1] != self.site.num_choices:
+            return func(*args, **kwargs)
+        if keepdim == self.site.router.training:  # a threshold or Heun-mask max in training
+            if not self.picked_T and self.logits is None:
+                self.logits = scores  # the first threshold max: its input is the logits
+            return func(*args, **kwargs)
         return self.pick(func, args, kwargs, scores, keepdim)
 
     def pick(
@@ -84,8 +97,15 @@ class SparseMixerInterceptor(TopKInterceptor):
                 f"{self.site.top_k}: the router's code changed; pin transformers or report it"
             )
         rows = scores.numel() // scores.shape[-1]
+        live_T: torch.Tensor | None = None
         if index == 0:
             self.choice = self.forced(self.site, self.slot, rows)
+            if self.choice is not None and not self.keeps_order():
+                forced_TK, fallback = self.choice
+                with torch.no_grad():
+                    if not self.site.router.training:
+                        live_T = func(*args, **kwargs)[1].reshape(rows)
+                    self.choice = self.by_logit(forced_TK.to(scores.device), scores, live_T), fallback
         if self.choice is None:  # record (or a record's recompute, which is forced)
             with torch.no_grad():
                 chosen_T = func(*args, **kwargs)[1].reshape(rows)
@@ -95,8 +115,9 @@ class SparseMixerInterceptor(TopKInterceptor):
                 forced_TK = forced_TK.to(scores.device)
             chosen_T = forced_TK[:, index]
             if fallback:  # -1 rows: the live pick, made after the live (or forced) first pick as usual
-                with torch.no_grad():
-                    live_T = func(*args, **kwargs)[1].reshape(rows)
+                if live_T is None:
+                    with torch.no_grad():
+                        live_T = func(*args, **kwargs)[1].reshape(rows)
                 chosen_T = torch.where(forced_TK[:, 0] < 0, live_T, chosen_T)
         indices = chosen_T.reshape(*scores.shape[:-1], 1)
         values = scores.gather(-1, indices)
@@ -107,6 +128,25 @@ class SparseMixerInterceptor(TopKInterceptor):
             self.hits += 1
             self.last = torch.stack(self.picked_T, dim=1)
         return torch.return_types.max((values, indices))
+
+    def by_logit(self, forced_TK: torch.Tensor, scores: torch.Tensor, live_T: torch.Tensor | None) -> torch.Tensor:
+        """Set order: each forced pair by logit descending (stable), the live first pick first (eval).
+
+        `scores` are pick 1's input: the logits in eval; in training the Gumbel scores, so the logits
+        come from the threshold max seen before. `live_T` is the live pick 1 (eval), else None."""
+        if self.site.router.training:
+            if self.logits is None:
+                raise KernelBypassError(
+                    f"layer {self.site.layer} ({self.site.name}) made its first training pick without the threshold "
+                    "max over its logits first: the router's code changed; pin transformers or report it"
+                )
+            scores = self.logits
+        logits_TK = scores.reshape(-1, scores.shape[-1]).gather(-1, forced_TK.clamp(min=0))  # -1 rows: any id
+        swap_T1 = logits_TK[:, 1:] > logits_TK[:, :1]  # sparsemixer makes two picks: K = 2
+        if live_T is not None:
+            first_T1, second_T1, live_T1 = forced_TK[:, :1], forced_TK[:, 1:], live_T[:, None]
+            swap_T1 = (second_T1 == live_T1) | ((first_T1 != live_T1) & swap_T1)
+        return torch.where(swap_T1, forced_TK.flip(-1), forced_TK)
 
 
 class ProductKeyInterceptor(TopKInterceptor):

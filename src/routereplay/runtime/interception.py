@@ -10,9 +10,22 @@ choice for that token only. PhiMoE's sparsemixer (two `max` picks) and Doge's pr
 over a sorted key grid) have interceptors of their own, on the same principle
 (`runtime/family_interceptors.py`).
 
+Top-k order. The order of a row's K ids is the order of the weight renormalisation's sum and of the
+experts' combine, so it changes bf16 (even fp32) results. `RouterSlot.keep_order` picks it:
+- `replay(order="engine")` (`keep_order=True`): the forced ids in their given order, as stored by an
+  ordered codec from an engine's own top-k.
+- `replay(order="set")` (the default): the row's SET is forced, in the order the live router gives
+  it. The live top-k runs (no autograd, the op's own arguments, `sorted=False` included); a row whose
+  forced set is the live set takes the live ids exactly, so a natural set replays bit-exact to the
+  natural run even from a set codec (ids sorted ascending); any other row takes its forced ids by
+  live score descending (a stable sort: ties keep the given order). The cost is one live top-k, one
+  gather and two K-wide sorts per router call.
+A record's recompute forces its forward's own choice, in its order.
+
 No host sync per router call. Whether a layer's routes hold -1 rows is decided on the host once,
 when the context takes its routes (`RouterSlot.fallback`): a layer without them uses the forced ids
-as they are; a layer with them runs the live top-k and `torch.where`s it in, unconditionally. No
+as they are; a layer with them runs the live top-k and `torch.where`s it in, unconditionally (set order
+`torch.where`s the live order in the same way). No
 `.item()`, `.tolist()` or branch on a tensor's value runs here, so on GPU the router never waits for
 the device, and under `torch.compile` the interception traces into the graph without a break
 (dynamo traces a `TorchFunctionMode` entered inside the compiled region).
@@ -114,6 +127,11 @@ class TopKInterceptor(TorchFunctionMode):
         """Positions along the selection dimension that hold these expert ids (the same for a plain router)."""
         return ids_TK
 
+    def keeps_order(self) -> bool:
+        """Force the ids in their given order: `replay(order="engine")`, or a record's recompute (whose slot
+        holds no routes: its forced ids are its forward's own choice, in that choice's order)."""
+        return self.slot.keep_order or self.slot.forced_TK is None
+
     def select(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], scores: torch.Tensor, k: int, dim: int
     ) -> Any:
@@ -133,10 +151,15 @@ class TopKInterceptor(TorchFunctionMode):
         else:
             forced_TK, fallback = forced
             chosen_TK = forced_TK if forced_TK.device == scores.device else forced_TK.to(scores.device)
-            if fallback:  # -1 rows (known on the host): the live router decides for those tokens only
+            keep_order = self.keeps_order()
+            if fallback or not keep_order:
                 with torch.no_grad():
                     live_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
-                chosen_TK = torch.where(chosen_TK[:, :1] < 0, live_TK, chosen_TK)
+                    if fallback:  # -1 rows (known on the host): the live router decides for those tokens only
+                        chosen_TK = torch.where(chosen_TK[:, :1] < 0, live_TK, chosen_TK)
+                    if not keep_order:
+                        values_TK = _rows_last(scores, dim, scores.shape[dim]).gather(-1, self.positions_of(chosen_TK))
+                        chosen_TK = in_live_order(chosen_TK, live_TK, values_TK)
         # one code path for every mode: selection without autograd, values by gather. A checkpoint
         # recompute (which replays) then saves exactly the tensors its forward (maybe a record) saved.
         lead = scores.shape[:dim] + scores.shape[dim + 1 :]
@@ -157,11 +180,29 @@ def topk_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch
     return scores, k, dim % scores.dim()
 
 
+def in_live_order(forced_TK: torch.Tensor, live_TK: torch.Tensor, values_TK: torch.Tensor) -> torch.Tensor:
+    """Each row's forced ids in the live router's order: the live row where the sets agree, else by value.
+
+    `values_TK` are the live scores at the forced ids; the sort is stable, so equal scores keep the
+    given order. Ids within a row are distinct (`check_routes`), so equal sorted rows are equal sets."""
+    same_T1 = (forced_TK.sort(dim=-1).values == live_TK.sort(dim=-1).values).all(dim=-1, keepdim=True)
+    by_value_TK = torch.sort(values_TK, dim=-1, descending=True, stable=True).indices
+    return torch.where(same_T1, live_TK, forced_TK.gather(-1, by_value_TK))
+
+
 def _rows_last(indices: torch.Tensor, dim: int, k: int) -> torch.Tensor:
-    """Top-k indices as (T, K), whatever dimension they were taken over."""
+    """Top-k indices (or a top-k's input, k = its size) as (T, K), whatever dimension they run along."""
     if dim != indices.dim() - 1:
         indices = indices.movedim(dim, -1)
     return indices.reshape(-1, k)
 
 
-__all__ = ["TOPK_FUNCTIONS", "RouterSlot", "TopKInterceptor", "in_backward", "on_thread", "topk_arguments"]
+__all__ = [
+    "TOPK_FUNCTIONS",
+    "RouterSlot",
+    "TopKInterceptor",
+    "in_backward",
+    "in_live_order",
+    "on_thread",
+    "topk_arguments",
+]
