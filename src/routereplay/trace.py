@@ -28,6 +28,7 @@ import numpy as np
 
 from routereplay.enums import Source
 from routereplay.errors import ConfigError, LayerCountError, TopKMismatchError
+from routereplay.indexer.trace import IndexerTrace, check_indexer, merged_indexer
 from routereplay.trace_provenance import UNROUTED_SOURCE, MergePolicy, Segment, check_segments, merge_rows
 from routereplay.trace_validation import (
     as_route_array,
@@ -52,7 +53,7 @@ class RouteTrace:
     for the full content checks (ids in range, no duplicates, no partial rows, no all-zero layer).
     """
 
-    __slots__ = ("experts", "layers", "num_experts", "ordered", "segments", "slots", "start", "token_ids")
+    __slots__ = ("experts", "indexer", "layers", "num_experts", "ordered", "segments", "slots", "start", "token_ids")
 
     experts: np.ndarray
     num_experts: int
@@ -62,6 +63,7 @@ class RouteTrace:
     token_ids: np.ndarray | None  # (T,) int64: token id at position start + t, -1 = unknown; None = not known
     slots: tuple[str, ...] | None  # router slot of each column within its layer; None = one router per layer
     ordered: bool  # rows keep the router's top-k order (False: only the set is known, e.g. a set codec)
+    indexer: IndexerTrace | None  # DSA models: the sparse-attention indexer's key choices of the same rows
 
     def __init__(
         self,
@@ -74,6 +76,7 @@ class RouteTrace:
         *,
         slots: Sequence[str] | None = None,
         ordered: bool = True,
+        indexer: IndexerTrace | None = None,
     ) -> None:
         if not isinstance(num_experts, (int, np.integer)) or isinstance(num_experts, bool) or num_experts < 1:
             raise ConfigError(f"num_experts={num_experts!r} must be a positive int")
@@ -96,6 +99,7 @@ class RouteTrace:
         self.segments = tuple(segments)
         check_segments(self.segments, self.start, self.start + num_rows)
         self.token_ids = None if token_ids is None else as_token_ids(token_ids, num_rows)
+        self.indexer = check_indexer(indexer, self.start, num_rows)
 
     # --- shape ---------------------------------------------------------------------------------
     @property
@@ -163,7 +167,8 @@ class RouteTrace:
         )
         rows = self.experts[begin - self.start : end - self.start].copy()
         ids = None if self.token_ids is None else self.token_ids[begin - self.start : end - self.start].copy()
-        return self._like(rows, start=begin, segments=segments, token_ids=ids)
+        indexer = None if self.indexer is None else self.indexer.slice(begin - self.start, end - self.start)
+        return self._like(rows, start=begin, segments=segments, token_ids=ids, indexer=indexer)
 
     @property
     def columns(self) -> tuple[tuple[int, str], ...]:
@@ -200,6 +205,7 @@ class RouteTrace:
             "token_ids": self.token_ids,
             "slots": self.slots,
             "ordered": self.ordered,
+            "indexer": self.indexer,
         }
         fields.update(changes)
         return RouteTrace(experts, self.num_experts, **fields)
@@ -219,6 +225,10 @@ class RouteTrace:
             ids = ids[:-1]
         return self._like(self.experts, token_ids=ids)
 
+    def with_indexer(self, indexer: IndexerTrace | None) -> RouteTrace:
+        """A shallow copy carrying the DSA indexer's choices of the same rows (`IndexerTrace`, same start and rows)."""
+        return self._like(self.experts, indexer=indexer)
+
     def merge(self, other: RouteTrace, *, policy: MergePolicy | str = MergePolicy.KEEP) -> RouteTrace:
         """Merge another trace of the same sequence by absolute token position, into a new trace.
 
@@ -229,7 +239,8 @@ class RouteTrace:
         trace's row (the routes used when the token was sampled) and `replace` takes `other`'s.
         Provenance follows the rows; adjacent segments of equal source and version are coalesced.
         Token ids follow the rows too (-1 where neither trace knows one); two traces that name
-        different tokens at one position are not the same sequence: `TokenMismatchError`.
+        different tokens at one position are not the same sequence: `TokenMismatchError`. Indexer
+        choices merge by the same policy, per row (an unknown row never beats a known one).
         """
         try:
             policy = MergePolicy(policy)
@@ -252,7 +263,10 @@ class RouteTrace:
             return kept._like(kept.experts.copy(), token_ids=ids, ordered=ordered)
         first, second = (self, other) if policy is MergePolicy.KEEP else (other, self)
         experts, start, segments, token_ids = merge_rows(first, second)
-        return self._like(experts, start=start, segments=segments, token_ids=token_ids, ordered=ordered)
+        indexer = merged_indexer(first.indexer, second.indexer, start, len(experts))
+        return self._like(
+            experts, start=start, segments=segments, token_ids=token_ids, ordered=ordered, indexer=indexer
+        )
 
     def to_torch(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The ids as a (T, L, K) tensor (shares memory on CPU unless `dtype` differs)."""
@@ -284,6 +298,7 @@ class RouteTrace:
             and self.experts.shape == other.experts.shape
             and bool(np.array_equal(self.experts, other.experts))
             and _same_token_ids(self.token_ids, other.token_ids)
+            and self.indexer == other.indexer
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable array inside: not hashable

@@ -61,8 +61,8 @@ def test_item2_right_padded_routes_with_left_padded_mask_refused() -> None:
     right_mask = torch.tensor([[1] * 6, [1, 1, 1, 1, 0, 0]])
     with replayer.replay(routes, right_mask) as used:  # the layout it was built for is accepted
         model(input_ids=ids, attention_mask=right_mask)
-    assert torch.equal(used.routes[0], routes[0])
-    assert torch.equal(used.routes[1, :4], routes[1, :4])
+    assert torch.equal(used.routes[0].sort(-1).values, routes[0].sort(-1).values)  # the forced sets (order="set")
+    assert torch.equal(used.routes[1, :4].sort(-1).values, routes[1, :4].sort(-1).values)
 
 
 # -- item 3 ---------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ def test_item17_pickle_torch_save_deepcopy_while_attached_and_after_detach() -> 
     with replayer.replay(routes) as used:  # the original still replays after being copied
         with torch.no_grad():
             model(input_ids=ids)
-    assert torch.equal(used.routes, routes)
+    assert torch.equal(used.routes.sort(-1).values, routes.sort(-1).values)  # the forced sets (order="set")
     replayer.detach()
     leftovers = {name for m in model.modules() for name in vars(m)} - names_before
     assert not [n for n in leftovers if "routereplay" in n.lower() or "replayer" in n.lower()], leftovers

@@ -71,7 +71,7 @@ def test_ulysses_sequence_parallel_replay_equals_single_process(tmp_path: Path) 
     assert padding, "the test must exercise a padded shard"
     local = (POSITIONS + padding) // WORLD
     for rank, result in enumerate(ranks):
-        assert torch.equal(result["routes_used"].long(), routes_BSLK), (
+        assert torch.equal(result["routes_used"].long().sort(-1).values, routes_BSLK.sort(-1).values), (
             f"rank {rank}: the routes the ranks used, gathered and unsharded, are not the forced routes"
         )
         padded = padding if rank == WORLD - 1 else 0  # the padding lands on the last rank

@@ -207,6 +207,44 @@ class IndexerTrace:
         )
 
 
+def check_indexer(indexer: Any, start: int, num_rows: int) -> IndexerTrace | None:
+    """The indexer choices a `RouteTrace` carries: None, or an `IndexerTrace` of exactly its rows."""
+    if indexer is None:
+        return None
+    if not isinstance(indexer, IndexerTrace):
+        raise ConfigError(f"indexer must be an IndexerTrace or None, got {type(indexer).__name__}")
+    if indexer.start != start or indexer.num_tokens != num_rows:
+        raise ConfigError(
+            f"indexer choices cover tokens [{indexer.start}, {indexer.start + indexer.num_tokens}) but the routes "
+            f"cover [{start}, {start + num_rows}); slice them to the same rows"
+        )
+    return indexer
+
+
+def merged_indexer(
+    first: IndexerTrace | None, second: IndexerTrace | None, start: int, num_rows: int
+) -> IndexerTrace | None:
+    """Indexer choices of a merged trace covering [start, start + num_rows): a row comes from `first` where it
+    is known there, else from `second`; rows neither knows stay unknown (all -1)."""
+    given = [t for t in (first, second) if t is not None]
+    if not given:
+        return None
+    if len({(t.layers, t.index_topk) for t in given}) != 1:
+        raise ConfigError(
+            f"cannot merge indexer choices of layers/index_topk {[(t.layers, t.index_topk) for t in given]}"
+        )
+    dense_TLI = np.full((num_rows, len(given[0].layers), given[0].index_topk), -1, np.int32)
+    for trace in (second, first):  # first last: its known rows win
+        if trace is None:
+            continue
+        rows_TLI = trace.to_dense()
+        known_TL = rows_TLI[:, :, 0] >= 0
+        at = trace.start - start
+        target_TLI = dense_TLI[at : at + trace.num_tokens]
+        target_TLI[known_TL] = rows_TLI[known_TL]
+    return IndexerTrace.from_dense(dense_TLI, given[0].layers, given[0].index_topk, start)
+
+
 def checked_layers(layers: Any) -> tuple[int, ...]:
     """Distinct global layer numbers in [0, 2^32) as a tuple (ConfigError otherwise)."""
     if isinstance(layers, (str, bytes, dict)) or not isinstance(layers, (Sequence, np.ndarray, range)):
@@ -225,4 +263,4 @@ def _checked(value: Any, name: str, low: int, high: int) -> int:
     return int(value)
 
 
-__all__ = ["DEFAULT_BLOCK_ROWS", "MAX_BLOCK_ROWS", "IndexerTrace", "checked_layers"]
+__all__ = ["DEFAULT_BLOCK_ROWS", "MAX_BLOCK_ROWS", "IndexerTrace", "check_indexer", "checked_layers", "merged_indexer"]

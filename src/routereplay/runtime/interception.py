@@ -69,9 +69,12 @@ class RouterSlot:
     fallback: bool = False  # forced_TK has -1 rows (decided on the host when the routes were set)
     keep_order: bool = False  # replay(order="engine"): force forced_TK's order, not the live order of its set
     chosen_TK: torch.Tensor | None = None  # the last call's choice, not yet folded into the context
+    rows_T: torch.Tensor | None = None  # modality routers: the block's tokens this call sees (None: all)
+    counts: tuple[int, int] = (0, 0)  # modality routers: (replayed, fallback) rows of this call
 
     def clear(self) -> None:
         self.forced_TK, self.fallback, self.keep_order, self.chosen_TK = None, False, False, None
+        self.rows_T, self.counts = None, (0, 0)
 
 
 # (site, slot, rows T) -> (forced ids (T, K) long, whether they hold -1 rows), or None for the live top-k
