@@ -147,6 +147,7 @@ def decode(
             token_ids,
             slots=head.slots,
             ordered=head.mode is CodecMode.ORDERED,
+            indexer=head.indexer,
         )
     except RouteReplayError as error:
         raise CodecFormatError(f"blob decodes to an invalid trace: {error}") from error

@@ -7,13 +7,15 @@ Version 1 layout, all integers little-endian (offsets in bytes):
     5   u8    mode: 0 = set, 1 = ordered
     6   u8    flags: bit 0 = payload is zstd-compressed, bit 1 = some rows are all -1 (bitmap present),
               bit 2 = token ids present (a blob without it decodes with `token_ids` None),
-              bit 3 = router slot names present (layers holding several routers, `RouteTrace.slots`)
+              bit 3 = router slot names present (layers holding several routers, `RouteTrace.slots`),
+              bit 4 = DSA indexer choices present (`RouteTrace.indexer`)
     7   u8    reserved, 0
     8   u64   T          16  u32 L          20  u16 K          22  u32 E          26  u64 start
     34  L x u32           global layer numbers
         L x (u8 n, n bytes UTF-8)  router slot name of each layer column, only when flag bit 3 is set
         u32               segment count S, then S x (u64 begin, u64 end, i64 policy_version
                           (-1 = None), u16 n, n bytes UTF-8 source name)
+        u64 n, n bytes    the `IndexerTrace` blob (its own checksum), only when flag bit 4 is set
         T x i32           token ids, only when flag bit 2 is set (`RouteTrace.token_ids`, -1 = unknown)
         u64, u64          raw (uncompressed) payload length, stored payload length
         stored payload
@@ -37,13 +39,15 @@ from routereplay.codec_limits import CodecLimits
 from routereplay.codec_rows import payload_bytes, payload_streams
 from routereplay.enums import CodecMode
 from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError, RouteReplayError
+from routereplay.indexer.trace import IndexerTrace
 from routereplay.trace import RouteTrace, Segment
 from routereplay.trace_validation import check_slots
 
 MAGIC = b"RRTC"
 VERSION = 1
 READABLE_VERSIONS = (1,)
-FLAG_ZSTD, FLAG_MISSING_ROWS, FLAG_TOKEN_IDS, FLAG_SLOTS = 1, 2, 4, 8
+FLAG_ZSTD, FLAG_MISSING_ROWS, FLAG_TOKEN_IDS, FLAG_SLOTS, FLAG_INDEXER = 1, 2, 4, 8, 16
+_U64 = struct.Struct("<Q")
 MAX_EXPERTS = 1 << 31  # ids must fit the int32 canonical dtype
 _ZSTD_MAX_RATIO = 1 << 15  # no zstd frame expands more (a 128 KiB block from a 4-byte RLE block)
 _FIXED = struct.Struct("<4sBBBBQIHIQ")  # magic, version, mode, flags, reserved, T, L, K, E, start
@@ -75,12 +79,13 @@ class CodecHeader:
     total_bytes: int
     has_token_ids: bool = False  # flag bit 2: T x i32 token ids sit just before the payload lengths
     slots: tuple[str, ...] | None = None  # flag bit 3: the router slot of each layer column
+    indexer: IndexerTrace | None = None  # flag bit 4: the DSA indexer's choices of the same rows
 
 
 def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, stored: bytes) -> bytes:
     """The whole blob: header (with `flags`), the stored payload and the CRC32 of everything before it."""
     T, L, K, E = trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts
-    flags |= FLAG_SLOTS if trace.slots is not None else 0
+    flags |= (FLAG_SLOTS if trace.slots is not None else 0) | (FLAG_INDEXER if trace.indexer is not None else 0)
     parts = [_FIXED.pack(MAGIC, VERSION, _MODE_CODES[mode], flags, 0, T, L, K, E, trace.start)]
     parts.append(np.asarray(trace.layers, dtype="<u4").tobytes())
     for slot in trace.slots or ():
@@ -91,6 +96,9 @@ def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, st
         name = str(segment.source).encode("utf-8")
         pv = -1 if segment.policy_version is None else segment.policy_version
         parts.append(_SEGMENT.pack(segment.begin, segment.end, pv, len(name)) + name)
+    if trace.indexer is not None:
+        indexer = trace.indexer.encode()
+        parts.append(_U64.pack(len(indexer)) + indexer)
     if trace.token_ids is not None:
         parts.append(trace.token_ids.astype("<i4").tobytes())  # ids are in [-1, 2^31): RouteTrace checked them
     parts += [_LENGTHS.pack(raw_bytes, len(stored)), stored]
@@ -174,6 +182,8 @@ def _declared_size(data: memoryview) -> int | None:
         (num_segments,) = reader.unpack(_U32, "segment count")
         for i in range(num_segments):  # each takes >= 26 bytes, so this stops at the end of data
             reader.take(reader.unpack(_SEGMENT, f"segment {i}")[3], f"segment {i} source name")
+        if flags & FLAG_INDEXER:
+            reader.take(reader.unpack(_U64, "indexer length")[0], "indexer choices")
         if flags & FLAG_TOKEN_IDS:
             reader.take(4 * num_tokens, "token ids")
         stored_bytes = reader.unpack(_LENGTHS, "payload lengths")[1]
@@ -192,7 +202,7 @@ def parse_header(data: memoryview, limits: CodecLimits) -> tuple[CodecHeader, in
     _, version, mode_code, flags, reserved, T, L, K, E, start = reader.unpack(_FIXED, "fixed header")
     if mode_code not in (0, 1):
         raise CodecFormatError(f"mode byte (offset 5) is {mode_code}, expected 0 (set) or 1 (ordered): corrupt")
-    if flags & ~(FLAG_ZSTD | FLAG_MISSING_ROWS | FLAG_TOKEN_IDS | FLAG_SLOTS) or reserved:
+    if flags & ~(FLAG_ZSTD | FLAG_MISSING_ROWS | FLAG_TOKEN_IDS | FLAG_SLOTS | FLAG_INDEXER) or reserved:
         raise CodecFormatError(
             f"unknown bits in flags {flags:#04x} (offset 6) or reserved byte {reserved} (offset 7): the blob is "
             "corrupt or from a newer writer (upgrade routereplay)"
@@ -207,6 +217,11 @@ def parse_header(data: memoryview, limits: CodecLimits) -> tuple[CodecHeader, in
     if slots is None and len(set(layers)) != L:
         raise CodecFormatError(f"layer numbers at byte offset {_FIXED.size} repeat ({list(layers)[:8]}...): corrupt")
     segments = _parse_segments(reader, start, T)
+    indexer = None
+    if flags & FLAG_INDEXER:  # its own blob: checksummed, every length checked within its limits
+        size = reader.unpack(_U64, "indexer length")[0]
+        at = reader.take(size, "indexer choices")
+        indexer = IndexerTrace.decode(reader.data[at : at + size])
     has_token_ids = bool(flags & FLAG_TOKEN_IDS)
     if has_token_ids:
         reader.take(4 * T, "token ids")  # bounded by the blob's length: nothing is allocated here
@@ -234,7 +249,7 @@ def parse_header(data: memoryview, limits: CodecLimits) -> tuple[CodecHeader, in
         version=version, mode=mode, compressed=compressed, has_missing_rows=missing, num_tokens=T, num_layers=L,
         top_k=K, num_experts=E, start=start, layers=layers, segments=segments, raw_payload_bytes=raw_bytes,
         stored_payload_bytes=stored_bytes, bits_per_row=bits, total_bytes=len(data), has_token_ids=has_token_ids,
-        slots=slots,
+        slots=slots, indexer=indexer,
     )  # fmt: skip
     return header, offset
 

@@ -21,10 +21,9 @@ Threads: every method holds the store's lock (a `threading.RLock`): `add_turn` f
 and `to_bytes` / `save` / `trace` / `stats` from another are safe together (`save` writes outside it).
 Edit the dict `metadata(sample_id)` returns from one thread at a time. Copies get a new lock.
 
-Limits: `from_bytes` / `load` parse the JSON header within `routereplay.jsondocument.JsonLimits`
-(256 MiB, 64 levels deep, 100-digit numbers, finite numbers only), and each sample's routes blob
-within `codec_limits` (`routereplay.codec_limits.CodecLimits`, default 2**28 ids per sample and 4096x
-expansion); raise them to load a trusted store beyond those. `save` refuses metadata that `load` would refuse.
+Limits: `from_bytes` / `load` parse the JSON header within `JsonLimits` (256 MiB, 64 levels deep,
+100-digit numbers, finite only) and each routes blob within `codec_limits` (`CodecLimits`: 2**28 ids per
+sample, 4096x expansion): raise them for a trusted store. `save` refuses metadata `load` would refuse.
 
 File format (`save` / `load`): one file per batch, written atomically (`routereplay.store_file`): each
 sample's token ids and codec blob (the store's codec mode; ids, provenance, router slots). Stored state
@@ -47,13 +46,14 @@ from routereplay.compact.encoded import EncodedRoutes, UnrankerCache
 from routereplay.enums import CodecMode
 from routereplay.errors import CodecError, ConfigError, RowCountError, StoreHeaderError
 from routereplay.jsondocument import JsonLimits
-from routereplay.store_file import MAGIC, VERSION, check_envelope, check_json, pack_envelope, sample_entries
+from routereplay.store_file import MAGIC, VERSION, check_envelope, pack_envelope, sample_entries, sample_record
 from routereplay.store_routes import SampleRoutes
 from routereplay.store_sample import (
     DuplicatedPrefixError,
     MisalignedRoutesError,
     Sample,
     SampleId,
+    add_indexer,
     as_tokens,
     check_geometry,
     check_geometry_args,
@@ -61,6 +61,7 @@ from routereplay.store_sample import (
     check_prefix,
     check_rows,
     check_token_ids,
+    indexer_rows,
     same_sample,
 )
 from routereplay.store_stats import StoreStats, stale_fraction_of, summarise
@@ -177,6 +178,7 @@ class RouteStore:
             if policy_version is not None:
                 segments = tuple(replace(s, policy_version=int(policy_version)) for s in trace.segments)
             # the sample holds the tokens: stored rows carry none (`trace()` names them from the tokens)
+            indexer = trace.indexer  # kept by the sample beside its routes (`store_sample.add_indexer`)
             trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments, slots=trace.slots)
             if self._geometry is None:
                 self._geometry, self._slots = (trace.num_experts, trace.layers, trace.top_k), trace.slots
@@ -185,6 +187,7 @@ class RouteStore:
         sample.tokens = tokens
         if trace is not None and trace.num_tokens:
             sample.conflicting_rows += sample.routes.add(trace, policy)
+            add_indexer(sample, indexer, policy)
         if metadata:
             sample.metadata.update(metadata)
 
@@ -244,8 +247,11 @@ class RouteStore:
         ids_T = np.array(sample.tokens[:rows])
         ids_T[(ids_T < 0) | (ids_T > TOKEN_ID_MAX)] = -1  # not a vocabulary id: unknown, never checked
         experts_TLK = sample.routes.assemble(rows, num_experts, layers, top_k)
-        segments, ordered = sample.routes.segments(rows), self._mode is CodecMode.ORDERED
-        return RouteTrace(experts_TLK, num_experts, layers, 0, segments, ids_T, slots=self._slots, ordered=ordered)
+        segments, ordered, indexer = sample.routes.segments(rows), self._mode is CodecMode.ORDERED, sample.indexer
+        return RouteTrace(
+            experts_TLK, num_experts, layers, 0, segments, ids_T, slots=self._slots, ordered=ordered,
+            indexer=indexer_rows(indexer, rows),
+        )  # fmt: skip
 
     def rows(self, sample_id: SampleId, begin: int, end: int) -> np.ndarray:
         """(end - begin, L, K) ids of positions [begin, end) of one sample, -1 where unrouted; decodes only
@@ -309,16 +315,9 @@ class RouteStore:
     def _to_bytes(self) -> bytes:
         entries, chunks = [], []
         for sample_id, sample in self._samples.items():
-            blob = sample.routes.one_blob()
-            check_json(sample.metadata, sample_id)
-            entries.append({
-                "id": sample_id,
-                "tokens": len(sample.tokens),
-                "routes": None if blob is None else len(blob),
-                "metadata": sample.metadata,
-                "conflicting_rows": sample.conflicting_rows,
-            })  # fmt: skip
-            chunks += [sample.tokens.astype("<i8").tobytes(), blob or b""]
+            entry, data = sample_record(sample_id, sample)
+            entries.append(entry)
+            chunks += data
         geometry = None
         if self._geometry is not None:
             num_experts, layers, top_k = self._geometry
@@ -363,9 +362,9 @@ class RouteStore:
             samples = header["samples"]
             if not isinstance(samples, list):
                 raise TypeError(f"samples is a {type(samples).__name__}, not a list")
-            for sample_id, tokens, trace, metadata, conflicting in sample_entries(samples, body, codec_limits):
+            for sample_id, tokens, trace, metadata, conflicting, indexer in sample_entries(samples, body, codec_limits):
                 store.add_turn(sample_id, tokens, trace, metadata=metadata)
-                store._samples[sample_id].conflicting_rows = conflicting
+                store._samples[sample_id].conflicting_rows, store._samples[sample_id].indexer = conflicting, indexer
         except CodecError:
             raise
         except (KeyError, TypeError, ValueError) as error:  # ConfigError / RowCountError are ValueErrors

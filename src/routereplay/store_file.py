@@ -13,9 +13,9 @@ File format (`save` / `load`), little-endian, one file per batch, written atomic
     24  H    UTF-8 JSON header: {"geometry": null | {"num_experts", "layers", "top_k"},
              "codec_mode": "set" | "ordered" (absent in files before the compact store: "ordered"),
              "samples": [{"id", "tokens": count, "routes": blob bytes | null, "metadata",
-             "conflicting_rows"}, ...]}
+             "conflicting_rows", "indexer": IndexerTrace blob bytes (DSA models; absent: none)}, ...]}
         D    per sample in header order: its token ids as int64, then its codec blob in the store's
-             codec mode (the resident blob itself; provenance included)
+             codec mode (the resident blob itself; provenance included), then its indexer blob
         u32  CRC32 (zlib) of every byte before it
 """
 
@@ -32,12 +32,13 @@ import numpy as np
 from routereplay import codec
 from routereplay.codec_limits import CodecLimits
 from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError, ConfigError, StoreHeaderError
+from routereplay.indexer.trace import IndexerTrace
 from routereplay.jsondocument import JsonLimits, load_json
 from routereplay.trace import RouteTrace
 from routereplay.wire.limits import is_int
 
 if TYPE_CHECKING:
-    from routereplay.store_sample import SampleId
+    from routereplay.store_sample import Sample, SampleId
 
 MAGIC = b"RRST"
 VERSION = 1
@@ -106,10 +107,27 @@ def check_json(metadata: dict[str, Any], sample_id: SampleId) -> None:
         )
 
 
+def sample_record(sample_id: SampleId, sample: Sample) -> tuple[dict[str, Any], list[bytes]]:
+    """One sample's header entry and its data chunks (token ids, routes blob, indexer blob)."""
+    blob = sample.routes.one_blob()
+    check_json(sample.metadata, sample_id)
+    entry = {
+        "id": sample_id,
+        "tokens": len(sample.tokens),
+        "routes": None if blob is None else len(blob),
+        "metadata": sample.metadata,
+        "conflicting_rows": sample.conflicting_rows,
+    }
+    indexer = b"" if sample.indexer is None else sample.indexer.encode()
+    if sample.indexer is not None:
+        entry["indexer"] = len(indexer)
+    return entry, [sample.tokens.astype("<i8").tobytes(), blob or b"", indexer]
+
+
 def sample_entries(
     samples: list[Any], body: bytes, codec_limits: CodecLimits
-) -> Iterator[tuple[SampleId, np.ndarray, RouteTrace | None, Any, int]]:
-    """(id, token ids, decoded routes or None, metadata, conflicting rows) of each header entry, its bytes
+) -> Iterator[tuple[SampleId, np.ndarray, RouteTrace | None, Any, int, IndexerTrace | None]]:
+    """(id, token ids, decoded routes or None, metadata, conflicting rows, indexer choices) of each entry, its bytes
     taken from `body` in order; a malformed entry raises ValueError / TypeError / KeyError (the caller
     names them `StoreHeaderError`), a bad blob its `CodecError`."""
     position, seen = 0, set()
@@ -135,6 +153,12 @@ def sample_entries(
             position += size
             if trace.num_tokens == 0:
                 raise ValueError(f"sample {sample_id!r} has an empty routes blob")
-        yield sample_id, tokens, trace, entry["metadata"], conflicting
+        indexer, size = None, entry.get("indexer")
+        if size is not None:
+            if not isinstance(size, int) or not 0 <= size <= len(body) - position:
+                raise ValueError(f"sample {sample_id!r} declares a {size!r}-byte indexer blob past the data")
+            indexer = IndexerTrace.decode(body[position : position + size])
+            position += size
+        yield sample_id, tokens, trace, entry["metadata"], conflicting, indexer
     if position != len(body):
         raise ValueError(f"{len(body) - position} stray bytes at the end of the data section")

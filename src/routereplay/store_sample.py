@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from routereplay.errors import ConfigError, LayerCountError, RowCountError, TopKMismatchError
+from routereplay.indexer.trace import IndexerTrace, merged_indexer
 from routereplay.store_routes import SampleRoutes
-from routereplay.trace import RouteTrace
+from routereplay.trace import MergePolicy, RouteTrace
 from routereplay.trace_validation import check_slots
 from routereplay.wire.limits import is_int
 
@@ -46,6 +47,24 @@ class Sample:
     routes: SampleRoutes  # encoded rows some engine calls returned (empty: no routes yet)
     metadata: dict[str, Any] = field(default_factory=dict)
     conflicting_rows: int = 0
+    indexer: IndexerTrace | None = None  # DSA models: the indexer's choices of rows [0, indexer.num_tokens)
+
+
+def add_indexer(sample: Sample, indexer: IndexerTrace | None, policy: MergePolicy) -> None:
+    """Merge a turn's indexer choices into the sample's, row by row, under the routes' merge policy."""
+    if indexer is None:
+        return
+    held = sample.indexer
+    stop = max(indexer.start + indexer.num_tokens, 0 if held is None else held.num_tokens)
+    first, second = (held, indexer) if policy is MergePolicy.KEEP else (indexer, held)
+    sample.indexer = merged_indexer(first, second, 0, stop)
+
+
+def indexer_rows(indexer: IndexerTrace | None, rows: int) -> IndexerTrace | None:
+    """A sample's indexer choices over its trace's rows [0, rows): unknown rows past what was stored."""
+    if indexer is None or indexer.num_tokens == rows:
+        return indexer
+    return indexer.slice(0, rows) if indexer.num_tokens > rows else merged_indexer(indexer, None, 0, rows)
 
 
 def check_id(sample_id: Any) -> SampleId:
@@ -172,6 +191,7 @@ def same_sample(a: Sample, b: Sample) -> bool:
         and a.routes.joined() == b.routes.joined()
         and a.metadata == b.metadata
         and a.conflicting_rows == b.conflicting_rows
+        and a.indexer == b.indexer
     )
 
 

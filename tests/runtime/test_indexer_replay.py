@@ -103,22 +103,27 @@ def test_replay_of_recorded_choices_is_bit_exact(model_type: str, padded: bool) 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_replay_together_with_router_replayer(model_type: str) -> None:
-    """Router and indexer replay in one forward must not disturb each other."""
+    """`attach` binds the indexers too: routes and indexer choices recorded and replayed in one context."""
     from routereplay.runtime import attach
 
     model = hf_tiny.tiny_model(model_type)
     inputs = _inputs(model)
     natural = _logits(model, inputs)
-    routers, ir = attach(model), IndexerReplayer(model)
-    with routers.record() as routes, ir.record() as rec:
+    routers = attach(model)
+    ir = routers.indexer
+    assert ir is not None
+    with pytest.raises(AlreadyAttachedError, match="already bound"):
+        IndexerReplayer(model)  # one binder per indexer: the Replayer's
+    with routers.record() as rec:
         _logits(model, inputs)
-    with routers.replay(routes.routes), ir.replay(rec.indices):
+    with routers.replay(rec.routes, indexer=rec.indexer):
         assert torch.equal(_logits(model, inputs), natural), "both replays together must be bit-exact"
+    assert ir.stats.replayed_rows > 0
     forced = _random_choices(ir, seed=1)
-    with routers.replay(routes.routes), ir.replay(forced):
+    with routers.replay(rec.routes, indexer=forced):
         assert not torch.equal(_logits(model, inputs), natural), "forced indexer choices must reach the attention"
-    ir.detach()
     routers.detach()
+    assert "forward" not in vars(ir.sites[0].module)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

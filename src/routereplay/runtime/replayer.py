@@ -1,9 +1,7 @@
 """`attach(model) -> Replayer`: record and replay the routing of an HF transformers MoE model.
 
-The Replayer binds each router by module identity and global layer number, then wraps the forward
-of each router's scope with an instance attribute. Nothing global is patched, and `detach()` deletes
-the attributes and hooks and leaves the model exactly as it was. Record and replay are context
-managers:
+The Replayer binds each router by module identity and global layer number and wraps its scope's
+forward with an instance attribute; nothing global is patched, `detach()` restores the model exactly:
 
     replayer = routereplay.attach(model)
     with replayer.record() as rec:          # R2 old-log-prob pass, or the built-in engine
@@ -17,24 +15,24 @@ the routes of its own forward, in replay (same forced routes) and in record (the
 not a fresh top-k that near-ties could flip). A backward after a replay context closed raises
 `ReplayStateError` rather than recompute natural routes. State lives on the Replayer and its sessions.
 
-Threads: a context belongs to the thread that opened it. Forwards of that thread are recorded or
-replayed; a forward of any other thread while the context is open routes naturally, untouched and
-unrecorded (it neither uses the context's routes nor lands in its recording). Backward recomputes
-count as the owner's when they run on the owner's thread or on an autograd engine thread (CUDA
-backward runs there); recomputes of a checkpointed forward of another Python thread are that
-thread's. One Replayer holds one context at a time: a second thread opening one gets
-`ForeignThreadError` (attach a copy of the model per thread to replay concurrently).
+Threads: a context belongs to the thread that opened it; other threads' forwards route naturally,
+untouched and unrecorded. Backward recomputes count as the owner's on its thread or on an autograd
+engine thread (CUDA backward). A second thread opening a context gets `ForeignThreadError`.
+
+Columns: a layer with several routers (JetMoE, Ernie-4.5-VL) has a column per router, `(layer, slot)`
+(`.columns`); modality routers replay each token in the router that runs for it
+(`runtime/modality.py`). DSA models' indexers are recorded and replayed with the routers
+(`Recording.indexer`, `replay(indexer=...)`, `runtime/indexer_replayer.py`).
 
 Alignment: `replay(...)` refuses routes placed on the wrong tokens (`runtime/alignment.py`): a
 routes tensor whose -1 padding disagrees with the attention mask, a trace that stops short of its
 sequence (`PaddingMismatchError`), and a batch whose token ids differ from the traces' `token_ids`
 (`TokenMismatchError`, checked at entry with `input_ids=` and at every forward that passes them).
 
-Saving and copying: the model's pre-hook and each scope's `forward` pickle and deep-copy as inert
-stand-ins, so `torch.save(model)` and `copy.deepcopy(model)` work while attached and give an
-unattached copy; `detach()` leaves nothing behind (`runtime/attachment.py`). Contexts, `Recording`
-and `ReplayStats` are `runtime/session.py`; a router call holds no host sync, and `torch.compile`d
-MoE blocks trace it without a graph break (`runtime/interception.py`, "Compiled models").
+Saving and copying: hooks and wrapped forwards pickle and deep-copy as inert stand-ins, so
+`torch.save(model)` / `copy.deepcopy(model)` give an unattached copy (`runtime/attachment.py`).
+Contexts, `Recording` and `ReplayStats` are `runtime/session.py`; a router call holds no host sync,
+and `torch.compile`d MoE blocks trace it without a graph break (`runtime/interception.py`).
 
 Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S tokens in a call.
 """
@@ -44,7 +42,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -67,6 +65,9 @@ from routereplay.runtime.binding import JITTER_ATTRS, AuxLossRouting, Binding, J
 from routereplay.runtime.call_inputs import attributes, call_ids, call_shape, refuse_kernels
 from routereplay.runtime.discovery import RouterSite, discover
 from routereplay.runtime.family_interceptors import interceptor_for
+from routereplay.runtime.indexer import discover_indexers
+from routereplay.runtime.indexer_layout import replay_choices
+from routereplay.runtime.indexer_replayer import IndexerReplayer
 from routereplay.runtime.interception import RouterSlot, in_backward, on_thread
 from routereplay.runtime.modality import MODALITY_BLOCKS, check_rows, counts, rows_of, scatter_rows, token_types
 from routereplay.runtime.routes import check_routes, mask_array, refuse_unordered, replay_order, traces_to_routes
@@ -129,6 +130,8 @@ class Replayer:
         self._pending_replay: int | None = None  # thread of a replayed forward whose backward may still run
         self._saved_jitter: list[tuple[nn.Module, str, float]] = []
         self._handles = bind(self)
+        # DSA models: the sparse-attention indexers, recorded and replayed in the same contexts
+        self.indexer = IndexerReplayer(model) if discover_indexers(model) else None
 
     @property
     def stats(self) -> ReplayStats:
@@ -159,6 +162,7 @@ class Replayer:
         input_ids: torch.Tensor | None = None,
         check_alignment: bool = True,
         order: ReplayOrder | str = ReplayOrder.SET,
+        indexer: torch.Tensor | None = None,
     ) -> Iterator[Recording]:
         """Force routes: a (B, S, L, K) int tensor aligned with the input, or RouteTraces + attention_mask.
 
@@ -181,33 +185,46 @@ class Replayer:
         (its own order when the set is its choice), so set-codec routes replay bit-exact;
         `"engine"` forces the routes' own order (ordered codec, engines returning unsorted top-k).
         RouteTraces that kept only the set (`ordered=False`) are refused under `"engine"`.
+
+        DSA models (DeepSeek-V3.2, GLM-5): the indexers' key choices are forced too, from the traces'
+        `indexer` (`IndexerTrace`) or from `indexer=` (a (B, S, L_dsa, I) int tensor of batch columns,
+        -1 rows = the live indexer); without either the indexers run live and are recorded
+        (`Recording.indexer`). Forced choices are the keys attention attends (`runtime/indexer.py`).
         """
         order = replay_order(order)
         refuse_meta(attention_mask, "attention_mask")
         refuse_meta(input_ids, "input_ids")
-        traces: list[RouteTrace] | None = None
-        if not isinstance(routes, torch.Tensor):
+        traces = None if isinstance(routes, torch.Tensor) else list(routes)
+        indexer = replay_choices(self.indexer, type(self.model).__name__, traces, attention_mask, indexer)
+        if traces is not None:
             if attention_mask is None:
                 raise ConfigError("replaying RouteTraces needs the batch's attention_mask to place them")
-            traces = list(routes)
-            self._check_uniform_top_k()
             if order is ReplayOrder.ENGINE:
                 refuse_unordered(traces)
             if check_alignment and input_ids is not None:
                 self.stats.checked_sequences += check_tokens(traces, mask_array(attention_mask), input_ids)
-            routes = traces_to_routes(
+            routes_BSLK = traces_to_routes(
                 traces, attention_mask, self.layers, self.top_k, check_alignment=check_alignment, slots=self.slot_names
             )
-        elif input_ids is not None:
+        else:
+            routes_BSLK = cast(torch.Tensor, routes)
+        if traces is None and input_ids is not None:
             raise ConfigError(
                 "input_ids is checked against the token_ids of RouteTraces, and a routes tensor carries none: pass "
                 "the traces with attention_mask (Recording.traces(mask, input_ids=ids) keeps them), or drop input_ids"
             )
         self._check_uniform_top_k()
-        checked = check_routes(routes, self.layers, self.top_k, self.num_experts, self.slot_names)
+        checked = check_routes(routes_BSLK, self.layers, self.top_k, self.num_experts, self.slot_names)
         if check_alignment and traces is None and attention_mask is not None:
             check_padding(checked, mask_array(attention_mask))
         session = self._enter(ReplayMode.REPLAY, checked, attention_mask, traces if check_alignment else None, order)
+        if self.indexer is not None and indexer is not None:
+            try:
+                self.indexer.begin_replay(indexer, attention_mask=attention_mask)
+            except BaseException:
+                self._exit(session)
+                raise
+            session.indexer_replayed = True
         try:
             yield Recording(session)
         finally:
@@ -218,6 +235,8 @@ class Replayer:
         if self._session is not None:
             raise ReplayStateError("detach() inside a record/replay context; leave the context first")
         unbind(self, self._handles)
+        if self.indexer is not None:
+            self.indexer.detach()
 
     def describe(self) -> str:
         lines = [
@@ -251,6 +270,8 @@ class Replayer:
         if current is not None:
             raise ReplayStateError(f"already inside a {self.mode} context; contexts do not nest")
         self._session = Session(self, mode, routes, attention_mask, traces, order)
+        if self.indexer is not None and mode is ReplayMode.RECORD:
+            self._session.indexer_recording = self.indexer.begin_record()
         self.mode = mode
         if self.jitter is JitterPolicy.OFF:  # jitter acts in the block, before the router: off for the context
             for module in {
@@ -264,6 +285,8 @@ class Replayer:
         return self._session
 
     def _exit(self, session: Session) -> None:
+        if self.indexer is not None and (session.indexer_recording is not None or session.indexer_replayed):
+            self.indexer.end()
         for module, name, value in self._saved_jitter:
             setattr(module, name, value)
         self._saved_jitter.clear()

@@ -22,6 +22,8 @@ from routereplay.enums import ReplayMode, ReplayOrder, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.discovery import RouterSite
+from routereplay.runtime.indexer_layout import indexer_traces
+from routereplay.runtime.indexer_replayer import IndexerRecording
 from routereplay.runtime.interception import RouterSlot, in_backward
 from routereplay.runtime.modality import take_rows
 from routereplay.runtime.routes import mask_array, routes_to_traces
@@ -86,6 +88,8 @@ class Session:
         self.traces = None if traces is None or all(t.token_ids is None for t in traces) else list(traces)
         self.mask_BS = None if attention_mask is None or self.traces is None else mask_array(attention_mask)
         self.slots = replayer.slots
+        self.indexer_recording: IndexerRecording | None = None  # record: the DSA indexers' choices
+        self.indexer_replayed = False  # replay: the DSA indexers were forced too
         self.attended_T: np.ndarray | None = None
         self.routes_LTK: torch.Tensor | None = None
         self.batch_shape: tuple[int, int] | None = None
@@ -268,6 +272,13 @@ class Recording:
         return out
 
     @property
+    def indexer(self) -> torch.Tensor | None:
+        """DSA models under `record()`: the indexers' (B, S, L_dsa, I) key choices (batch columns, sorted,
+        -1 padded; `runtime/indexer.py`); None for models without indexers and under `replay()`."""
+        recording = self._session.indexer_recording
+        return None if recording is None else recording.indices
+
+    @property
     def routes(self) -> torch.Tensor:
         steps = self.steps
         if not steps:
@@ -288,10 +299,16 @@ class Recording:
     ) -> list[RouteTrace]:
         """Per-sequence traces: attended positions only (left or right padding dropped).
 
-        With the batch's `input_ids` the traces carry their token ids, so a later replay checks them."""
-        return routes_to_traces(
+        With the batch's `input_ids` the traces carry their token ids, so a later replay checks them.
+        DSA models: each trace carries its indexer choices (`RouteTrace.indexer`)."""
+        traces = routes_to_traces(
             self.routes, attention_mask, self.layers, self.num_experts, source, policy_version, input_ids, self.slots
         )
+        indexer, owner = self.indexer, self._session.replayer.indexer
+        if indexer is None or owner is None:
+            return traces
+        choices = indexer_traces(indexer, mask_array(attention_mask), owner.layers, owner.index_topk)
+        return [t.with_indexer(c.slice(0, t.num_tokens)) for t, c in zip(traces, choices, strict=True)]
 
 
 def guard_backward(output: Any, session: Session, site: RouterSite) -> None:
