@@ -43,6 +43,8 @@ class StubConfig:
     routes: Literal["present", "absent", "none"] = "present"
     sglang_dtype: str | None = None  # e.g. "uint8": also sets meta_info.routed_experts_dtype
     sglang_info_path: str = "/get_model_info"
+    index_topk: int | None = None  # SGLang: DSA indexer choices (`return_indexer_topk`) over `indexer_layers`
+    indexer_layers: int = 2
     fail_first: int = 0  # that many generation requests get `fail_status` first
     fail_status: int = 503
     always_status: int | None = None
@@ -58,6 +60,7 @@ class Served:
     tokens: list[int]
     logprobs: list[float]
     routes: np.ndarray  # (num_tokens - 1, num_layers, top_k), dense layers zero
+    indexer: np.ndarray | None = None  # (num_tokens - 1, indexer layers, index_topk) key positions, -1 padded
 
 
 @dataclass
@@ -173,10 +176,22 @@ class _Handler(BaseHTTPRequestHandler):
         keys = rng.random((rows * cfg.num_layers, cfg.num_experts))
         routes = np.argsort(keys, axis=1)[:, : cfg.top_k].reshape(rows, cfg.num_layers, cfg.top_k)
         routes[:, list(cfg.dense_layers)] = 0
-        served = Served(self.path, prompt, tokens, logprobs, routes)
+        served = Served(self.path, prompt, tokens, logprobs, routes, self._indexer(rng, rows))
         with self.stub.lock:
             self.stub.served.append(served)
         return served
+
+    def _indexer(self, rng: np.random.Generator, rows: int) -> np.ndarray | None:
+        """Canonical indexer choices: row t keeps min(I, t + 1) of the keys 0..t, sorted, then -1."""
+        cfg = self.stub.config
+        if cfg.index_topk is None:
+            return None
+        out = np.full((rows, cfg.indexer_layers, cfg.index_topk), -1, np.int32)
+        for t in range(rows):
+            for layer in range(cfg.indexer_layers):
+                keys = np.sort(rng.permutation(t + 1)[: cfg.index_topk])
+                out[t, layer, : keys.size] = keys
+        return out
 
     def _vllm(self, prompts: list[list[int]], body: dict[str, Any]) -> dict[str, Any]:
         cfg, choices, completion_tokens = self.stub.config, [], 0
@@ -241,6 +256,8 @@ class _Handler(BaseHTTPRequestHandler):
             meta["routed_experts"] = None if cfg.routes == "none" else raw
             if cfg.sglang_dtype is not None:
                 meta["routed_experts_dtype"] = cfg.sglang_dtype
+        if body.get("return_indexer_topk") and out.indexer is not None:
+            meta["indexer_topk"] = base64.b64encode(out.indexer.tobytes()).decode("ascii")
         return {"text": "", "output_ids": out.tokens, "meta_info": meta}
 
     # --- plumbing -------------------------------------------------------------------------------

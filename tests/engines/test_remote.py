@@ -17,7 +17,7 @@ from routereplay.engines.remote import (
     SGLangClient,
     VLLMClient,
 )
-from routereplay.errors import ConfigError, MissingRoutesError, PayloadEncodingError
+from routereplay.errors import ConfigError, MissingRoutesError, PayloadEncodingError, RouteReplayError
 from tests.engines.stub_server import StubConfig, StubServer, closed_port_url, stub_server
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [5, 6, 7]]  # a repeated prompt, as in a GRPO group
@@ -216,3 +216,28 @@ def test_missing_httpx_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "httpx", None)
     with pytest.raises(ImportError, match=r"pip install 'routereplay\[serve\]'"):
         VLLMClient("http://127.0.0.1:1", model="m", num_experts=8).generate([[1]], SamplingParams())
+
+
+def test_sglang_indexer_choices_ride_on_each_rollout() -> None:
+    """DSA rollouts must carry SGLang's indexer_topk rows, cut with the routes at EOS, or R3 replays live keys."""
+    with stub_server(StubConfig(num_experts=64, index_topk=3, eos_at=2)) as stub:
+        rollouts = sglang(stub, index_topk=3, indexer_layers=(1, 3)).generate(PROMPTS, SamplingParams(max_new_tokens=6))
+        assert all(body["return_indexer_topk"] is True for body in stub.posts("/generate"))
+        for rollout in rollouts:
+            length = len(rollout.response_ids)
+            truth = next(
+                s for s in stub.served if s.prompt == rollout.prompt_ids and s.tokens[:length] == rollout.response_ids
+            )
+            assert rollout.trace is not None and rollout.trace.indexer is not None
+            assert rollout.trace.indexer.layers == (1, 3)
+            assert truth.indexer is not None
+            assert np.array_equal(rollout.trace.indexer.to_dense(), truth.indexer[: rollout.trace.num_tokens])
+
+
+def test_sglang_without_indexer_choices_is_refused_when_asked_for() -> None:
+    """A server without --enable-return-indexer-topk must not yield DSA rollouts that silently lack choices."""
+    with stub_server(StubConfig(num_experts=64)) as stub:
+        with pytest.raises(RouteReplayError, match="indexer_topk"):
+            sglang(stub, index_topk=3, indexer_layers=(0,), retries=1).generate(
+                [[5, 6]], SamplingParams(max_new_tokens=2)
+            )

@@ -8,7 +8,8 @@ request (run `concurrency` at a time) with its own seed `params.seed + index`, s
   `logprobs: 1`; reads `choices[0].token_ids`, `.logprobs.token_logprobs`, `.routed_experts`.
 - SGLang: POST /generate with `input_ids`, `return_logprob: true`, `return_routed_experts: true`;
   reads `output_ids`, `meta_info.output_token_logprobs` ([logprob, token_id, text] triples) and
-  `meta_info.routed_experts`.
+  `meta_info.routed_experts`. DSA models (`index_topk=`): also `return_indexer_topk: true` (server flag
+  --enable-return-indexer-topk), and `meta_info.indexer_topk` becomes each trace's `indexer`.
 Both servers must run with --enable-return-routed-experts. The request loop, the model check and the
 response field checks both clients share are `RemoteEngine` (engines/remote_engine.py). Requests go
 through `BoundedHTTP` (engines/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect
@@ -48,6 +49,7 @@ from routereplay.errors import (
 )
 from routereplay.trace import RouteTrace
 from routereplay.wire.sglang import decode_sglang
+from routereplay.wire.sglang_indexer import decode_sglang_indexer
 from routereplay.wire.vllm import decode_vllm
 
 ENGINE_DEAD_MARKER = "EngineCore encountered an issue"  # vLLM V1's HTTP 500 body once its engine process died
@@ -179,6 +181,8 @@ class SGLangClient(RemoteEngine):
     `num_layers` is the payload's layer count (every hidden layer); `moe_layers` keeps the MoE ones.
     `model` is optional: `check_server()` compares it, and so does every response that names a model.
     `timeout`, `deadline`, `max_response_bytes`, `retries` and `backoff` as for `VLLMClient`.
+    `index_topk` (DSA models: the config's `index_topk`) asks for the indexer's choices too, for the
+    indexer layers `indexer_layers` (global numbers; default 0 .. L_dsa - 1 as SGLang sends them).
     """
 
     name = "SGLang"
@@ -200,6 +204,8 @@ class SGLangClient(RemoteEngine):
         backoff: float = DEFAULT_BACKOFF,
         concurrency: int = 8,
         policy_version: int | None = None,
+        index_topk: int | None = None,
+        indexer_layers: Sequence[int] | None = None,
     ) -> None:
         policy = HTTPPolicy(
             timeout=timeout, deadline=deadline, max_response_bytes=max_response_bytes, retries=retries, backoff=backoff
@@ -207,6 +213,7 @@ class SGLangClient(RemoteEngine):
         super().__init__(url, model, policy, concurrency, policy_version)
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
         self.moe_layers = None if moe_layers is None else tuple(moe_layers)
+        self.index_topk, self.indexer_layers = index_topk, None if indexer_layers is None else tuple(indexer_layers)
 
     def check_server(self) -> dict[str, Any]:
         """GET /get_model_info (or /model_info); raise `EngineModelError` if `model` is set and not served."""
@@ -242,7 +249,7 @@ class SGLangClient(RemoteEngine):
             "return_logprob": True,
             "return_routed_experts": True,
             "stream": False,
-        }
+        } | ({"return_indexer_topk": True} if self.index_topk is not None else {})
 
     def _tokens(self, data: dict[str, Any], where: str) -> tuple[list[int], list[float]]:
         field = "meta_info.output_token_logprobs"
@@ -257,7 +264,7 @@ class SGLangClient(RemoteEngine):
         return ids, checked_logprobs([t[0] for t in triples], where, f"the log-probs of {field}", len(ids))
 
     def _decode(self, data: dict[str, Any], *, num_tokens: int, sequence: int) -> RouteTrace:
-        return decode_sglang(
+        trace = decode_sglang(
             data,
             num_layers=self.num_layers,
             top_k=self.top_k,
@@ -267,6 +274,18 @@ class SGLangClient(RemoteEngine):
             sequence=sequence,
             policy_version=self.policy_version,
         )
+        if self.index_topk is None:
+            return trace
+        layers = self.indexer_layers
+        indexer = decode_sglang_indexer(
+            data,
+            num_layers=None if layers is None else len(layers),
+            index_topk=self.index_topk,
+            layers=layers,
+            num_tokens=num_tokens,
+            sequence=sequence,
+        )
+        return trace.with_indexer(indexer.slice(trace.start, trace.stop))
 
 
 __all__ = [
