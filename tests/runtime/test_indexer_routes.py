@@ -150,3 +150,17 @@ def test_a_forged_indexer_section_in_a_blob_is_refused() -> None:
     forged[-4:] = zlib.crc32(bytes(forged[:-4])).to_bytes(4, "little")
     with pytest.raises(CodecFormatError):
         codec.decode(bytes(forged))
+
+
+@pytest.mark.parametrize(("model_type", "kind"), [("deepseek_v4", "compressed KV blocks"), ("glm5_next", "pooled")])
+def test_indexers_of_another_kind_stay_live_and_are_named(model_type: str, kind: str) -> None:
+    """An indexer that does not pick token positions must not be bound as one (wrong keys), nor go unmentioned."""
+    model, replayer = _model(model_type)
+    assert replayer.indexer is None
+    assert "live indexer" in replayer.describe() and kind in replayer.describe()
+    ids = torch.randint(0, hf_tiny.text_vocab_size(model), (2, 8), generator=torch.Generator().manual_seed(1))
+    with replayer.record() as rec:
+        natural = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert rec.indexer is None
+    with replayer.replay(rec.routes):
+        assert torch.equal(model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits, natural)

@@ -5,8 +5,10 @@ top-4, fp32, batch 8 x 256 tokens. `shape="qwen3-30b-a3b"` takes Qwen3-30B-A3B's
 (hidden 2048, 128 experts, top-8, expert width 768, 32 query / 4 kv heads of 128) truncated to
 `layers` layers, for a GPU run in bf16 (`device="cuda"`, `dtype="bfloat16"`).
 Each repeat times one step per mode, with the modes interleaved in a rotating order
-(off, record, replay; record, replay, off; ...) so that drift in machine speed hits all three alike. The reported ratios
-are medians of those per-repeat times. Legend: B = batch, S = sequence length, L = layers, K = top-k.
+(off, record, replay, replay_engine; record, replay, ...) so that drift in machine speed hits all alike. `replay` is
+the default `order="set"` (a live top-k beside the forced one, to give each set the live order), `replay_engine`
+forces the routes' own order (`order="engine"`). The reported ratios are medians of those per-repeat times.
+Legend: B = batch, S = sequence length, L = layers, K = top-k.
 """
 
 from __future__ import annotations
@@ -131,11 +133,17 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
         with replayer.replay(routes_BSLK):
             step()
 
-    seconds = interleave({"off": off, "record": record, "replay": replay}, config.repeats, report)
+    def replay_engine() -> None:
+        with replayer.replay(routes_BSLK, order="engine"):
+            step()
+
+    modes = {"off": off, "record": record, "replay": replay, "replay_engine": replay_engine}
+    seconds = interleave(modes, config.repeats, report)
     replayer.detach()
     ratios = {
         "record_over_off": median_ratio(seconds["record"], seconds["off"]),
         "replay_over_off": median_ratio(seconds["replay"], seconds["off"]),
+        "replay_engine_over_off": median_ratio(seconds["replay_engine"], seconds["off"]),
     }
     return {
         "suite": "replay",
@@ -165,9 +173,12 @@ def markdown(result: dict[str, Any]) -> str:
         "| mode | seconds per step (median) | low | high | ratio to off |",
         "|---|---:|---:|---:|---:|",
     ]
-    ratio = {"off": 1.0, "record": result["ratios"]["record_over_off"], "replay": result["ratios"]["replay_over_off"]}
+    ratios = result["ratios"]
+    ratio = {"off": 1.0, **{name: ratios[f"{name}_over_off"] for name in ("record", "replay", "replay_engine")}}
+    names = {"replay": "replay (order set)", "replay_engine": "replay (order engine)"}
     for name, s in result["seconds"].items():
-        lines.append(f"| {name} | {s['median']:.4f} | {s['low']:.4f} | {s['high']:.4f} | {ratio[name]:.3f} |")
+        label = names.get(name, name)
+        lines.append(f"| {label} | {s['median']:.4f} | {s['low']:.4f} | {s['high']:.4f} | {ratio[name]:.3f} |")
     return "\n".join(lines)
 
 

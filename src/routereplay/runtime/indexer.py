@@ -51,12 +51,31 @@ class IndexerSite:
     index_topk: int
 
 
+# indexers that do not pick token positions: left live, named by `unbound_indexers` (and `Replayer.describe`)
+OTHER_INDEXERS = {
+    "DeepseekV4Indexer": (
+        "DeepSeek-V4 compressed sparse attention: its indexer picks compressed KV blocks (one per "
+        "compress_rate tokens), not token positions; left live"
+    ),
+    "Glm5NextTextIndexer": (
+        "GLM-5-Next pooled indexer: it scores pools of index_kpool tokens under a (B, S) padding mask and "
+        "may append a visible tail past index_topk; not replayed yet, left live"
+    ),
+}
+
+
 def discover_indexers(model: nn.Module) -> list[IndexerSite]:
-    """Every DSA indexer of `model`, in layer order (empty for a model without one)."""
+    """Every DSA indexer of `model`, in layer order (empty for a model without one).
+
+    A DSA indexer picks token positions under the attention mask it is given (DeepSeek-V3.2, GLM-5:
+    `forward(hidden_states, q_resid, position_embeddings, attention_mask, ...)`). Indexers of another
+    kind (`OTHER_INDEXERS`) are left live: `unbound_indexers` names them."""
     sites: dict[int, IndexerSite] = {}
     for name, module in model.named_modules():
         topk = getattr(module, "index_topk", None)
         if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1 or not _has_topk(type(module)):
+            continue
+        if type(module).__name__ in OTHER_INDEXERS:
             continue
         layer = _layer_number(name)
         if layer is None:
@@ -65,6 +84,13 @@ def discover_indexers(model: nn.Module) -> list[IndexerSite]:
             raise UnsupportedRouterError(f"layer {layer} holds 2 DSA indexers: {sites[layer].name!r} and {name!r}")
         sites[layer] = IndexerSite(name, module, layer, topk)
     return [sites[layer] for layer in sorted(sites)]
+
+
+def unbound_indexers(model: nn.Module) -> list[tuple[str, str]]:
+    """(module path, reason) of the indexers `discover_indexers` leaves live (`OTHER_INDEXERS`)."""
+    return [
+        (n, OTHER_INDEXERS[type(m).__name__]) for n, m in model.named_modules() if type(m).__name__ in OTHER_INDEXERS
+    ]
 
 
 def attendable_BST(attention_mask: torch.Tensor | None, batch: int, positions: int, keys: int) -> torch.Tensor | None:
@@ -179,4 +205,13 @@ def _refuse(bad_BSLI: torch.Tensor, values_BSLI: torch.Tensor, layers: tuple[int
     )
 
 
-__all__ = ["ForcedIndices", "IndexerSite", "attendable_BST", "canonical_indices", "discover_indexers", "prepare_forced"]
+__all__ = [
+    "OTHER_INDEXERS",
+    "ForcedIndices",
+    "IndexerSite",
+    "attendable_BST",
+    "canonical_indices",
+    "discover_indexers",
+    "prepare_forced",
+    "unbound_indexers",
+]

@@ -65,7 +65,7 @@ from routereplay.runtime.binding import JITTER_ATTRS, AuxLossRouting, Binding, J
 from routereplay.runtime.call_inputs import attributes, call_ids, call_shape, refuse_kernels
 from routereplay.runtime.discovery import RouterSite, discover
 from routereplay.runtime.family_interceptors import interceptor_for
-from routereplay.runtime.indexer import discover_indexers
+from routereplay.runtime.indexer import discover_indexers, unbound_indexers
 from routereplay.runtime.indexer_layout import replay_choices
 from routereplay.runtime.indexer_replayer import IndexerReplayer
 from routereplay.runtime.interception import RouterSlot, in_backward, on_thread
@@ -248,6 +248,7 @@ class Replayer:
             for b in self.bindings
         ]
         lines += [f"  refused {r.name} ({r.family}): {r.reason}" for r in self.refused]
+        lines += [f"  live indexer {name}: {why}" for name, why in unbound_indexers(self.model)]
         return "\n".join(lines)
 
     # -- internals ---------------------------------------------------------------------------------
@@ -387,13 +388,9 @@ class Replayer:
 
 
 def attach(
-    model: nn.Module,
-    *,
-    strict: bool = True,
-    aux_loss_routing: AuxLossRouting | str = AuxLossRouting.NATURAL,
-    jitter: JitterPolicy | str = JitterPolicy.MODEL,
+    model: nn.Module, *, strict: bool = True, aux_loss_routing: str = "natural", jitter: JitterPolicy | str = "model"
 ) -> Replayer:
-    """Bind every router of an HF transformers MoE model for record / replay (see `Replayer`)."""
+    """Bind every router (and DSA indexer) of an HF transformers MoE model for record / replay (`Replayer`)."""
     return Replayer(model, strict=strict, aux_loss_routing=aux_loss_routing, jitter=jitter)
 
 
