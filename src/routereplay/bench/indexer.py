@@ -115,8 +115,11 @@ def run(config: IndexerBenchConfig, progress: Callable[[str], None] | None = Non
 
 def markdown(result: dict[str, Any]) -> str:
     """The BENCHMARKS.md table for a `run` record."""
-    config = result["config"]
+    config, machine = result["config"], result["machine"]
     lines = [
+        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), numpy {machine['numpy']}, by "
+        "`routereplay bench indexer`.",
+        "",
         f"T={config['num_tokens']} query tokens x L={config['num_layers']} DSA layers, index_topk "
         f"I={config['index_topk']}, {config['repeats']} repeats (median); dense = T x L x I int32.",
         "",

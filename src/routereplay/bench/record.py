@@ -28,6 +28,13 @@ TITLES = {
 }
 
 NOTES = {
+    "indexer": (
+        "Synthetic choices (`routereplay.bench.indexer.synthetic_choices`): *recent* picks keys with weight 1 / (1 + "
+        "distance) plus the first 4 keys (attention sinks), *uniform* every visible key alike. Dense is the (T, L, I) "
+        "int32 array a trainer would ship; the blob is `IndexerTrace.encode()` (checksummed), where rows of queries "
+        "that see at most I keys cost nothing and the others take the smallest of packed gaps, Rice-coded gaps or a "
+        "bitmap per 128-token block. Decoding checks every block and is checked equal to the input before timing."
+    ),
     "codec": (
         "*bytes/row* is bytes per (token, layer) row; *x entropy* compares it with log2 C(E,K)/8, the size of a "
         "uniformly random top-K set. Peer formats are timed from wire bytes to an int16 (T, L, K) array, the signed "
