@@ -5,20 +5,24 @@ the stable public names; everything else is reached through its module.
 """
 
 from routereplay.codec import decode, encode
-from routereplay.enums import CodecMode, ReplayMode, Source
+from routereplay.enums import CodecMode, ReplayMode, ReplayOrder, Source
 from routereplay.errors import RouteReplayError
+from routereplay.indexer import IndexerTrace
 from routereplay.runtime import Recording, Replayer, ReplayStats, attach, attach_megatron
 from routereplay.store import RouteStore
 from routereplay.trace import MergePolicy, RouteTrace, Segment
 from routereplay.wire import decode_megatron, decode_sglang, decode_vllm
+from routereplay.wire.sglang_indexer import decode_sglang_indexer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CodecMode",
+    "IndexerTrace",
     "MergePolicy",
     "Recording",
     "ReplayMode",
+    "ReplayOrder",
     "ReplayStats",
     "Replayer",
     "RouteReplayError",
@@ -32,6 +36,7 @@ __all__ = [
     "decode",
     "decode_megatron",
     "decode_sglang",
+    "decode_sglang_indexer",
     "decode_vllm",
     "encode",
 ]

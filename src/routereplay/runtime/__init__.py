@@ -2,12 +2,16 @@
 their top-k choice. Importing it never imports megatron."""
 
 from routereplay.runtime.discovery import Refusal, RouterSite
+from routereplay.runtime.indexer_replayer import IndexerRecording, IndexerReplayer, IndexerStats
 from routereplay.runtime.megatron import MegatronRecording, MegatronReplayer, attach_megatron
 from routereplay.runtime.replayer import AuxLossRouting, Binding, JitterPolicy, Recording, Replayer, ReplayStats, attach
 
 __all__ = [
     "AuxLossRouting",
     "Binding",
+    "IndexerRecording",
+    "IndexerReplayer",
+    "IndexerStats",
     "JitterPolicy",
     "MegatronRecording",
     "MegatronReplayer",
