@@ -148,6 +148,10 @@ def test_hostile_headers_with_a_valid_crc_raise_store_header_error(header: str, 
         {"id": "s", "tokens": 1, "routes": None, "metadata": {}, "conflicting_rows": 1.5},
         {"id": "s", "tokens": 1, "routes": None, "metadata": {}, "conflicting_rows": -3},
         {"id": "s", "tokens": 1, "routes": None, "metadata": {}, "conflicting_rows": True},
+        {"id": "s", "tokens": 1, "routes": None, "metadata": {}, "conflicting_rows": 0, "indexer": "8"},
+        {"id": "s", "tokens": 1, "routes": None, "metadata": {}, "conflicting_rows": 0, "indexer": -1},
+        {"id": "s", "tokens": 1, "routes": None, "metadata": {}, "conflicting_rows": 0, "indexer": 10**30},
+        {"id": "s", "tokens": 1, "routes": None, "metadata": {}, "conflicting_rows": 0, "indexer": True},
     ],
 )
 def test_wrong_entry_types_raise_store_header_error(entry: dict[str, object]) -> None:

@@ -155,7 +155,7 @@ def sample_entries(
                 raise ValueError(f"sample {sample_id!r} has an empty routes blob")
         indexer, size = None, entry.get("indexer")
         if size is not None:
-            if not isinstance(size, int) or not 0 <= size <= len(body) - position:
+            if not is_int(size) or not 0 <= size <= len(body) - position:
                 raise ValueError(f"sample {sample_id!r} declares a {size!r}-byte indexer blob past the data")
             indexer = IndexerTrace.decode(body[position : position + size])
             position += size

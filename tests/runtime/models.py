@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from routereplay.runtime.discovery import LAYER_PATH
+
+K = TypeVar("K")
 
 
 def tiny_qwen3(layers: int = 3, experts: int = 8, top_k: int = 2, seed: int = 0) -> nn.Module:
@@ -38,47 +41,22 @@ def random_routes(batch: int, positions: int, layers: int, top_k: int, experts: 
 
 
 @contextmanager
-def experts_inputs_by_name(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
-    """Like `experts_inputs`, keyed by the experts module's path (a layer may hold several experts modules)."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if not (type(module).__name__.endswith("Experts") or name.endswith(".down_embed")):
-            continue
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            for value in list(args) + list(kwargs.values()):
-                if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 2:
-                    seen.setdefault(name, []).append(value.detach().clone())
-                    return
-
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextmanager
-def experts_inputs(model: nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
-    """Capture the expert ids each experts module receives, keyed by layer (first int tensor input).
+def _experts_capture(model: nn.Module, key_of: Callable[[str], K | None]) -> Iterator[dict[K, list[torch.Tensor]]]:
+    """The expert ids (first 2-D int tensor input) each experts module receives, under `key_of(its path)`.
 
     An experts module is a `*Experts` class, or the `down_embed` table of a product-key block (Doge's
-    experts are embedding rows, looked up by expert id)."""
-    seen: dict[int, list[torch.Tensor]] = {}
+    experts are embedding rows, looked up by expert id); modules whose key is None are skipped."""
+    seen: dict[K, list[torch.Tensor]] = {}
     handles = []
     for name, module in model.named_modules():
-        found = LAYER_PATH.findall(name)
-        experts = type(module).__name__.endswith("Experts") or name.endswith(".down_embed")
-        if not experts or not found:
+        key = key_of(name)
+        if key is None or not (type(module).__name__.endswith("Experts") or name.endswith(".down_embed")):
             continue
-        layer = int(found[-1])
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, layer: int = layer) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, key: K = key) -> None:
             for value in list(args) + list(kwargs.values()):
                 if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 2:
-                    seen.setdefault(layer, []).append(value.detach().clone())
+                    seen.setdefault(key, []).append(value.detach().clone())
                     return
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
@@ -87,3 +65,18 @@ def experts_inputs(model: nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def experts_inputs_by_name(model: nn.Module) -> AbstractContextManager[dict[str, list[torch.Tensor]]]:
+    """Expert ids each experts module receives, keyed by its path (a layer may hold several experts modules)."""
+    return _experts_capture(model, lambda name: name)
+
+
+def experts_inputs(model: nn.Module) -> AbstractContextManager[dict[int, list[torch.Tensor]]]:
+    """Expert ids each experts module receives, keyed by its global layer number."""
+
+    def layer_of(name: str) -> int | None:
+        found = LAYER_PATH.findall(name)
+        return int(found[-1]) if found else None
+
+    return _experts_capture(model, layer_of)

@@ -76,24 +76,20 @@ def rows_of(modality: Modality, types_BS: torch.Tensor | None, tokens: int) -> t
     return ~vision_T if modality is Modality.TEXT else vision_T
 
 
-def check_rows(forced_TK: torch.Tensor, rows_T: torch.Tensor | None, where: str, modality: Modality) -> None:
-    """Replay: forced routes on tokens this router does not see are a `ModalityMismatchError`."""
-    if rows_T is None:
-        return
+def checked_counts(
+    forced_TK: torch.Tensor, rows_T: torch.Tensor | None, attended_T: np.ndarray | None, where: str, modality: Modality
+) -> tuple[int, int]:
+    """Replay, one host pass per block call: refuse forced routes on tokens this router does not see
+    (`ModalityMismatchError`), and return its (replayed, fallback) rows (its tokens, attended ones only)."""
     routed_T = forced_TK[:, 0].cpu().numpy() >= 0
-    stray = np.flatnonzero(routed_T & ~rows_T.cpu().numpy())
+    seen_T = np.ones_like(routed_T) if rows_T is None else rows_T.cpu().numpy()
+    stray = np.flatnonzero(routed_T & ~seen_T)
     if stray.size:
         raise ModalityMismatchError(
             f"{where}: routes for {stray.size} tokens (first at flat position {int(stray[0])}, b * S + s) that the "
             f"{modality} router does not run for (the batch's moe_mm_token_type_ids send them to another router); "
             "pass the token types the routes were recorded with, or -1 for the tokens of other modalities"
         )
-
-
-def counts(forced_TK: torch.Tensor, rows_T: torch.Tensor | None, attended_T: np.ndarray | None) -> tuple[int, int]:
-    """(replayed, fallback) rows of one modality router call: its tokens only, attended positions only."""
-    routed_T = forced_TK[:, 0].cpu().numpy() >= 0
-    seen_T = np.ones_like(routed_T) if rows_T is None else rows_T.cpu().numpy()
     if attended_T is not None and attended_T.size == seen_T.size:
         seen_T = seen_T & attended_T
     return int(np.count_nonzero(seen_T & routed_T)), int(np.count_nonzero(seen_T & ~routed_T))
@@ -117,8 +113,7 @@ __all__ = [
     "MODALITY_BLOCKS",
     "Modality",
     "ModalitySplit",
-    "check_rows",
-    "counts",
+    "checked_counts",
     "rows_of",
     "scatter_rows",
     "take_rows",

@@ -69,7 +69,7 @@ from routereplay.runtime.indexer import discover_indexers, unbound_indexers
 from routereplay.runtime.indexer_layout import replay_choices
 from routereplay.runtime.indexer_replayer import IndexerReplayer
 from routereplay.runtime.interception import RouterSlot, in_backward, on_thread
-from routereplay.runtime.modality import MODALITY_BLOCKS, check_rows, counts, rows_of, scatter_rows, token_types
+from routereplay.runtime.modality import MODALITY_BLOCKS, checked_counts, rows_of, scatter_rows, token_types
 from routereplay.runtime.routes import check_routes, mask_array, refuse_unordered, replay_order, traces_to_routes
 from routereplay.runtime.session import Recording, ReplayStats, Session, guard_backward
 from routereplay.trace import RouteTrace
@@ -329,8 +329,8 @@ class Replayer:
             split = MODALITY_BLOCKS[type(block).__name__]
             slot.rows_T = rows_of(site.modality, token_types(split, args, kwargs), tokens)
             if session.mode is ReplayMode.REPLAY and slot.forced_TK is not None and not in_backward():
-                check_rows(slot.forced_TK, slot.rows_T, f"layer {site.layer} ({site.name})", site.modality)
-                slot.counts = counts(slot.forced_TK, slot.rows_T, session.attended_T)
+                where = f"layer {site.layer} ({site.name})"
+                slot.counts = checked_counts(slot.forced_TK, slot.rows_T, session.attended_T, where, site.modality)
 
     def _route(
         self,
