@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -26,8 +26,28 @@ from torch.utils.hooks import RemovableHandle
 from routereplay.runtime.discovery import RouterSite
 from routereplay.runtime.interception import RouterSlot
 
-if TYPE_CHECKING:
-    from routereplay.runtime.replayer import Replayer
+
+class HookOwner(Protocol):
+    """What the hooks and bindings here call on the `Replayer` that owns them (`runtime/replayer.py`)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def sites(self) -> Sequence[RouterSite]: ...
+    @property
+    def slots(self) -> Sequence[RouterSlot]: ...
+    @property
+    def _handles(self) -> list[RemovableHandle]: ...
+    def _on_model_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+    def _on_split(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+    def _route(
+        self,
+        site: RouterSite,
+        slot: RouterSlot,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any: ...
 
 
 class _ModelCallHook:
@@ -36,7 +56,7 @@ class _ModelCallHook:
 
     __slots__ = ("replayer",)
 
-    def __init__(self, replayer: Replayer | None) -> None:
+    def __init__(self, replayer: HookOwner | None) -> None:
         self.replayer = replayer
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -54,7 +74,7 @@ class _SplitHook:
 
     __slots__ = ("replayer",)
 
-    def __init__(self, replayer: Replayer | None) -> None:
+    def __init__(self, replayer: HookOwner | None) -> None:
         self.replayer = replayer
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -75,7 +95,7 @@ class _RouterForward:
 
     def __init__(
         self,
-        replayer: Replayer | None,
+        replayer: HookOwner | None,
         site: RouterSite | None,
         slot: RouterSlot | None,
         original: Callable[..., Any],
@@ -118,7 +138,7 @@ def _is_bound_class_forward(forward: Any, scope: nn.Module) -> bool:
     return getattr(forward, "__self__", None) is scope and getattr(forward, "__func__", None) is type(scope).forward
 
 
-def attached_replayer(model: nn.Module) -> Replayer | None:
+def attached_replayer(model: nn.Module) -> HookOwner | None:
     """The Replayer attached to `model` (found by its forward pre-hook), or None."""
     for hook in getattr(model, "_forward_pre_hooks", {}).values():
         replayer = getattr(hook, "replayer", None) if isinstance(hook, _ModelCallHook) else None
@@ -127,7 +147,7 @@ def attached_replayer(model: nn.Module) -> Replayer | None:
     return None
 
 
-def bind(replayer: Replayer) -> list[RemovableHandle]:
+def bind(replayer: HookOwner) -> list[RemovableHandle]:
     """Hook the model and wrap each bound router scope's `forward`; returns the hook handles."""
     handles = [replayer.model.register_forward_pre_hook(_ModelCallHook(replayer), with_kwargs=True)]
     splitters = {id(s.splitter): s.splitter for s in replayer.sites if s.splitter is not None}
@@ -142,7 +162,7 @@ def bind(replayer: Replayer) -> list[RemovableHandle]:
     return handles
 
 
-def unbind(replayer: Replayer, handles: list[RemovableHandle]) -> None:
+def unbind(replayer: HookOwner, handles: list[RemovableHandle]) -> None:
     """Delete the wrappers `bind` set (putting back a forward another library had set) and remove `handles`."""
     for site in replayer.sites:
         wrapper = _binding(site.scope.__dict__.get("forward"))

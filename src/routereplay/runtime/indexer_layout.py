@@ -17,7 +17,7 @@ Legend: B = batch rows, S = positions (columns), L = DSA layers, I = index_topk,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,8 +27,14 @@ from routereplay.indexer.trace import IndexerTrace
 from routereplay.runtime.routes import mask_array
 from routereplay.trace import RouteTrace
 
-if TYPE_CHECKING:
-    from routereplay.runtime.indexer_replayer import IndexerReplayer
+
+class IndexerGeometry(Protocol):
+    """What the batch layout needs of the model's bound indexers (an `IndexerReplayer`)."""
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+    @property
+    def index_topk(self) -> int: ...
 
 
 def indexer_traces(
@@ -86,7 +92,7 @@ def indexer_batch(
 
 
 def replay_choices(
-    owner: IndexerReplayer | None,
+    owner: IndexerGeometry | None,
     model_name: str,
     traces: Sequence[RouteTrace] | None,
     attention_mask: torch.Tensor | None,

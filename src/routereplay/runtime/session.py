@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,15 +22,12 @@ from routereplay.enums import ReplayMode, ReplayOrder, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.discovery import RouterSite
-from routereplay.runtime.indexer_layout import indexer_traces
+from routereplay.runtime.indexer_layout import IndexerGeometry, indexer_traces
 from routereplay.runtime.indexer_replayer import IndexerRecording
 from routereplay.runtime.interception import RouterSlot, in_backward
 from routereplay.runtime.modality import take_rows
 from routereplay.runtime.routes import mask_array, routes_to_traces
 from routereplay.trace import RouteTrace
-
-if TYPE_CHECKING:
-    from routereplay.runtime.replayer import Replayer
 
 
 @dataclass(slots=True)
@@ -60,6 +57,27 @@ class ReplayStats:
         self.fallback_rows_by_layer.clear()
 
 
+class SessionOwner(Protocol):
+    """What a context reads of the `Replayer` that opened it (`runtime/replayer.py`)."""
+
+    @property
+    def sites(self) -> Sequence[RouterSite]: ...
+    @property
+    def slots(self) -> Sequence[RouterSlot]: ...
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def slot_names(self) -> tuple[str, ...] | None: ...
+    @property
+    def stats(self) -> ReplayStats: ...
+    @property
+    def _stats(self) -> ReplayStats: ...
+    @property
+    def indexer(self) -> IndexerGeometry | None: ...
+
+
 class Session:
     """State of one record or replay context: its owner thread, steps (forward calls) and routes.
 
@@ -73,7 +91,7 @@ class Session:
 
     def __init__(
         self,
-        replayer: Replayer,
+        replayer: SessionOwner,
         mode: ReplayMode,
         routes_BSLK: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
