@@ -12,17 +12,39 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from routereplay.enums import Source, StrEnum
 from routereplay.errors import ConfigError, TokenMismatchError
 
-if TYPE_CHECKING:
-    from routereplay.trace import RouteTrace
-
 UNROUTED_SOURCE = "none"  # provenance of positions no engine call covered (set by `RouteTrace.merge`)
+
+
+class RoutedRows(Protocol):
+    """What merging and validation read of a `RouteTrace` (`trace/route_trace.py`, which builds on both)."""
+
+    @property
+    def experts(self) -> np.ndarray: ...
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def segments(self) -> tuple[Segment, ...]: ...
+    @property
+    def token_ids(self) -> np.ndarray | None: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def stop(self) -> int: ...
 
 
 class MergePolicy(StrEnum):
@@ -73,7 +95,7 @@ def check_segments(segments: tuple[Segment, ...], start: int, stop: int) -> None
         raise ConfigError(f"provenance segments end at {position} but the trace's rows end at {stop}")
 
 
-def merge_rows(first: RouteTrace, second: RouteTrace) -> tuple[np.ndarray, int, list[Segment], np.ndarray | None]:
+def merge_rows(first: RoutedRows, second: RoutedRows) -> tuple[np.ndarray, int, list[Segment], np.ndarray | None]:
     """The rows, start, segments and token ids of `RouteTrace.merge`, `first` winning where both route a token.
 
     Both traces hold rows and share num_experts, layers and top-k (`merge` checked). Returns the ids over
@@ -117,7 +139,7 @@ def merge_rows(first: RouteTrace, second: RouteTrace) -> tuple[np.ndarray, int, 
 
 
 def _merged_token_ids(
-    first: RouteTrace, second: RouteTrace, start: int, span: int, use_first_T: np.ndarray, use_second_T: np.ndarray
+    first: RoutedRows, second: RoutedRows, start: int, span: int, use_first_T: np.ndarray, use_second_T: np.ndarray
 ) -> np.ndarray | None:
     """Token ids of a merge: each position's id from the trace whose row won, -1 where unknown."""
     if first.token_ids is None and second.token_ids is None:

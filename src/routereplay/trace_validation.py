@@ -9,7 +9,7 @@ Legend: T = rows, L = MoE layers, K = top-k, R = T * L (token, layer) rows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -25,9 +25,7 @@ from routereplay.errors import (
     ZeroLayerError,
     location,
 )
-
-if TYPE_CHECKING:
-    from routereplay.trace import RouteTrace
+from routereplay.trace_provenance import RoutedRows
 
 INT16_MAX_EXPERTS = 32767  # ids up to 32766 and the -1 sentinel fit in int16
 ZERO_LAYER_MIN_ROWS_K1 = 32  # with top-1, an all-zero layer is flagged only over this many rows
@@ -120,7 +118,7 @@ def check_slots(slots: Any, layers: tuple[int, ...]) -> tuple[str, ...] | None:
 
 
 def validate_routes(
-    trace: RouteTrace, sequence: str | int | None, *, top_k: int | None, num_layers: int | None
+    trace: RoutedRows, sequence: str | int | None, *, top_k: int | None, num_layers: int | None
 ) -> None:
     """The validation catalogue of `RouteTrace.validate`: raise a named `RouteReplayError` at the first
     problem (see there for the list); `sequence` names the sequence in the message.
@@ -178,7 +176,7 @@ def validate_routes(
             )
 
 
-def _check_zero_layers(trace: RouteTrace, where: str | int | None, routed_TL: np.ndarray) -> None:
+def _check_zero_layers(trace: RoutedRows, where: str | int | None, routed_TL: np.ndarray) -> None:
     # ids are in [-1, E) and no row mixes -1 with ids, so a layer whose largest id is 0 holds
     # only all-zero and all-(-1) rows
     num_rows, num_layers, top_k = trace.experts.shape
