@@ -12,6 +12,8 @@ Scenarios, each run by every rank on the case the parent test saved in `DIR/case
   when each rank replays the other rank's shard.
 - `delivery`: per-rank route delivery on 4 ranks (`scatter_bundles`, `broadcast_dense`,
   `exchange_bundles` and their refusals); see tests/distributed/delivery.py.
+- `lying_source`: rank 0 forges `scatter_bundles` headers and payloads; rank 1 must raise, not return
+  made-up bytes (see tests/distributed/lying_source.py).
 - `failing_rank`: the last rank raises while the others wait in a barrier (the launcher's own test).
 
 Legend: B = batch rows, b = B / P rows of a rank, S = positions, s = positions of a shard,
@@ -128,6 +130,12 @@ def route_delivery(case: dict[str, Any], rank: int, world: int) -> Result:
     return deliver(case, rank, world)
 
 
+def lying_source(case: dict[str, Any], rank: int, world: int) -> Result:
+    from tests.distributed.lying_source import lie
+
+    return lie(case, rank, world)
+
+
 def failing_rank(case: dict[str, Any], rank: int, world: int) -> Result:
     """The last rank fails while the others wait for it in a collective (tests the launcher)."""
     if rank == world - 1:
@@ -153,6 +161,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any], int, int], Result]] = {
     "fsdp": fsdp_data_parallel,
     "ulysses": ulysses_sequence_parallel,
     "delivery": route_delivery,
+    "lying_source": lying_source,
     "failing_rank": failing_rank,
 }
 

@@ -18,8 +18,21 @@ sample, positions no engine routed) are -1. Version 1 layout, little-endian:
 
 Parsing trusts nothing: magic, version, CRC, then every length against the shape and the others
 (spans in order, inside [0, P), not overlapping; each bitmap's popcount equals its routed rows; each
-stream exactly as long as its values), and P x L x K against `CodecLimits.max_entries`, all before
-the output is allocated. Values are then checked as they are unpacked (ranks < C(E, K), ids < E).
+stream exactly as long as its values), all before the output is allocated. The bounds are the codec's
+(`CodecLimits`):
+
+- `max_entries` caps P x L x K, the decoded ids;
+- `max_expansion` caps the decoded bytes per bundle byte of the rows the spans cover (a zero-bit
+  layout, K = E in set mode or E = 1 in ordered mode, or a forged span, costs no bytes per row);
+- padding rows (no span covers them) cost no bytes at all, so they are bounded by the receiver:
+  with `expected_rows=P` (the rank's own layout rows) they are the rank's own claim; without it the
+  whole P x L x K ids must also fit `max_expansion` x the bundle's bytes;
+- `chunk_entries` is the decode step: spans are unpacked, checked and unranked at most
+  max(chunk_entries, K) ids at a time, so `decode()` allocates the (P, L, K) output plus a working
+  set of at most `WORKING_BYTES_PER_ENTRY * max(chunk_entries, K)` bytes (and the set-mode tables).
+
+Values are checked as they are unpacked (ranks < C(E, K), ids < E). A bundle always comes from
+another process, so there is no trusted constructor: raise the named limit for a trusted source.
 
 Legend: P = rows of the rank's layout, L = layers, K = top-k, E = experts, S = spans, n = routed rows.
 """
@@ -91,7 +104,7 @@ class _SpanEntry:
 class RankBundle:
     """A parsed, checked bundle (see the module docstring); `decode()` gives the rank's rows."""
 
-    __slots__ = ("_data", "_entries", "layers", "mode", "num_experts", "rows", "streams", "top_k")
+    __slots__ = ("_chunk_rows", "_data", "_entries", "layers", "mode", "num_experts", "rows", "streams", "top_k")
 
     def __init__(
         self,
@@ -100,8 +113,11 @@ class RankBundle:
         expected_rows: int | None = None,
         limits: CodecLimits | None = None,
     ) -> None:
-        """Parse and check `data`; `expected_rows` (the rank's layout rows, when it knows them) must equal the
-        bundle's, and P x L x K must be within `limits.max_entries` - both before anything is allocated."""
+        """Parse and check `data` against `limits` (see the module docstring), before anything is allocated.
+
+        `expected_rows`: the rank's layout rows, which the receiver knows from its own plan; the bundle's P
+        must equal it. Pass it on the delivery path: it is what bounds the padding rows, which carry no
+        bytes (without it, all P rows must fit `limits.max_expansion` x the bundle's bytes)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ConfigError(f"a rank bundle is bytes, got {type(data).__name__}")
         limits = checked_limits(limits)
@@ -117,6 +133,10 @@ class RankBundle:
             )
         self.mode = CodecMode.SET if mode_code == 0 else CodecMode.ORDERED
         self.rows, self.top_k, self.num_experts = P, K, E
+        if expected_rows is not None and (
+            not isinstance(expected_rows, (int, np.integer)) or isinstance(expected_rows, bool) or expected_rows < 0
+        ):
+            raise ConfigError(f"expected_rows={expected_rows!r} must be this rank's layout rows (an int >= 0) or None")
         if expected_rows is not None and P != expected_rows:
             raise CodecFormatError(
                 f"rank bundle holds {P} layout rows but this rank's layout has {expected_rows}: it was built for "
@@ -127,6 +147,9 @@ class RankBundle:
                 f"rank bundle declares {P} x {L} x {K} = {P * L * K} expert ids, above CodecLimits.max_entries="
                 f"{limits.max_entries}; refused before allocating (raise the limit for a trusted bundle)"
             )
+        itemsize = canonical_dtype(E).itemsize
+        if expected_rows is None:
+            _check_expansion(P, L, K, itemsize, len(view), limits, padding=True)
         pos = _FIXED.size + 4 * L
         if pos > end:
             raise CodecFormatError(f"truncated rank bundle: {L} layer numbers need {4 * L} bytes")
@@ -138,7 +161,9 @@ class RankBundle:
                 f"rank bundle declares {S} spans; {end - pos} bytes hold at most {(end - pos) // record}"
             )
         headers, pos = pos, pos + S * record
+        self._chunk_rows = max(1, limits.chunk_entries // K)  # rows per decode step: <= max(chunk_entries, K) ids
         self._entries = self._parse_spans(view, headers, S, pos, end)
+        _check_expansion(self.covered_rows, L, K, itemsize, len(view), limits, padding=False)
         self._data = view
 
     def _parse_spans(self, view: memoryview, at: int, count: int, data_at: int, end: int) -> list[_SpanEntry]:
@@ -162,9 +187,9 @@ class RankBundle:
                 if size > end - data:
                     raise CodecFormatError(f"{where}: its bitmap of {size} bytes runs past the data")
                 bitmap_at, data = data, data + size
-                bits = np.unpackbits(np.frombuffer(view, np.uint8, size, bitmap_at), bitorder="little")
-                if int(bits[skip : skip + length * L].sum()) != routed:
-                    raise CodecFormatError(f"{where}: its bitmap marks {int(bits.sum())} routed rows, not {routed}")
+                marked = self._popcount(view, bitmap_at, skip, length * L)
+                if marked != routed:
+                    raise CodecFormatError(f"{where}: its bitmap marks {marked} routed rows, not {routed}")
             cuts = []
             for q, (per_row, bits_per) in enumerate(self.streams):
                 value_skip, size = _CUT.unpack_from(view, at)
@@ -182,6 +207,14 @@ class RankBundle:
             raise CodecFormatError(f"rank bundle has {end - data} stray bytes before its checksum")
         return entries
 
+    def _popcount(self, view: memoryview, at: int, skip: int, count: int) -> int:
+        """Set bits [skip, skip + count) of the bitmap at byte `at`, a bounded number of bytes per step."""
+        step = 8 * max(1, self._chunk_rows // 8)  # bits per step, a whole number of bytes
+        total = 0
+        for b0 in range(0, count, step):
+            total += int(np.count_nonzero(_bits(view, at, skip + b0, min(count, b0 + step) - b0)))
+        return total
+
     @property
     def spans(self) -> int:
         return len(self._entries)
@@ -192,28 +225,34 @@ class RankBundle:
         return sum(e.length for e in self._entries)
 
     def decode(self) -> np.ndarray:
-        """(P, L, K) ids in the canonical dtype, -1 where no route (padding, last tokens, unrouted)."""
+        """(P, L, K) ids in the canonical dtype, -1 where no route (padding, last tokens, unrouted).
+
+        Allocates the output, then decodes each span max(chunk_entries, K) ids at a time straight into it."""
         L, K = len(self.layers), self.top_k
         out_PLK = np.full((self.rows, L, K), -1, canonical_dtype(self.num_experts))
+        out_RK = out_PLK.reshape(-1, K)
         routed = sum(entry.routed for entry in self._entries)
         unranker = _unranker(self.num_experts, K, self.mode, routed) if routed else None  # one for every span
+        step = self._chunk_rows
         for entry in self._entries:
             if entry.routed == 0:
                 continue
-            dest_RK = out_PLK[entry.dest : entry.dest + entry.length].reshape(-1, K)
             decoder = _SpanDecoder(self._data, entry, self.num_experts, K, self.mode, self.streams)
             decoder.unranker = unranker
-            if entry.bitmap_at is None:
-                decoder._rows_into(0, dest_RK)
-                continue
-            bits = np.unpackbits(
-                np.frombuffer(self._data, np.uint8, -(-(entry.bitmap_skip + len(dest_RK)) // 8), entry.bitmap_at),
-                bitorder="little",
-            )
-            valid_R = bits[entry.bitmap_skip : entry.bitmap_skip + len(dest_RK)].view(bool)
-            dense_nK = np.empty((entry.routed, K), out_PLK.dtype)
-            decoder._rows_into(0, dense_nK)
-            dest_RK[valid_R] = dense_nK
+            first_row, span_rows, done = entry.dest * L, entry.length * L, 0
+            for c0 in range(0, span_rows, step):
+                c1 = min(span_rows, c0 + step)
+                dest_CK = out_RK[first_row + c0 : first_row + c1]
+                if entry.bitmap_at is None:
+                    decoder._rows_into(c0, dest_CK)
+                    continue
+                valid_C = _bits(self._data, entry.bitmap_at, entry.bitmap_skip + c0, c1 - c0).view(bool)
+                n = int(np.count_nonzero(valid_C))
+                if n:
+                    dense_nK = np.empty((n, K), out_PLK.dtype)
+                    decoder._rows_into(done, dense_nK)
+                    dest_CK[valid_C] = dense_nK
+                    done += n
         return out_PLK
 
     def to_torch(self, device: str | None = None) -> object:
@@ -244,6 +283,33 @@ class _SpanDecoder(PayloadDecoder):
 
     def _values(self, stream: int, first: int, count: int) -> np.ndarray:
         return super()._values(stream, first + self.skips[stream], count)
+
+
+def _bits(view: memoryview, at: int, first: int, count: int) -> np.ndarray:
+    """Bits [first, first + count) of the little-endian bitmap at byte `at`, one uint8 (0/1) each."""
+    byte0 = first // 8
+    packed = np.frombuffer(view, np.uint8, -(-(first + count) // 8) - byte0, at + byte0)
+    return np.unpackbits(packed, bitorder="little")[first % 8 : first % 8 + count]
+
+
+def _check_expansion(
+    rows: int, layers: int, top_k: int, itemsize: int, size: int, limits: CodecLimits, *, padding: bool
+) -> None:
+    """Refuse `rows` x L x K ids whose bytes exceed `limits.max_expansion` x the bundle's `size` bytes;
+    `padding`: the rows include padding (no `expected_rows` was given to bound it)."""
+    output = rows * layers * top_k * itemsize
+    if output <= limits.max_expansion * size:
+        return
+    what, fix = "rows its spans cover", "raise max_expansion for a trusted source"
+    if padding:
+        what = "rows, padding included,"
+        fix = "pass RankBundle(data, expected_rows=P) with this rank's layout rows, or raise max_expansion"
+    raise CodecLimitError(
+        f"rank bundle of {size} bytes declares {rows} x {layers} x {top_k} ids over the {what} ({output} bytes "
+        f"decoded, {output // max(size, 1)}x its size), above CodecLimits.max_expansion={limits.max_expansion}x; "
+        "refused before allocating. Only a forged bundle or a zero-bit layout (top_k == num_experts, or one "
+        f"expert) expands this much: {fix}"
+    )
 
 
 def _unranker(num_experts: int, top_k: int, mode: CodecMode, rows: int) -> SubsetUnranker | None:

@@ -145,7 +145,16 @@ class EncodedRoutes:
         return len(self.blob) + inflated + self._index_B.nbytes
 
     def routed_before(self, row: int) -> int:
-        """Routed (token, layer) rows before flat row `row` (O(1) + one block's popcount)."""
+        """Routed (token, layer) rows before flat row `row` in [0, T * L] (O(1) + one block's popcount)."""
+        rows = self.header.num_tokens * self.header.num_layers
+        if not isinstance(row, (int, np.integer)) or isinstance(row, (bool, np.bool_)):
+            raise ConfigError(f"routed_before needs a flat (token, layer) row as an int, got {type(row).__name__}")
+        if not 0 <= row <= rows:
+            raise RowCountError(
+                f"routed_before({row}): flat rows of these routes are 0..{rows} ({self.header.num_tokens} tokens x "
+                f"{self.header.num_layers} layers, counted from token position {self.start}); pass a row in that range"
+            )
+        row = int(row)
         if not self.header.has_missing_rows:
             return row
         block = row // BLOCK_ROWS
@@ -158,7 +167,13 @@ class EncodedRoutes:
 
     # --- decoding -----------------------------------------------------------------------------
     def rows(self, begin: int, end: int, *, chunk_rows: int = 1 << 15) -> np.ndarray:
-        """(end - begin, L, K) ids of token positions [begin, end) (absolute), -1 where unrouted."""
+        """(end - begin, L, K) ids of token positions [begin, end) (absolute), -1 where unrouted; decoded
+        `chunk_rows` (token, layer) rows per step (a positive int: it bounds the working set, not the output)."""
+        if not isinstance(chunk_rows, (int, np.integer)) or isinstance(chunk_rows, (bool, np.bool_)) or chunk_rows < 1:
+            raise ConfigError(
+                f"chunk_rows={chunk_rows!r} must be a positive int: the (token, layer) rows decoded per step "
+                "(the default, 32768, keeps the working set to a few MiB)"
+            )
         self._check_range(begin, end)
         L, K = self.header.num_layers, self.header.top_k
         r0, r1 = (begin - self.start) * L, (end - self.start) * L
@@ -229,7 +244,7 @@ class EncodedRoutes:
         return bits[r0 % 8 : r0 % 8 + r1 - r0].view(bool)
 
     def _check_range(self, begin: int, end: int) -> None:
-        if not (isinstance(begin, (int, np.integer)) and isinstance(end, (int, np.integer))):
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in (begin, end)):
             raise ConfigError(f"token positions must be ints, got {type(begin).__name__}, {type(end).__name__}")
         if not self.start <= begin <= end <= self.stop:
             raise RowCountError(

@@ -11,11 +11,25 @@ still encoded) and sends each rank its own:
   each rank's size in bytes; every rank checks every size against `max_bytes` before anything is
   allocated, so an oversized (or forged) announcement makes every rank raise the same
   `DeliveryLimitError` and none is left waiting. Then each payload goes point to point (`isend` /
-  `irecv` of a uint8 tensor of exactly that size).
+  `irecv` of a uint8 tensor of that size plus an 8-byte trailer, the size again, little-endian).
 - `exchange_bundles`: every rank holds some samples (colocated rollout workers) and sends rank r the
   bundle of its rows it holds; an all-to-all of the sizes, an all-reduce of every rank's verdict, then
   an all-to-all of the bytes.
 - `broadcast_dense`: the baseline `routereplay bench` compares with: the dense batch to every rank.
+
+What a `scatter_bundles` receiver can and cannot defend against (the source is another process):
+- a status word it does not know (another release, a stray broadcast): `DeliveryError` on every rank;
+- an announced size above `max_bytes` (or negative): `DeliveryLimitError` on every rank, unallocated;
+- a payload shorter than announced: gloo completes the receive without saying how many bytes came,
+  so the receiver presets the trailer's bytes to the complement of the size; any short send leaves
+  at least the last of them unwritten, and it raises `DeliveryError` instead of returning bytes that
+  were never sent;
+- wrong bytes of the right length: passed on; `RankBundle` then refuses them (CRC, lengths, bounds).
+- It cannot defend against a payload longer than announced: gloo checks the length in its own I/O
+  thread and aborts the receiving process (`gloo::EnforceNotMet`, "Received data size doesn't match
+  expected size"; SIGABRT, no Python exception). Only a peer that is not running this function
+  sends that; run the group with peers you trust to run it, and let the launcher restart the job.
+  Nor can it see a source that never sends: that receive waits until the group's timeout.
 
 Backends: gloo moves CPU tensors; NCCL moves tensors on the current CUDA device
 (`torch.cuda.set_device(local_rank)` first), so on NCCL the byte tensors are staged there and copied
@@ -38,6 +52,7 @@ import torch.distributed as dist
 from routereplay.errors import ConfigError, DeliveryError, DeliveryLimitError
 
 DEFAULT_MAX_BYTES = 1 << 30  # what one rank may be announced: a rank's routes of one step are far smaller
+TRAILER_BYTES = 8  # after each payload: its size, int64 little-endian (proves the whole payload arrived)
 Group = dist.ProcessGroup | None
 
 
@@ -80,6 +95,13 @@ def scatter_bundles(
     header_W = header_W.to(device)
     dist.broadcast(header_W, src=_global(group, src), group=group)
     header = header_W.tolist()
+    if header[0] not in _REASONS and header[0] != Refusal.NONE:
+        raise DeliveryError(
+            f"scatter_bundles: group rank {src}, the source, sent status {header[0]}, which this release does not "
+            f"know (0 = sending, {min(_REASONS)}..{max(_REASONS)} = refusals): it runs another routereplay version, "
+            "or something else broadcast on this group; run one release on every rank and call scatter_bundles on "
+            "all of them together"
+        )
     if header[0] != Refusal.NONE:
         given = f" (it was given {_describe(bundles)})" if rank == src else ""
         raise DeliveryError(
@@ -92,15 +114,26 @@ def scatter_bundles(
     if rank != src:
         if sizes[rank] == 0:
             return b""
-        buffer_N = torch.empty(sizes[rank], dtype=torch.uint8, device=device)
+        size = sizes[rank]
+        buffer_N = torch.empty(size + TRAILER_BYTES, dtype=torch.uint8, device=device)
+        buffer_N[size:] = _trailer(size, absent=True).to(device)  # a short send leaves some of these bytes
         _wait([dist.irecv(buffer_N, src=_global(group, src), group=group)])
-        return _to_bytes(buffer_N)
+        if not torch.equal(buffer_N[size:].cpu(), _trailer(size)):
+            raise DeliveryError(
+                f"scatter_bundles: group rank {src}, the source, announced {size} bytes for this rank (group rank "
+                f"{rank}) but its payload did not end with their {TRAILER_BYTES}-byte size trailer: fewer bytes "
+                "arrived than announced, and nothing of them is returned. The source is not running this release's "
+                "scatter_bundles, or its process is broken: check its log"
+            )
+        return _to_bytes(buffer_N[:size])
     assert bundles is not None
     sends: list[dist.Work | None] = []
     staged = []  # keep every tensor alive until its send completes
     for dest, bundle in enumerate(bundles):
         if dest != src and len(bundle):
-            staged.append(_to_tensor(bundle, device))
+            payload = bytearray(bundle)  # the one copy _to_tensor would make, with the trailer appended
+            payload += _trailer(len(bundle)).numpy().tobytes()
+            staged.append(_to_tensor(payload, device))
             sends.append(dist.isend(staged[-1], dst=_global(group, dest), group=group))
     _wait(sends)
     return bytes(bundles[src])
@@ -251,6 +284,13 @@ def _wait(works: Sequence[dist.Work | None]) -> None:
         work.wait()
 
 
+def _trailer(size: int, *, absent: bool = False) -> torch.Tensor:
+    """The 8 bytes sent after a payload of `size` bytes (int64 little-endian); `absent`: their complement,
+    what the receiver presets (every byte differs, so any short send leaves a wrong byte)."""
+    word = size ^ -1 if absent else size
+    return torch.frombuffer(bytearray(word.to_bytes(TRAILER_BYTES, "little", signed=True)), dtype=torch.uint8)
+
+
 def _to_tensor(data: bytes | bytearray, device: torch.device) -> torch.Tensor:
     """A uint8 tensor of `data` (one copy of bytes, none of a bytearray; torch.frombuffer refuses b"")."""
     if not data:
@@ -263,4 +303,4 @@ def _to_bytes(tensor_N: torch.Tensor) -> bytes:
     return tensor_N.cpu().numpy().tobytes()
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "Refusal", "broadcast_dense", "exchange_bundles", "scatter_bundles"]
+__all__ = ["DEFAULT_MAX_BYTES", "TRAILER_BYTES", "Refusal", "broadcast_dense", "exchange_bundles", "scatter_bundles"]
