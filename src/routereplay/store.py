@@ -23,7 +23,10 @@ Edit the dict `metadata(sample_id)` returns from one thread at a time. Copies ge
 
 Limits: `from_bytes` / `load` parse the JSON header within `JsonLimits` (256 MiB, 64 levels deep,
 100-digit numbers, finite only) and each routes blob within `codec_limits` (`CodecLimits`: 2**28 ids per
-sample, 4096x expansion): raise them for a trusted store. `save` refuses metadata `load` would refuse.
+sample, 4096x expansion) and each indexer blob within `indexer_limits` (`IndexerLimits`: its shape, and
+2**22 dense entries per byte; padded to its sample's rows it must fit again): raise them for a trusted
+store. A pickled store is not checked: unpickling runs code, so only trusted pickles may be loaded at
+all, and limits would guard nothing. `save` refuses metadata `load` would refuse.
 
 File format (`save` / `load`): one file per batch, written atomically (`routereplay.store_file`): each
 sample's token ids and codec blob (the store's codec mode; ids, provenance, router slots). Stored state
@@ -45,6 +48,7 @@ from routereplay.codec_limits import CodecLimits, checked_limits
 from routereplay.compact.encoded import EncodedRoutes, UnrankerCache
 from routereplay.enums import CodecMode
 from routereplay.errors import CodecError, ConfigError, RowCountError, StoreHeaderError
+from routereplay.indexer.limits import IndexerLimits, checked_indexer_limits
 from routereplay.jsondocument import JsonLimits
 from routereplay.store_file import MAGIC, VERSION, check_envelope, pack_envelope, sample_entries, sample_record
 from routereplay.store_routes import SampleRoutes
@@ -339,17 +343,21 @@ class RouteStore:
         *,
         limits: JsonLimits | None = None,
         codec_limits: CodecLimits | None = None,
+        indexer_limits: IndexerLimits | None = None,
     ) -> RouteStore:
         """Parse `to_bytes` output; corruption raises `CodecFormatError` (`StoreHeaderError` for the JSON
         header), `CodecVersionError` or `ChecksumError`. The header is parsed within `limits`, each
         sample's routes blob decoded within `codec_limits` (default `CodecLimits()`; a blob beyond them
         raises `CodecLimitError` before allocating: pass e.g. `codec_limits=CodecLimits(max_entries=1 << 30)`
-        for a trusted store)."""
+        for a trusted store), and each indexer blob within `indexer_limits` (default `IndexerLimits()`),
+        held to its sample: rows [0, k) with k < its token count, and padded to the sample's rows as
+        `trace()` gives it, within the limits again (`store_file.check_sample_indexer`)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ConfigError(f"from_bytes needs bytes, got {type(data).__name__}")
         if limits is not None and not isinstance(limits, JsonLimits):
             raise ConfigError(f"limits must be a JsonLimits or None, got {type(limits).__name__}")
         codec_limits = checked_limits(codec_limits)
+        indexers = checked_indexer_limits(indexer_limits)
         header, body = check_envelope(bytes(data), limits)
         try:
             geometry = header["geometry"]
@@ -362,7 +370,8 @@ class RouteStore:
             samples = header["samples"]
             if not isinstance(samples, list):
                 raise TypeError(f"samples is a {type(samples).__name__}, not a list")
-            for sample_id, tokens, trace, metadata, conflicting, indexer in sample_entries(samples, body, codec_limits):
+            entries = sample_entries(samples, body, codec_limits, indexers)
+            for sample_id, tokens, trace, metadata, conflicting, indexer in entries:
                 store.add_turn(sample_id, tokens, trace, metadata=metadata)
                 store._samples[sample_id].conflicting_rows, store._samples[sample_id].indexer = conflicting, indexer
         except CodecError:
@@ -374,10 +383,17 @@ class RouteStore:
 
     @classmethod
     def load(
-        cls, path: str | Path, *, limits: JsonLimits | None = None, codec_limits: CodecLimits | None = None
+        cls,
+        path: str | Path,
+        *,
+        limits: JsonLimits | None = None,
+        codec_limits: CodecLimits | None = None,
+        indexer_limits: IndexerLimits | None = None,
     ) -> RouteStore:
-        """`from_bytes` of the file at `path` (the same `limits` and `codec_limits`)."""
-        return cls.from_bytes(Path(path).read_bytes(), limits=limits, codec_limits=codec_limits)
+        """`from_bytes` of the file at `path` (the same `limits`, `codec_limits` and `indexer_limits`)."""
+        return cls.from_bytes(
+            Path(path).read_bytes(), limits=limits, codec_limits=codec_limits, indexer_limits=indexer_limits
+        )
 
     # --- internals ----------------------------------------------------------------------------
     def _get(self, sample_id: SampleId) -> Sample:

@@ -31,7 +31,15 @@ import numpy as np
 
 from routereplay import codec
 from routereplay.codec_limits import CodecLimits
-from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError, ConfigError, StoreHeaderError
+from routereplay.errors import (
+    ChecksumError,
+    CodecFormatError,
+    CodecLimitError,
+    CodecVersionError,
+    ConfigError,
+    StoreHeaderError,
+)
+from routereplay.indexer.limits import IndexerLimits
 from routereplay.indexer.trace import IndexerTrace
 from routereplay.jsondocument import JsonLimits, load_json
 from routereplay.trace import RouteTrace
@@ -125,11 +133,12 @@ def sample_record(sample_id: SampleId, sample: Sample) -> tuple[dict[str, Any], 
 
 
 def sample_entries(
-    samples: list[Any], body: bytes, codec_limits: CodecLimits
+    samples: list[Any], body: bytes, codec_limits: CodecLimits, indexer_limits: IndexerLimits
 ) -> Iterator[tuple[SampleId, np.ndarray, RouteTrace | None, Any, int, IndexerTrace | None]]:
     """(id, token ids, decoded routes or None, metadata, conflicting rows, indexer choices) of each entry, its bytes
     taken from `body` in order; a malformed entry raises ValueError / TypeError / KeyError (the caller
-    names them `StoreHeaderError`), a bad blob its `CodecError`."""
+    names them `StoreHeaderError`), a bad blob its `CodecError`. An indexer blob is decoded within
+    `indexer_limits`, then held to its sample (`check_sample_indexer`)."""
     position, seen = 0, set()
     for entry in samples:
         if not isinstance(entry, dict):
@@ -157,8 +166,33 @@ def sample_entries(
         if size is not None:
             if not is_int(size) or not 0 <= size <= len(body) - position:
                 raise ValueError(f"sample {sample_id!r} declares a {size!r}-byte indexer blob past the data")
-            indexer = IndexerTrace.decode(body[position : position + size])
+            indexer = IndexerTrace.decode(body[position : position + size], indexer_limits)
+            check_sample_indexer(indexer, count, size, indexer_limits, sample_id)
             position += size
         yield sample_id, tokens, trace, entry["metadata"], conflicting, indexer
     if position != len(body):
         raise ValueError(f"{len(body) - position} stray bytes at the end of the data section")
+
+
+def check_sample_indexer(
+    indexer: IndexerTrace, num_tokens: int, blob_bytes: int, limits: IndexerLimits, sample_id: SampleId
+) -> None:
+    """A sample's indexer choices cover rows [0, k) with k <= num_tokens - 1 (what `add_turn` stores), and the
+    form `trace()` gives them - padded with unknown rows to the sample's num_tokens - 1 rows, as `to_dense()`
+    or replay would allocate it - fits `limits`: its axes and T * L * I, and `max_expansion` dense entries per
+    byte of the file that declares it (the indexer blob and the sample's token ids, 8 bytes a token)."""
+    rows = num_tokens - 1
+    if indexer.start != 0 or indexer.num_tokens > rows:
+        raise ValueError(
+            f"sample {sample_id!r}: its indexer choices cover tokens [{indexer.start}, "
+            f"{indexer.start + indexer.num_tokens}) but the sample's {num_tokens} tokens have rows [0, {rows}) "
+            "(a stored sample's choices start at token 0 and stop by its last row): corrupt or forged entry"
+        )
+    what = f"sample {sample_id!r}: indexer choices padded to its {rows} rows (indexer blob and token ids)"
+    problem = limits.violation(rows, indexer.num_layers, indexer.index_topk)
+    if problem:
+        raise CodecLimitError(
+            f"{what}: (T, L, I) = ({rows}, {indexer.num_layers}, {indexer.index_topk}): {problem}; refused before "
+            "allocating. A forged or corrupt entry - or pass indexer_limits=IndexerLimits(...) if it is trusted"
+        )
+    limits.check_expansion(rows, indexer.num_layers, indexer.index_topk, blob_bytes + 8 * num_tokens, what)

@@ -61,10 +61,11 @@ def add_indexer(sample: Sample, indexer: IndexerTrace | None, policy: MergePolic
 
 
 def indexer_rows(indexer: IndexerTrace | None, rows: int) -> IndexerTrace | None:
-    """A sample's indexer choices over its trace's rows [0, rows): unknown rows past what was stored."""
+    """A sample's indexer choices over its trace's rows [0, rows): unknown rows past what was stored, added
+    compactly (`IndexerTrace.padded`: L bits a row, never the dense rows x L x index_topk form)."""
     if indexer is None or indexer.num_tokens == rows:
         return indexer
-    return indexer.slice(0, rows) if indexer.num_tokens > rows else merged_indexer(indexer, None, 0, rows)
+    return indexer.slice(0, rows) if indexer.num_tokens > rows else indexer.padded(rows)
 
 
 def check_id(sample_id: Any) -> SampleId:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from routereplay.errors import (
+    ConfigError,
     DtypeError,
     IndexerRouteError,
     LayerCountError,
@@ -154,3 +155,21 @@ def test_oversized_payloads_are_refused_before_decoding() -> None:
         decode_sglang_indexer(text, num_layers=1, index_topk=4, max_bytes=1000)
     with pytest.raises(PayloadLimitError, match="max_tokens"):
         decode_sglang_indexer(text, num_layers=1, index_topk=4, limits=IndexerLimits(max_tokens=100))
+
+
+@pytest.mark.parametrize(
+    ("layers", "match"),
+    [
+        (5, r"layers must be a sequence of global layer numbers, got int"),
+        (1.5, r"layers must be a sequence of global layer numbers, got float"),
+        ("012", r"layers must be a sequence of global layer numbers, got str"),
+        ([0, 1.5, 2], r"layers\[1\]=1\.5 must be an int"),
+        ([0, -1, 2], r"layers\[1\]=-1 must be an int in \[0, "),
+        ([0, 1, 1], r"names a layer twice"),
+    ],
+)
+def test_bad_layers_argument_is_a_config_error(canonical: np.ndarray, layers: object, match: str) -> None:
+    """Issue 22 item 5: `layers=5` or `layers=1.5` raised TypeError from tuple(); the argument is checked
+    like the decoder's others (ConfigError naming it), before the payload is decoded."""
+    with pytest.raises(ConfigError, match=match):
+        decode_sglang_indexer(_response(_engine_rows(canonical)), layers=layers)  # type: ignore[arg-type]

@@ -20,6 +20,8 @@ headers, read the body) under the limits of an `HTTPPolicy`:
   the declared length are never read.
 - `retries` attempts in all: connection errors, timeouts, deadlines, 429 and 5xx are retried with
   exponential backoff; other 4xx and oversized responses are not.
+Only a 200 answer is parsed: a redirect (3xx, never followed) or another 2xx such as 204 or 299 is
+an `EngineRequestError` naming the status (not retried), however engine-like its JSON body looks.
 Bodies are asked for uncompressed (`Accept-Encoding: identity`); a compressed body is refused, not
 inflated, so the cap counts the bytes the JSON parser sees. JSON is parsed by `load_json` (bounded
 depth and number length). Environment proxies (HTTP_PROXY) are not used. httpcore (installed with
@@ -125,7 +127,8 @@ class BoundedHTTP:
         self._pool.close()
 
     def call(self, method: str, url: str, body: dict[str, Any] | None = None) -> Any:
-        """One request with retries; the parsed JSON of the first answer below 400."""
+        """One request with retries; the parsed JSON of the first 200 answer (any other status below 400
+        is an `EngineRequestError` naming it, not retried)."""
         policy = self.policy
         content = None if body is None else json.dumps(body).encode("utf-8")
         failure: EngineRequestError | None = None
@@ -139,11 +142,18 @@ class BoundedHTTP:
             except EngineRequestError as exc:
                 failure = exc
                 continue
-            if status < 400:
+            if status == 200:
                 what = f"{method} {url} (HTTP {status})"
                 return load_json(cast(bytes, data), what=what, error=PayloadEncodingError, limits=self._json_limits)
             text = bytes(data[:ERROR_BODY_BYTES]).decode("utf-8", "replace")
             message = f"HTTP {status}: {text[:EXCERPT_CHARS]!r}"
+            if status < 400:  # 1xx / 2xx / 3xx but not 200: not the engine's answer, whatever the body holds
+                raise EngineRequestError(
+                    f"{method} {url} answered {message}, not 200 (not retried): {_not_an_answer(status)}",
+                    url=url,
+                    status=status,
+                    body=text,
+                )
             if status != 429 and status < 500:
                 raise EngineRequestError(
                     f"{method} {url} failed with {message} (not retried)", url=url, status=status, body=text
@@ -327,6 +337,16 @@ class _DeadlineBackend:
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
+
+
+def _not_an_answer(status: int) -> str:
+    """Why a status below 400 other than 200 is refused, and what to check."""
+    if 300 <= status < 400:
+        return (
+            "a redirect, which this client never follows (a proxy, a login page or a moved route); point url= at "
+            "the engine server itself"
+        )
+    return "engine servers answer a completed request with 200 only; check that url= is the engine, not a proxy"
 
 
 def _import_http() -> tuple[Any, Any]:

@@ -17,7 +17,8 @@ Version 1 layout, all integers little-endian (offsets in bytes):
 
 N, and every block's length, follow from the header and the unknown bits, so there is no length
 field to forge: a parser checks each size against the bytes that remain before reading them, and
-refuses shapes beyond `IndexerLimits` before anything is allocated. Parsing costs work and memory
+refuses shapes beyond `IndexerLimits` (axes, T * L * I, and T * L * I per blob byte:
+`max_expansion`) before anything is allocated. Parsing costs work and memory
 linear in the blob's length (a row stored with gaps of b >= 1 bits costs I * b / 8 bytes, a bitmap
 row n / 8 >= I / 8 bytes; rows of 0-bit gaps are checked in closed form).
 Legend: T = tokens (rows), L = DSA layers, I = index_topk, N = blocks.
@@ -147,6 +148,7 @@ def _parse(data: memoryview, limits: IndexerLimits, max_block_rows: int, *, chec
             f"1 <= B <= {max_block_rows}: corrupt blob"
         )
     limits.check_blob(T, L, index_topk)
+    limits.check_expansion(T, L, index_topk, len(data), "indexer blob")  # the dense form per byte of this blob
     if start + T > MAX_POSITION + 1:
         raise CodecFormatError(f"header declares tokens {start} .. {start + T - 1}, beyond int32 positions: corrupt")
     layers = tuple(np.frombuffer(data, "<u4", L, reader.take(4 * L, "layer numbers")).tolist())

@@ -22,7 +22,7 @@ from routereplay.errors import ConfigError
 from routereplay.indexer.blocks import decode_block, encode_block
 from routereplay.indexer.canonical import check_dense
 from routereplay.indexer.layout import BlockLayout, pack_unknown, unpack_unknown
-from routereplay.indexer.limits import DEFAULT_INDEXER_LIMITS, MAX_POSITION, IndexerLimits
+from routereplay.indexer.limits import DEFAULT_INDEXER_LIMITS, MAX_POSITION, IndexerLimits, checked_indexer_limits
 
 DEFAULT_BLOCK_ROWS = 128  # rows per block: the gap width adapts per block, the block table stays small
 MAX_BLOCK_ROWS = 4096
@@ -133,6 +133,33 @@ class IndexerTrace:
             self._dense_rows(begin, end), self.layers, self.index_topk, self.start + begin, block_rows=self.block_rows
         )
 
+    def padded(self, num_tokens: int) -> IndexerTrace:
+        """This trace extended to `num_tokens` rows, the new rows unknown (all -1), built compactly: the
+        payload is shared, each layer gains empty blocks and the unknown bits grow by L bits a row - never
+        the dense form (equal to `merged_indexer(self, None, self.start, num_tokens)`)."""
+        if not (isinstance(num_tokens, int) and self.num_tokens <= num_tokens <= MAX_POSITION + 1 - self.start):
+            raise ConfigError(f"padded({num_tokens!r}) must be an int in [{self.num_tokens}, 2^31 - start]")
+        if num_tokens == self.num_tokens:
+            return self
+        old, new = self.layout, BlockLayout(num_tokens, self.num_layers, self.index_topk, self.start, self.block_rows)
+        unknown_LT = np.ones((self.num_layers, num_tokens), np.bool_)
+        held_LT = unpack_unknown(self._unknown, self.num_layers, self.num_tokens)
+        unknown_LT[:, : self.num_tokens] = False if held_LT is None else held_LT
+        modes = np.zeros(new.num_blocks, np.uint8)
+        bits = np.zeros(new.num_blocks, np.uint8)
+        extra = np.zeros(new.num_blocks, np.uint32)
+        lengths = np.zeros(new.num_blocks, np.int64)
+        if old.num_blocks:  # then first_stored is the same: layer l's blocks keep their order, new ones are empty
+            at = (np.arange(self.num_layers)[:, None] * new.blocks_per_layer + np.arange(old.blocks_per_layer)).ravel()
+            modes[at], bits[at], extra[at], lengths[at] = self._modes, self._bits, self._extra, np.diff(self._offsets)
+        offsets = np.zeros(new.num_blocks + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return IndexerTrace(
+            layers=self.layers, index_topk=self.index_topk, start=self.start, num_tokens=num_tokens,
+            block_rows=self.block_rows, unknown=pack_unknown(unknown_LT), modes=modes, bits=bits, extra=extra,
+            offsets=offsets, payload=self._payload,
+        )  # fmt: skip
+
     def encode(self) -> bytes:
         """The versioned, checksummed blob of this trace (`IndexerTrace.decode` reads it back)."""
         from routereplay.indexer.blob import pack_blob
@@ -141,12 +168,13 @@ class IndexerTrace:
 
     @classmethod
     def decode(
-        cls, blob: bytes | bytearray | memoryview, limits: IndexerLimits = DEFAULT_INDEXER_LIMITS
+        cls, blob: bytes | bytearray | memoryview, limits: IndexerLimits | None = DEFAULT_INDEXER_LIMITS
     ) -> IndexerTrace:
-        """The trace of an `encode` blob, every length and row checked before it is trusted."""
+        """The trace of an `encode` blob, every length and row checked before it is trusted; its shape within
+        `limits` (None: the defaults), its dense form at most `limits.max_expansion` entries a blob byte."""
         from routereplay.indexer.blob import parse_blob
 
-        return parse_blob(blob, limits)
+        return parse_blob(blob, checked_indexer_limits(limits))
 
     def _dense_rows(self, begin: int, end: int) -> np.ndarray:
         layout, index_topk = self.layout, self.index_topk

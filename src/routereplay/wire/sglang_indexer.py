@@ -37,7 +37,7 @@ from routereplay.errors import (
 )
 from routereplay.indexer.canonical import canonicalise
 from routereplay.indexer.limits import DEFAULT_INDEXER_LIMITS, MAX_POSITION, IndexerLimits
-from routereplay.indexer.trace import DEFAULT_BLOCK_ROWS, IndexerTrace
+from routereplay.indexer.trace import DEFAULT_BLOCK_ROWS, IndexerTrace, checked_layers
 from routereplay.wire.limits import checked_int, checked_optional_int, checked_sequence_name, is_int
 from routereplay.wire.payload import (
     DEFAULT_MAX_BYTES,
@@ -84,6 +84,7 @@ def decode_sglang_indexer(
     num_layers = checked_optional_int(num_layers, "num_layers", minimum=1)
     index_topk = checked_optional_int(index_topk, "index_topk", minimum=1)
     num_tokens = checked_optional_int(num_tokens, "num_tokens", minimum=1)
+    layer_tuple = None if layers is None else checked_layers(layers)  # ConfigError for 5, 1.5, "0,1", [1.5]
     index, choice, max_bytes = (
         checked_int(index, "index"),
         checked_int(choice, "choice"),
@@ -115,7 +116,7 @@ def decode_sglang_indexer(
         )
     if index_topk is not None and I != index_topk:
         raise TopKMismatchError(f"{what}: rows of {I} slots, index_topk={index_topk}: pass the config's index_topk")
-    layer_numbers = tuple(range(L)) if layers is None else tuple(layers)
+    layer_numbers = tuple(range(L)) if layer_tuple is None else layer_tuple
     if len(layer_numbers) != L:
         raise LayerCountError(f"{what}: {L} indexer layers in the payload but layers= names {len(layer_numbers)}")
     if array.size and int(array.max()) > MAX_POSITION:
