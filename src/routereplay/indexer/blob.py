@@ -28,17 +28,32 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
 from routereplay.errors import ChecksumError, CodecFormatError, CodecVersionError
 from routereplay.indexer.blocks import MAX_GAP_BITS, BlockMode, bad_headers, decode_block
 from routereplay.indexer.layout import BlockLayout, unpack_unknown
-from routereplay.indexer.limits import MAX_POSITION, IndexerLimits
+from routereplay.indexer.limits import MAX_BLOCK_ROWS, MAX_POSITION, IndexerLimits
 
-if TYPE_CHECKING:
-    from routereplay.indexer.trace import IndexerTrace
+
+@dataclass(frozen=True, slots=True)
+class IndexerParts:
+    """An `IndexerTrace`'s compact parts: what a blob holds (`indexer/trace.py` builds the trace from them)."""
+
+    layers: tuple[int, ...]
+    index_topk: int
+    start: int
+    num_tokens: int
+    block_rows: int
+    unknown: np.ndarray | None  # packed unknown-row bits, L x T, or None when every row is known
+    modes: np.ndarray  # per block: BlockMode
+    bits: np.ndarray  # per block: gap bits (Rice: the low bits)
+    extra: np.ndarray  # per block: Rice unary bits
+    offsets: np.ndarray  # N + 1 byte offsets of the blocks in `payload`
+    payload: bytes
+
 
 MAGIC = b"RRIX"
 VERSION = 1
@@ -50,18 +65,12 @@ _TABLE = np.dtype([("mode", "u1"), ("bits", "u1"), ("extra", "<u4")])  # packed:
 MIN_BLOB_BYTES = _FIXED.size + _U32.size
 
 
-def pack_blob(
-    trace: IndexerTrace,
-    unknown: np.ndarray | None,
-    modes: np.ndarray,
-    bits: np.ndarray,
-    extra: np.ndarray,
-    payload: bytes,
-) -> bytes:
-    """The whole blob of `trace` (its compact parts passed in), CRC32 last."""
+def pack_blob(trace: IndexerParts) -> bytes:
+    """The whole blob of a trace's compact parts, CRC32 last."""
+    unknown, modes, bits, extra, payload = trace.unknown, trace.modes, trace.bits, trace.extra, trace.payload
     flags = FLAG_UNKNOWN if unknown is not None else 0
     parts = [
-        _FIXED.pack(MAGIC, VERSION, flags, 0, trace.num_tokens, trace.num_layers, trace.index_topk, trace.start,
+        _FIXED.pack(MAGIC, VERSION, flags, 0, trace.num_tokens, len(trace.layers), trace.index_topk, trace.start,
                     trace.block_rows),
         np.asarray(trace.layers, dtype="<u4").tobytes(),
     ]  # fmt: skip
@@ -74,10 +83,8 @@ def pack_blob(
     return body + _U32.pack(zlib.crc32(body))
 
 
-def parse_blob(blob: bytes | bytearray | memoryview, limits: IndexerLimits) -> IndexerTrace:
-    """Check the envelope, then every field and block; return the trace."""
-    from routereplay.indexer.trace import MAX_BLOCK_ROWS
-
+def parse_blob(blob: bytes | bytearray | memoryview, limits: IndexerLimits) -> IndexerParts:
+    """Check the envelope, then every field and block; return the trace's parts."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise CodecFormatError(f"an indexer blob is bytes, got {type(blob).__name__}; pass what encode() returned")
     data = memoryview(blob).cast("B")
@@ -130,9 +137,7 @@ class _Reader:
         return self.pos - size
 
 
-def _parse(data: memoryview, limits: IndexerLimits, max_block_rows: int, *, check_rows: bool) -> IndexerTrace:
-    from routereplay.indexer.trace import IndexerTrace
-
+def _parse(data: memoryview, limits: IndexerLimits, max_block_rows: int, *, check_rows: bool) -> IndexerParts:
     reader = _Reader(len(data) - _U32.size)
     _, _, flags, reserved, T, L, index_topk, start, block_rows = _FIXED.unpack_from(
         data, reader.take(_FIXED.size, "header")
@@ -203,10 +208,7 @@ def _parse(data: memoryview, limits: IndexerLimits, max_block_rows: int, *, chec
             decode_block(
                 block, int(modes[index]), int(bits[index]), int(extra[index]), layout.visible(tokens), index_topk, where
             )
-    return IndexerTrace(
-        layers=layers, index_topk=index_topk, start=start, num_tokens=T, block_rows=block_rows, unknown=unknown,
-        modes=modes, bits=bits, extra=extra, offsets=offsets, payload=payload,
-    )  # fmt: skip
+    return IndexerParts(layers, index_topk, start, T, block_rows, unknown, modes, bits, extra, offsets, payload)
 
 
-__all__ = ["MAGIC", "MIN_BLOB_BYTES", "VERSION", "pack_blob", "parse_blob"]
+__all__ = ["MAGIC", "MIN_BLOB_BYTES", "VERSION", "IndexerParts", "pack_blob", "parse_blob"]

@@ -33,6 +33,7 @@ DEFAULT_MAX_INDEX_TOPK = 1 << 16  # real models: 2048
 DEFAULT_MAX_ENTRIES = 1 << 32  # T * L * I of the dense int32 form: 16 GiB
 DEFAULT_MAX_EXPANSION = 1 << 22  # dense entries per blob byte: honest blobs of I <= 4096 stay below (I^2 / 4)
 MAX_POSITION = (1 << 31) - 1  # positions are int32 in the canonical form
+MAX_BLOCK_ROWS = 4096  # rows per block of an IndexerTrace: a blob declaring more is corrupt
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,4 +112,4 @@ def checked_indexer_limits(limits: Any) -> IndexerLimits:
     return limits
 
 
-__all__ = ["DEFAULT_INDEXER_LIMITS", "MAX_POSITION", "IndexerLimits", "checked_indexer_limits"]
+__all__ = ["DEFAULT_INDEXER_LIMITS", "MAX_BLOCK_ROWS", "MAX_POSITION", "IndexerLimits", "checked_indexer_limits"]

@@ -19,13 +19,19 @@ from typing import Any
 import numpy as np
 
 from routereplay.errors import ConfigError
+from routereplay.indexer.blob import IndexerParts, pack_blob, parse_blob
 from routereplay.indexer.blocks import decode_block, encode_block
 from routereplay.indexer.canonical import check_dense
 from routereplay.indexer.layout import BlockLayout, pack_unknown, unpack_unknown
-from routereplay.indexer.limits import DEFAULT_INDEXER_LIMITS, MAX_POSITION, IndexerLimits, checked_indexer_limits
+from routereplay.indexer.limits import (
+    DEFAULT_INDEXER_LIMITS,
+    MAX_BLOCK_ROWS,
+    MAX_POSITION,
+    IndexerLimits,
+    checked_indexer_limits,
+)
 
 DEFAULT_BLOCK_ROWS = 128  # rows per block: the gap width adapts per block, the block table stays small
-MAX_BLOCK_ROWS = 4096
 
 
 class IndexerTrace:
@@ -162,9 +168,12 @@ class IndexerTrace:
 
     def encode(self) -> bytes:
         """The versioned, checksummed blob of this trace (`IndexerTrace.decode` reads it back)."""
-        from routereplay.indexer.blob import pack_blob
-
-        return pack_blob(self, self._unknown, self._modes, self._bits, self._extra, self._payload)
+        return pack_blob(
+            IndexerParts(
+                self.layers, self.index_topk, self.start, self.num_tokens, self.block_rows, self._unknown,
+                self._modes, self._bits, self._extra, self._offsets, self._payload,
+            )
+        )  # fmt: skip
 
     @classmethod
     def decode(
@@ -172,9 +181,11 @@ class IndexerTrace:
     ) -> IndexerTrace:
         """The trace of an `encode` blob, every length and row checked before it is trusted; its shape within
         `limits` (None: the defaults), its dense form at most `limits.max_expansion` entries a blob byte."""
-        from routereplay.indexer.blob import parse_blob
-
-        return parse_blob(blob, checked_indexer_limits(limits))
+        p = parse_blob(blob, checked_indexer_limits(limits))
+        return cls(
+            layers=p.layers, index_topk=p.index_topk, start=p.start, num_tokens=p.num_tokens, block_rows=p.block_rows,
+            unknown=p.unknown, modes=p.modes, bits=p.bits, extra=p.extra, offsets=p.offsets, payload=p.payload,
+        )  # fmt: skip
 
     def _dense_rows(self, begin: int, end: int) -> np.ndarray:
         layout, index_topk = self.layout, self.index_topk
