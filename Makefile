@@ -1,6 +1,6 @@
 # Two commands from a fresh clone (only python3 and pip needed):
-#   make demo   - create .venv, install, run the main job
-#   make test   - create .venv, install, run the whole test suite
+#   make demo   - create .venv, install what the demo needs (torch, transformers, matplotlib), run the main job
+#   make test   - create .venv, install the whole test stack on top (Megatron, vLLM, TRL, Ray, ...), run the tests
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -27,6 +27,9 @@ VLLM_UNWANTED := torchvision torchaudio torchcodec
 TRL := trl==1.16.0
 # routereplay.integrations.ray_routes ships per-rank route bundles through Ray's object store
 RAY := ray==2.60.0
+# two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
+# `make test` installs nothing more; `make test` after `make demo` adds the rest)
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP  := $(VENV)/.installed
 # make examples writes here (git-ignored, per checkout), never to a path shared with other users
 EXAMPLES_OUT := build/examples
@@ -38,10 +41,14 @@ TEST_WORKERS ?= auto
 
 .PHONY: demo examples test test-megatron016 lint bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet $(TRANSFORMERS) -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python $(MEGATRON)
 	$(BIN)/python -m pip install --quiet $(TRITON) $(TRANSFORMERS) $(VLLM) $(TRL) $(RAY) -e ".[dev,hf,demo,megatron,vllm,trl,ray]"
 	$(BIN)/python -m pip uninstall --quiet -y $(VLLM_UNWANTED)
@@ -49,10 +56,10 @@ $(STAMP): pyproject.toml Makefile
 
 EXAMPLES := src/routereplay/examples
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/routereplay demo --report routereplay-report
 
-examples: $(STAMP)
+examples: $(DEMO_STAMP)
 	@echo "== SGLang /generate response, Qwen3-30B-A3B shape (48 MoE layers, top-8 of 128) =="
 	$(BIN)/routereplay inspect $(EXAMPLES)/qwen3_30b_a3b_sglang.json \
 		--num-layers 48 --top-k 8 --num-experts 128 --layers-shown 6

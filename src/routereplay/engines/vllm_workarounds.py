@@ -10,6 +10,9 @@ Each is scoped to the smallest block that needs it and undone afterwards:
 - `forget_cpu_moe_kernels`: a weight reload would skip the CPU experts' prepacking (silently wrong
   expert outputs); dropping the kernel makes the reload take the first-load path.
 - `quiet_reload_warnings`: two warnings vLLM logs on every correct reload are dropped.
+- `quiet_vllm_logs`: vLLM's own log (a dozen start-up WARNINGs about CPU tuning, Triton, seeds) is kept
+  to ERROR and above while vLLM is imported and the engine runs, unless the user set
+  `VLLM_LOGGING_LEVEL` or asked for it (`EngineConfig(verbose=True)`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import torch
 from torch import nn
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core runs in this process
+LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # vLLM configures its "vllm" logger and handler from it on first import
+QUIET_LOG_LEVEL = "ERROR"
+VLLM_LOGGER = "vllm"
 
 
 @contextmanager
@@ -129,6 +135,40 @@ def quiet_reload_warnings() -> Iterator[None]:
             logger.removeFilter(known)
 
 
+def vllm_log_level(verbose: bool = False) -> str | None:
+    """The level `quiet_vllm_logs` puts vLLM's log at: None (vLLM's own, from `VLLM_LOGGING_LEVEL`, INFO by
+    default) when the user set `VLLM_LOGGING_LEVEL` or `verbose`, else `QUIET_LOG_LEVEL`."""
+    if verbose or os.environ.get(LOG_LEVEL_ENV, "").strip():
+        return None
+    return QUIET_LOG_LEVEL
+
+
+@contextmanager
+def quiet_vllm_logs(verbose: bool = False) -> Iterator[None]:
+    """vLLM's log at `vllm_log_level(verbose)` for the block; nothing changes where that is None.
+
+    Two switches, both put back afterwards: `VLLM_LOGGING_LEVEL` (vLLM reads it when first imported in the
+    process and sets its logger and handler from it, so a first import here stays quiet afterwards; vLLM
+    servers started later from this process keep their default), and the "vllm" logger's level (for a
+    vLLM that something else imported earlier at a louder level: quiet inside the block only)."""
+    level = vllm_log_level(verbose)
+    if level is None:
+        yield
+        return
+    logger = logging.getLogger(VLLM_LOGGER)
+    saved_level, saved_env = logger.level, os.environ.get(LOG_LEVEL_ENV)
+    os.environ[LOG_LEVEL_ENV] = level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(LOG_LEVEL_ENV, None)
+        else:
+            os.environ[LOG_LEVEL_ENV] = saved_env
+        logger.setLevel(saved_level)
+
+
 def forget_cpu_moe_kernels(served: nn.Module) -> int:
     """Make vLLM 0.30 re-run its CPU expert prepacking on the next weight load.
 
@@ -150,12 +190,17 @@ def forget_cpu_moe_kernels(served: nn.Module) -> int:
 
 __all__ = [
     "IN_PROCESS_ENV",
+    "LOG_LEVEL_ENV",
+    "QUIET_LOG_LEVEL",
     "RELOAD_LAYER_FAILED",
     "RELOAD_UNLOADED",
+    "VLLM_LOGGER",
     "file_stdout",
     "forget_cpu_moe_kernels",
     "in_process",
     "kept_random_state",
     "kept_thread_settings",
     "quiet_reload_warnings",
+    "quiet_vllm_logs",
+    "vllm_log_level",
 ]

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -70,7 +71,14 @@ from routereplay.runtime.indexer_layout import replay_choices
 from routereplay.runtime.indexer_replayer import IndexerReplayer
 from routereplay.runtime.interception import RouterSlot, in_backward, on_thread
 from routereplay.runtime.modality import MODALITY_BLOCKS, checked_counts, rows_of, scatter_rows, token_types
-from routereplay.runtime.routes import check_routes, mask_array, refuse_unordered, replay_order, traces_to_routes
+from routereplay.runtime.routes import (
+    check_routes,
+    mask_array,
+    refuse_unordered,
+    replay_order,
+    replay_routes,
+    traces_to_routes,
+)
 from routereplay.runtime.session import Recording, ReplayStats, Session, guard_backward
 from routereplay.trace import RouteTrace
 
@@ -156,7 +164,7 @@ class Replayer:
     @contextmanager
     def replay(
         self,
-        routes: torch.Tensor | Sequence[RouteTrace],
+        routes: torch.Tensor | np.ndarray | Sequence[RouteTrace],
         attention_mask: torch.Tensor | None = None,
         *,
         input_ids: torch.Tensor | None = None,
@@ -164,7 +172,7 @@ class Replayer:
         order: ReplayOrder | str = ReplayOrder.SET,
         indexer: torch.Tensor | None = None,
     ) -> Iterator[Recording]:
-        """Force routes: a (B, S, L, K) int tensor aligned with the input, or RouteTraces + attention_mask.
+        """Force routes: a (B, S, L, K) int tensor or numpy array aligned with the input, or RouteTraces + mask.
 
         -1 rows fall back to the live router for that token only (counted in `stats.fallback_rows`;
         with an attention_mask, padding positions count neither as fallback nor as replayed rows).
@@ -194,7 +202,8 @@ class Replayer:
         order = replay_order(order)
         refuse_meta(attention_mask, "attention_mask")
         refuse_meta(input_ids, "input_ids")
-        traces = None if isinstance(routes, torch.Tensor) else list(routes)
+        given = replay_routes(routes)
+        traces = None if isinstance(given, torch.Tensor) else given
         indexer = replay_choices(self.indexer, type(self.model).__name__, traces, attention_mask, indexer)
         if traces is not None:
             if attention_mask is None:
@@ -207,7 +216,7 @@ class Replayer:
                 traces, attention_mask, self.layers, self.top_k, check_alignment=check_alignment, slots=self.slot_names
             )
         else:
-            routes_BSLK = cast(torch.Tensor, routes)
+            routes_BSLK = cast(torch.Tensor, given)
         if traces is None and input_ids is not None:
             raise ConfigError(
                 "input_ids is checked against the token_ids of RouteTraces, and a routes tensor carries none: pass "

@@ -13,7 +13,7 @@ Legend: B = batch rows, S = positions per row, L = layer columns, K = top-k, T =
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -139,6 +139,36 @@ def check_routes(
     return routes_BSLK.detach().to(torch.long)
 
 
+def replay_routes(routes: object) -> torch.Tensor | list[RouteTrace]:
+    """`routes=` of `Replayer.replay`: a tensor as given, an int numpy array as a tensor (shared memory where
+    torch can share it), RouteTraces (a list, tuple or any iterable of them) as a list; anything else is a
+    `ConfigError` naming the accepted forms."""
+    if isinstance(routes, torch.Tensor):
+        return routes
+    if isinstance(routes, np.ndarray):
+        if routes.dtype.kind not in "iu":
+            raise DtypeError(f"routes array has dtype {routes.dtype}; expert ids are integers (-1 = no route)")
+        if routes.dtype.kind == "u" and routes.dtype != np.uint8:  # torch has few ops on uint16/32/64
+            routes = routes.astype(np.int64)
+        if not (routes.flags.c_contiguous and routes.flags.writeable):  # torch.from_numpy refuses or warns
+            routes = np.array(routes, order="C")
+        return torch.from_numpy(routes)
+    forms = "a (B, S, L, K) int tensor or numpy array aligned with the input, or a list of RouteTrace (one per row)"
+    if isinstance(routes, (str, bytes, bytearray, Mapping)) or not isinstance(routes, Iterable):
+        raise ConfigError(
+            f"routes is a {type(routes).__name__}: routes must be {forms}; decode an engine payload with "
+            "routereplay.decode_vllm / decode_sglang first"
+        )
+    traces = list(routes)
+    for index, trace in enumerate(traces):
+        if not isinstance(trace, RouteTrace):
+            raise ConfigError(
+                f"routes[{index}] is a {type(trace).__name__}: routes must be {forms}; decode an engine payload with "
+                "routereplay.decode_vllm / decode_sglang, or pass np.asarray(routes) for a (B, S, L, K) nested list"
+            )
+    return traces
+
+
 def replay_order(order: ReplayOrder | str) -> ReplayOrder:
     """`order=` of `Replayer.replay`, checked."""
     try:
@@ -189,4 +219,12 @@ def mask_array(attention_mask: torch.Tensor) -> np.ndarray:
     return _mask(attention_mask)
 
 
-__all__ = ["check_routes", "mask_array", "refuse_unordered", "replay_order", "routes_to_traces", "traces_to_routes"]
+__all__ = [
+    "check_routes",
+    "mask_array",
+    "refuse_unordered",
+    "replay_order",
+    "replay_routes",
+    "routes_to_traces",
+    "traces_to_routes",
+]

@@ -1,0 +1,31 @@
+"""`VLLMEngine.generate` names the params class it takes (issue 22 item 11): vLLM's own `SamplingParams` (or
+anything else) is a `ConfigError` naming routereplay's `SamplingParams` and, for vLLM's, its equivalent;
+before, it was an `AttributeError` ('SamplingParams' object has no attribute 'max_new_tokens')."""
+
+from __future__ import annotations
+
+import pytest
+
+from routereplay.engines.hf import SamplingParams
+from routereplay.engines.vllm_colocated import checked_params
+from routereplay.errors import ConfigError
+from tests.engines.colocated_engine import Colocated, prompts
+
+
+def test_checked_params_takes_routereplays_and_names_it_otherwise() -> None:
+    params = SamplingParams(max_new_tokens=4, seed=2)
+    assert checked_params(params) is params
+    with pytest.raises(ConfigError, match=r"params is a builtins.dict; pass routereplay.engines.hf.SamplingParams\("):
+        checked_params({"max_tokens": 4})
+
+
+@pytest.mark.vllm
+@pytest.mark.hf
+@pytest.mark.xdist_group("vllm-live")
+def test_generate_with_vllms_sampling_params_names_the_equivalent(colocated_qwen3: Colocated) -> None:
+    import vllm
+
+    given = vllm.SamplingParams(max_tokens=8, temperature=0.0, seed=3)  # greedy
+    equivalent = r"SamplingParams\(max_new_tokens=8, temperature=1e-05, top_p=1.0, seed=3, eos_token_id="
+    with pytest.raises(ConfigError, match=r"params is a vllm\.sampling_params\.SamplingParams.*" + equivalent):
+        colocated_qwen3.engine.generate(prompts(1, [3, 5]), given)  # refused before vLLM is asked anything
