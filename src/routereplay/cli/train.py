@@ -43,8 +43,9 @@ from routereplay.cli.arguments import (
 from routereplay.cli.threads import add_threads_argument
 from routereplay.cli.train_tables import render, render_async, step_rows
 
-# stdout carries the command's table or --json: vLLM's own log (stdout, INFO by default) goes to stderr
-VLLM_CLI_LOGGING = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING"}
+# stdout carries the command's table or --json: vLLM's own log (stdout by default) goes to stderr; its level is
+# ERROR unless VLLM_LOGGING_LEVEL is set (engines.vllm_workarounds.quiet_vllm_logs, when vLLM is imported)
+VLLM_CLI_LOGGING = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 
 
 def add_parser(subparsers: Any) -> None:

@@ -146,6 +146,9 @@ def load_or_train(
         shutil.rmtree(staging)
     else:
         staging.rename(folder)
+    # the saved copy, not the in-memory model: its name_or_path is the folder (TRL's colocated vLLM starts
+    # from model.name_or_path; the trained model's is ''), exactly as a later cached call returns it
+    model, tokenizer = load_checkpoint(folder)
     return model, tokenizer, f"trained now, cached in {folder}"
 
 
