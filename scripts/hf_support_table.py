@@ -1,6 +1,6 @@
 """Regenerate the README's table of HF MoE model types: supported or refused, and why.
 
-For every MoE model type of the installed transformers (routereplay.hf_tiny.MOE_MODEL_TYPES), it
+For every MoE model type of the installed transformers (routereplay.testing.hf.models.MOE_MODEL_TYPES), it
 builds the tiny model from its config, attaches a Replayer, and checks that replaying the recorded
 routes reproduces the logits bit for bit and that forced random routes reach the experts. Types
 that hf_tiny cannot build on a CPU are listed with that reason. Nothing is downloaded.
@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from routereplay import hf_tiny
 from routereplay.errors import RouteReplayError
 from routereplay.runtime import attach
 from routereplay.runtime.indexer import unbound_indexers
+from routereplay.testing.hf import models as hf_tiny
 
 BEGIN, END = "<!-- hf-support:begin -->", "<!-- hf-support:end -->"
 

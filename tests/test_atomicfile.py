@@ -14,7 +14,7 @@ import pytest
 
 from routereplay import RouteTrace
 from routereplay.atomicfile import TEMP_SUFFIX, atomic_write, stale_temporaries, temporary_path
-from routereplay.store import RouteStore
+from routereplay.store.route_store import RouteStore
 
 CHUNK_BYTES = 4 << 20
 CHUNKS_BEFORE_KILL = 8  # the child has written 32 MiB of its temporary when it is killed
@@ -27,7 +27,7 @@ CHILD = textwrap.dedent(
     import numpy as np
     from routereplay import RouteTrace
     from routereplay.atomicfile import atomic_write
-    from routereplay.store import RouteStore
+    from routereplay.store.route_store import RouteStore
 
     target, chunk, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     store = RouteStore()

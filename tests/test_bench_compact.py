@@ -12,7 +12,7 @@ from routereplay.bench import delivery, store
 from routereplay.bench.delivery_job import DeliveryJob
 from routereplay.bench.store import SampleSource
 from routereplay.cli.main import EXIT_OK, main
-from routereplay.compact.plan import bundles_for
+from routereplay.transport.spans import bundles_for
 
 TARGET_FIELDS = {"value", "target", "direction", "met", "ungraded"}
 

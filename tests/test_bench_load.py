@@ -7,8 +7,8 @@ import json
 import pytest
 
 from routereplay.bench import load
+from routereplay.bench.environment import collect
 from routereplay.cli.main import EXIT_ERROR, EXIT_OK, main
-from routereplay.environment import collect
 
 
 def test_busy_processes_are_killed_and_reaped() -> None:

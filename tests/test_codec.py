@@ -18,15 +18,9 @@ from hypothesis import strategies as st
 
 from routereplay import RouteTrace, Segment, Source
 from routereplay.bitpack import pack_bits, unpack_bits
-from routereplay.codec import (
-    MAGIC,
-    MIN_BLOB_BYTES,
-    bits_per_row,
-    decode,
-    encode,
-    entropy_bits_per_row,
-    header_info,
-)
+from routereplay.codec.blob import bits_per_row, decode, encode, entropy_bits_per_row, header_info
+from routereplay.codec.header import MAGIC, MIN_BLOB_BYTES
+from routereplay.codec.subsets import count_at_most
 from routereplay.enums import CodecMode
 from routereplay.errors import (
     ChecksumError,
@@ -37,7 +31,6 @@ from routereplay.errors import (
     DuplicateExpertError,
     RouteReplayError,
 )
-from routereplay.subsets import count_at_most
 from tests.wire import distinct_routes
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

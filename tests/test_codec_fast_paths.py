@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from routereplay.bitpack import pack_bits, unpack_bits
+from routereplay.codec.column_search import BucketSearch, FloatColumn, LowIdTable
+from routereplay.codec.subsets import SEARCH_BUDGET_BYTES, SubsetUnranker, binomial_table, rank_subsets
 from routereplay.errors import CodecFormatError
-from routereplay.subset_search import BucketSearch, FloatColumn, LowIdTable
-from routereplay.subsets import SEARCH_BUDGET_BYTES, SubsetUnranker, binomial_table, rank_subsets
 
 U64_LIMIT = 1 << 64
 

@@ -3,7 +3,7 @@ header fields (huge T, L, K, E; zero-bit layouts; forged zstd sizes) - may only 
 `RouteReplayError`, and no input may allocate more than `CodecLimits.memory_bound(len(blob))`
 (tracemalloc peak). CPU is bounded by construction, not timed: every input is refused or decoded
 within the limits, so the work is linear in min(max_entries, max_expansion * len(blob)) plus a table
-of at most `max_set_table` words (`routereplay.codec_limits`). Examples are bounded by
+of at most `max_set_table` words (`routereplay.codec.limits`). Examples are bounded by
 `max_examples`; the project profile has no deadline."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from routereplay import RouteTrace, Segment
-from routereplay.codec import CodecHeader, CodecLimits, bits_per_row, decode, encode, header_info
+from routereplay.codec.blob import bits_per_row, decode, encode, header_info
+from routereplay.codec.header import CodecHeader
+from routereplay.codec.limits import CodecLimits
 from routereplay.errors import RouteReplayError
 from tests.codec_blobs import FLAG_MISSING_ROWS, FLAG_ZSTD, forge, reseal, traced_peak
 from tests.wire import distinct_routes

@@ -14,12 +14,13 @@ import zstandard
 
 from routereplay import RouteTrace
 from routereplay.bitpack import pack_bits, unpack_bits
-from routereplay.codec import CodecLimits, bits_per_row, decode, encode, entropy_bits_per_row, header_info
-from routereplay.codec_limits import (
+from routereplay.codec.blob import bits_per_row, decode, encode, entropy_bits_per_row, header_info
+from routereplay.codec.limits import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_MAX_EXPANSION,
     DEFAULT_MAX_SET_TABLE,
     WORKING_BYTES_PER_ENTRY,
+    CodecLimits,
 )
 from routereplay.errors import CodecError, CodecFormatError, CodecLimitError, ConfigError
 from tests.codec_blobs import FLAG_MISSING_ROWS, FLAG_ZSTD, ORDERED, SET, forge, traced_peak

@@ -17,7 +17,7 @@ OLD_BLOB_HEX = (
 @pytest.mark.parametrize("mode", ["set", "ordered"])
 def test_codec_carries_token_ids(mode: str) -> None:
     """Data loss (issue 11 item 21): the codec dropped nothing else, and now keeps the token ids too."""
-    from routereplay.codec import decode, encode, header_info
+    from routereplay.codec.blob import decode, encode, header_info
 
     trace = _trace(4, 6, [3, 1, -1, 2**31 - 1, 0, 7])
     blob = encode(trace, mode=mode)
@@ -32,7 +32,7 @@ def test_codec_carries_token_ids(mode: str) -> None:
 def test_old_blobs_decode_without_token_ids() -> None:
     """Data loss (issue 11 item 21): the header change is backward compatible; a trace without ids
     still encodes to the very bytes the previous release wrote."""
-    from routereplay.codec import decode, encode
+    from routereplay.codec.blob import decode, encode
 
     old = bytes.fromhex(OLD_BLOB_HEX)
     trace = decode(old)
@@ -47,7 +47,7 @@ def test_truncated_token_ids_are_a_codec_error() -> None:
     import struct
     import zlib
 
-    from routereplay.codec import decode, encode
+    from routereplay.codec.blob import decode, encode
     from routereplay.errors import CodecError
 
     body = bytearray(encode(_trace(0, 3, None))[:-4])

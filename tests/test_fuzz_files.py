@@ -27,8 +27,11 @@ from hypothesis import strategies as st
 
 from routereplay import RouteTrace
 from routereplay.errors import RouteReplayError
-from routereplay.store import MAGIC, VERSION, RouteStore
-from routereplay.tracefile import FileFormat, PayloadHints, engine_payload, read_trace
+from routereplay.store.file import MAGIC, VERSION
+from routereplay.store.route_store import RouteStore
+from routereplay.tracefile.format import FileFormat
+from routereplay.tracefile.io import read_trace
+from routereplay.tracefile.payload import PayloadHints, engine_payload
 
 MEMORY_BOUND_BYTES = 64 << 20
 FUZZ = settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from routereplay import hf_tiny
 from routereplay.errors import ConfigError
+from routereplay.testing.hf import models as hf_tiny
 
 
 @pytest.mark.hf

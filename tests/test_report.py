@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from routereplay.errors import ConfigError
-from routereplay.report import METRIC_ROWS, format_metric, write_report
+from routereplay.report.page import write_report
+from routereplay.report.table import METRIC_ROWS, format_metric
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("per_layer_disagreement.png", "dlogp_hist.png", "kl.png")

@@ -9,7 +9,9 @@ import numpy as np
 import torch
 
 from routereplay.metrics import logprob_mismatch, routing_agreement
-from routereplay.report import METRIC_ROWS, _identical_groups, format_metric, write_report
+from routereplay.report.page import write_report
+from routereplay.report.plots import _identical_groups
+from routereplay.report.table import METRIC_ROWS, format_metric
 from tests.test_report import fake_result
 
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from routereplay import RouteTrace, Segment, Source
-from routereplay.codec import encode
+from routereplay.codec.blob import encode
 from routereplay.errors import (
     ChecksumError,
     CodecFormatError,
@@ -24,8 +24,9 @@ from routereplay.errors import (
     RowCountError,
     TopKMismatchError,
 )
-from routereplay.store import DuplicatedPrefixError, MergePolicy, MisalignedRoutesError, RouteStore
-from routereplay.trace import UNROUTED_SOURCE
+from routereplay.store.route_store import RouteStore
+from routereplay.store.sample import DuplicatedPrefixError, MisalignedRoutesError
+from routereplay.trace.provenance import UNROUTED_SOURCE, MergePolicy
 from tests.wire import distinct_routes
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from routereplay.errors import ConfigError, RowCountError
-from routereplay.store import RouteStore
-from routereplay.store_file import pack_envelope
-from routereplay.store_routes import MAX_PIECES
-from routereplay.synthetic import random_trace
-from routereplay.trace import MergePolicy, RouteTrace, Segment
+from routereplay.store.file import pack_envelope
+from routereplay.store.pieces import MAX_PIECES
+from routereplay.store.route_store import RouteStore
+from routereplay.testing.synthetic import random_trace
+from routereplay.trace.provenance import MergePolicy, Segment
+from routereplay.trace.route_trace import RouteTrace
 
 L, K, E = 4, 2, 16
 

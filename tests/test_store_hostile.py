@@ -16,7 +16,9 @@ import pytest
 from routereplay import RouteTrace
 from routereplay.errors import ConfigError, RowCountError, StoreHeaderError
 from routereplay.jsondocument import JsonLimits
-from routereplay.store import MAGIC, VERSION, DuplicatedPrefixError, MisalignedRoutesError, RouteStore
+from routereplay.store.file import MAGIC, VERSION
+from routereplay.store.route_store import RouteStore
+from routereplay.store.sample import DuplicatedPrefixError, MisalignedRoutesError
 from tests.wire import distinct_routes
 
 E, L, K = 8, 2, 2

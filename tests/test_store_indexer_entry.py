@@ -20,7 +20,7 @@ from routereplay import RouteTrace
 from routereplay.errors import CodecLimitError, ConfigError, StoreHeaderError
 from routereplay.indexer import IndexerLimits, IndexerTrace
 from routereplay.indexer.trace import merged_indexer
-from routereplay.store import RouteStore
+from routereplay.store.route_store import RouteStore
 from tests.indexer.choices import implicit_blob, random_choices
 from tests.wire import distinct_routes
 

@@ -21,7 +21,7 @@ from routereplay.errors import (
     TraceShapeError,
     ZeroLayerError,
 )
-from routereplay.synthetic import random_trace
+from routereplay.testing.synthetic import random_trace
 from tests.wire import distinct_routes
 
 

@@ -12,7 +12,9 @@ from routereplay import RouteTrace, decode, encode
 from routereplay.cli.main import EXIT_ERROR, EXIT_OK, main
 from routereplay.errors import ConfigError, JsonDocumentError, PayloadEncodingError, RouteReplayError, ZeroLayerError
 from routereplay.jsondocument import JsonLimits
-from routereplay.tracefile import CARRIED_FIELD, FileFormat, PayloadHints, TraceFileLimits, read_trace, write_trace
+from routereplay.tracefile.format import FileFormat
+from routereplay.tracefile.io import TraceFileLimits, read_trace, write_trace
+from routereplay.tracefile.payload import CARRIED_FIELD, PayloadHints
 from tests.wire import distinct_routes, vllm_npy_b64, vllm_response
 
 HINTS = PayloadHints(num_experts=16)

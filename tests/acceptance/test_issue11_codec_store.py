@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from routereplay import RouteStore, RouteTrace, decode, encode
-from routereplay.codec_limits import CodecLimits
+from routereplay.codec.limits import CodecLimits
 from routereplay.errors import CodecError, CodecLimitError, RowCountError, StoreHeaderError
 
 MEMORY_BOUND = 64 << 20

@@ -20,7 +20,8 @@ from routereplay.errors import (
     AmbiguousChoiceError,
     ConfigError,
 )
-from routereplay.tracefile import PayloadHints, read_trace
+from routereplay.tracefile.io import read_trace
+from routereplay.tracefile.payload import PayloadHints
 
 MEMORY_BOUND = 64 << 20  # a refusal of a tiny input must stay far below this
 

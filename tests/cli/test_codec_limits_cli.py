@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from routereplay import RouteTrace, codec
+from routereplay import RouteTrace
 from routereplay.cli.main import EXIT_ERROR, EXIT_OK, main
-from routereplay.codec_limits import DEFAULT_MAX_EXPANSION, CodecLimits
+from routereplay.codec import blob as codec
+from routereplay.codec.limits import DEFAULT_MAX_EXPANSION, CodecLimits
 from routereplay.errors import CodecLimitError, ConfigError
-from routereplay.store import RouteStore
-from routereplay.tracefile import TraceFileLimits, read_trace
+from routereplay.store.route_store import RouteStore
+from routereplay.tracefile.io import TraceFileLimits, read_trace
 from routereplay.wire.payload import npy_bytes
 
 T, L, K, E = 20_000, 4, 8, 64  # 1.28 MB of int16 ids; zstd shrinks the -1 bitmap to ~130 bytes (~10000x)

@@ -8,11 +8,11 @@ import zlib
 import numpy as np
 import pytest
 
-from routereplay.codec_limits import CodecLimits
-from routereplay.compact.bundle import Placed, RankBundle, pack_bundle
-from routereplay.compact.encoded import EncodedRoutes
+from routereplay.codec.encoded import EncodedRoutes
+from routereplay.codec.limits import CodecLimits
 from routereplay.errors import ChecksumError, CodecFormatError, CodecLimitError, CodecVersionError, ConfigError
-from routereplay.synthetic import random_trace
+from routereplay.testing.synthetic import random_trace
+from routereplay.transport.bundle import Placed, RankBundle, pack_bundle
 
 FIXED = struct.Struct("<4sBBHQIHII")
 SPAN = struct.Struct("<QQQBB")

@@ -18,11 +18,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from routereplay.codec_limits import MIN_CHUNK_ENTRIES, WORKING_BYTES_PER_ENTRY, CodecLimits
-from routereplay.compact.bundle import MAGIC, Placed, RankBundle, pack_bundle
-from routereplay.compact.encoded import EncodedRoutes
+from routereplay.codec.encoded import EncodedRoutes
+from routereplay.codec.limits import MIN_CHUNK_ENTRIES, WORKING_BYTES_PER_ENTRY, CodecLimits
 from routereplay.errors import CodecFormatError, CodecLimitError, ConfigError
-from routereplay.synthetic import random_trace
+from routereplay.testing.synthetic import random_trace
+from routereplay.transport.bundle import MAGIC, Placed, RankBundle, pack_bundle
 
 FIXED = struct.Struct("<4sBBHQIHII")  # magic, version, mode, reserved, P, L, K, E, S
 SPAN = struct.Struct("<QQQBB")  # dest, length, routed, has bitmap, bitmap skip

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from routereplay import codec
-from routereplay.compact.bundle import Placed, RankBundle, pack_bundle
-from routereplay.compact.encoded import BLOCK_ROWS, EncodedRoutes, trusted
+from routereplay.codec import blob as codec
+from routereplay.codec.encoded import BLOCK_ROWS, EncodedRoutes, trusted
 from routereplay.errors import ChecksumError, CodecFormatError, ConfigError, RowCountError
-from routereplay.synthetic import random_trace
-from routereplay.trace import RouteTrace
+from routereplay.testing.synthetic import random_trace
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.transport.bundle import Placed, RankBundle, pack_bundle
 
 MODES = ("set", "ordered")
 

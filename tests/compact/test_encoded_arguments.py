@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from routereplay.compact.encoded import EncodedRoutes
+from routereplay.codec.encoded import EncodedRoutes
 from routereplay.errors import ConfigError, RowCountError
-from routereplay.synthetic import random_trace
+from routereplay.testing.synthetic import random_trace
 
 
 def _encoded(unrouted: float) -> EncodedRoutes:

@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay.compact.bundle import RankBundle
-from routereplay.compact.plan import Span, bundles_for, spans_of
 from routereplay.errors import BatchShapeError, ConfigError
 from routereplay.layout import pack, packed_zigzag_shard, ulysses_shard, unpad
 from routereplay.layout.plan import gather, token_index
-from routereplay.store import RouteStore
-from routereplay.synthetic import random_trace
-from routereplay.trace import RouteTrace, Segment
+from routereplay.store.route_store import RouteStore
+from routereplay.testing.synthetic import random_trace
+from routereplay.trace.provenance import Segment
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.transport.bundle import RankBundle
+from routereplay.transport.spans import Span, bundles_for, spans_of
 
 L, K, E = 3, 2, 8
 

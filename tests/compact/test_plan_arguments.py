@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay.compact.bundle import RankBundle
-from routereplay.compact.plan import bundles_for, spans_of
 from routereplay.errors import BatchShapeError, ConfigError
-from routereplay.store import RouteStore
-from routereplay.synthetic import random_trace
+from routereplay.store.route_store import RouteStore
+from routereplay.testing.synthetic import random_trace
+from routereplay.transport.bundle import RankBundle
+from routereplay.transport.spans import bundles_for, spans_of
 
 L, K, E, S = 2, 2, 8, 6
 

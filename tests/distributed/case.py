@@ -20,7 +20,7 @@ IGNORE = -100  # label of a position without a next token (the last one, padding
 
 def tiny_moe(state: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """The tiny Qwen3-MoE in train mode (attention dropout is 0), optionally with given weights."""
-    from routereplay import hf_tiny
+    from routereplay.testing.hf import models as hf_tiny
 
     model = hf_tiny.tiny_model(MODEL_TYPE, seed=0).train()
     if state is not None:

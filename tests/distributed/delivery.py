@@ -26,11 +26,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from routereplay.compact.bundle import RankBundle
-from routereplay.compact.plan import bundles_for, spans_of
 from routereplay.errors import DeliveryError, DeliveryLimitError
 from routereplay.layout.plan import gather
+from routereplay.transport.bundle import RankBundle
 from routereplay.transport.distributed import broadcast_dense, exchange_bundles, scatter_bundles
+from routereplay.transport.spans import bundles_for, spans_of
 from tests.distributed import delivery_case as case
 
 FORGED = 2**62  # a size no rank could allocate: refused before, or the job dies in torch.empty

@@ -1,6 +1,6 @@
 """The batch the route-delivery tests deliver, and the single-process layout every rank must match.
 
-Eight samples of random routes (`routereplay.synthetic.random_trace`) in a `RouteStore`, on
+Eight samples of random routes (`routereplay.testing.synthetic.random_trace`) in a `RouteStore`, on
 DP = 2 x SP = 2 = 4 trainer ranks: global rank r = d * SP + p holds DP share d (samples 4d .. 4d + 3
 of the padded (B, S) batch), packed into one THD row (`pack` of `unpad` by the attention mask), and
 its Ulysses SP slice p of that row (`ulysses_shard`; the last slice ends in a padding row). The two
@@ -23,9 +23,9 @@ from routereplay.layout.packing import pack
 from routereplay.layout.padding import attention_mask_of, unpad
 from routereplay.layout.parallel import ulysses_shard
 from routereplay.layout.plan import token_index
-from routereplay.store import RouteStore
-from routereplay.synthetic import random_trace
-from routereplay.trace import RouteTrace
+from routereplay.store.route_store import RouteStore
+from routereplay.testing.synthetic import random_trace
+from routereplay.trace.route_trace import RouteTrace
 
 DP, SP = 2, 2
 WORLD = DP * SP

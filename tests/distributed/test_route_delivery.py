@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from routereplay.compact.plan import bundles_for
 from routereplay.errors import ConfigError
 from routereplay.layout.plan import gather
 from routereplay.transport.distributed import scatter_bundles
+from routereplay.transport.spans import bundles_for
 from tests.distributed import delivery_case as case
 from tests.distributed.case import load, save
 from tests.distributed.launch import launch

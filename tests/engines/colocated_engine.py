@@ -51,7 +51,7 @@ def rng_states() -> bytes:
 def start(family: str) -> Iterator[Colocated]:
     """A `VLLMEngine` on the family's bf16-rounded tiny model, closed when the generator is."""
     from routereplay.engines.vllm_colocated import EngineConfig, VLLMEngine
-    from routereplay.vllm_tiny import tiny_vllm_model, word_tokenizer
+    from routereplay.testing.vllm_models import tiny_vllm_model, word_tokenizer
 
     model = bf16_rounded(tiny_vllm_model(family))
     before = rng_states()

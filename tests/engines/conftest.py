@@ -1,7 +1,7 @@
 """Session fixtures for tests that drive a real vLLM (marker `vllm`): one server per tiny model.
 
 A test that asks for `vllm_qwen3` or `vllm_dense_first` gets a running vLLM OpenAI server on
-127.0.0.1 (a free port) serving that tiny checkpoint (`routereplay.vllm_tiny`) with routes on, plus
+127.0.0.1 (a free port) serving that tiny checkpoint (`routereplay.testing.vllm_models`) with routes on, plus
 the checkpoint's routing layout and the HF model holding the same (bf16-rounded) weights. Each server
 starts once per test session (60-120 s on two busy cores) and is always stopped at the end, also
 when tests fail; a server that does not start fails its tests with the end of its log.
@@ -33,7 +33,7 @@ class LiveServer:
 
 def _serve(family: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     from routereplay.engines.vllm_server import ServerConfig, VLLMServer
-    from routereplay.vllm_tiny import build_checkpoint
+    from routereplay.testing.vllm_models import build_checkpoint
 
     folder = tmp_path_factory.mktemp(f"vllm-{family}")
     model, layout = build_checkpoint(family, folder / "checkpoint")

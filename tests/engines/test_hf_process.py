@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from routereplay.cli.main import EXIT_ERROR
 from routereplay.engines.hf import HFEngine, Rollout, SamplingParams, TokenBudget
 from routereplay.engines.hf_process import HFProcessEngine
 from routereplay.errors import (
@@ -27,7 +28,7 @@ from routereplay.errors import (
     WeightSyncError,
 )
 from routereplay.threads import ThreadPolicy
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from tests.engines.raising_model import RaisingModel
 from tests.runtime.models import tiny_qwen3
 
@@ -340,7 +341,7 @@ def test_train_cli_refuses_rollout_in_thread_where_it_means_nothing(
 ) -> None:
     """Silent no-op flag: --rollout-in-thread without --async, or with another engine than hf, is refused
     before any model is trained."""
-    from routereplay.cli.main import EXIT_ERROR, main
+    from routereplay.cli.main import main
 
     assert main(["train", *extra]) == EXIT_ERROR
     assert message in capsys.readouterr().err

@@ -30,7 +30,8 @@ from routereplay.errors import (
     TopKMismatchError,
     TraceShapeError,
 )
-from routereplay.tracefile import PayloadHints, read_trace
+from routereplay.tracefile.io import read_trace
+from routereplay.tracefile.payload import PayloadHints
 from routereplay.wire.limits import DEFAULT_MAX_LAYERS, WireLimits
 from routereplay.wire.payload import load_npy
 from tests.wire import distinct_routes, sglang_b64, sglang_generate, vllm_npy_b64, vllm_response

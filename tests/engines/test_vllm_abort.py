@@ -18,7 +18,7 @@ import pytest
 from routereplay.engines.hf import HFEngine, Rollout, SamplingParams
 from routereplay.enums import Source
 from routereplay.errors import ConfigError, UnsupportedByEngineError
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from tests.engines.colocated_engine import Colocated, prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]

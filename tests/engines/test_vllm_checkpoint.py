@@ -1,5 +1,5 @@
 """vLLM checkpoints written from HF models (engines/vllm_checkpoint.py) and the tiny servable models
-(routereplay.vllm_tiny): config fixes, refusals of shapes vLLM's CPU backend cannot run, routing layout.
+(routereplay.testing.vllm_models): config fixes, refusals of shapes vLLM's CPU backend cannot run, routing layout.
 These need transformers only; tests/engines/test_vllm_live.py serves the same checkpoints for real."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.hf
 def test_deepseek_v3_config_gets_the_routing_fields_vllm_reads(tmp_path: Path) -> None:
     """Silent misroute (issue 12 item 1): HF's DeepSeek-V3 config.json lacks topk_method/scoring_func, and
     vLLM then scores with softmax and no correction bias; the written config names what HF computes."""
-    from routereplay.vllm_tiny import build_checkpoint, tiny_vllm_config
+    from routereplay.testing.vllm_models import build_checkpoint, tiny_vllm_config
 
     config = tiny_vllm_config("deepseek_v3")
     assert getattr(config, "topk_method", None) is None, "HF's config has no topk_method: the fix is needed"
@@ -39,7 +39,7 @@ def test_written_weights_are_the_models_bf16_values(tmp_path: Path) -> None:
     bf16 values vLLM loads, so HF-vs-vLLM comparisons use the same weights; files load back in HF."""
     import transformers
 
-    from routereplay.vllm_tiny import build_checkpoint, word_tokenizer
+    from routereplay.testing.vllm_models import build_checkpoint, word_tokenizer
 
     model, layout = build_checkpoint("qwen3_moe_dense_first", tmp_path, seed=3)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
@@ -58,8 +58,8 @@ def test_written_weights_are_the_models_bf16_values(tmp_path: Path) -> None:
 def test_head_sizes_the_cpu_backend_refuses_are_named(tmp_path: Path) -> None:
     """Misleading message (issue 12 item 1): head_dim 16 (the demo model's) or an MLA latent other than
     512 + 64 fail inside vLLM at start-up with a kernel message; refused before anything is written."""
-    from routereplay import hf_tiny
-    from routereplay.vllm_tiny import word_tokenizer
+    from routereplay.testing.hf import models as hf_tiny
+    from routereplay.testing.vllm_models import word_tokenizer
 
     qwen = hf_tiny.tiny_model("qwen3_moe")  # head_dim 16
     with pytest.raises(UnservableModelError, match=r"head_dim=16.*supports head sizes \[32, 64"):

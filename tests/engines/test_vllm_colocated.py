@@ -24,7 +24,7 @@ from routereplay.engines.hf import Rollout, SamplingParams
 from routereplay.enums import Source
 from routereplay.errors import ConfigError, UnservableModelError, WeightSyncError
 from routereplay.metrics import routing_agreement
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from tests.engines.colocated_engine import MAX_MODEL_LEN, Colocated, bf16_rounded, prompts, start
 from tests.runtime.models import experts_inputs
 
@@ -195,7 +195,7 @@ def _tensors(served: nn.Module) -> dict[str, torch.Tensor]:
 def test_sync_weights_refuses_another_model(qwen3: Colocated) -> None:
     """Silent misroute (issue 12 item 2): syncing a model with other tensors (here the dense-first variant,
     whose layer 0 has a dense MLP) raises WeightSyncError before anything is loaded."""
-    from routereplay.vllm_tiny import tiny_vllm_model
+    from routereplay.testing.vllm_models import tiny_vllm_model
 
     other = tiny_vllm_model("qwen3_moe_dense_first")
     with pytest.raises(WeightSyncError, match="do not match the Qwen3MoeForCausalLM checkpoint.*nothing was loaded"):
@@ -225,8 +225,8 @@ def test_refuses_a_family_vllm_does_not_implement() -> None:
     """Error that is not a RouteReplayError (issue 12 item 2): an architecture missing from vLLM's
     ModelRegistry (JetMoe) is refused by name before any checkpoint is written or engine started."""
     from routereplay.engines.vllm_colocated import VLLMEngine
-    from routereplay.hf_tiny import tiny_model
-    from routereplay.vllm_tiny import word_tokenizer
+    from routereplay.testing.hf.models import tiny_model
+    from routereplay.testing.vllm_models import word_tokenizer
 
     with pytest.raises(UnservableModelError, match="ModelRegistry has no 'JetMoeForCausalLM'.*built-in engine"):
         VLLMEngine(tiny_model("jetmoe"), word_tokenizer())
@@ -236,8 +236,8 @@ def test_refuses_a_head_size_the_cpu_backend_rejects() -> None:
     """Error that is not a RouteReplayError (issue 12 item 2): head_dim 16 (vLLM's CPU attention refuses it
     at start-up) raises UnservableModelError before the engine starts."""
     from routereplay.engines.vllm_colocated import VLLMEngine
-    from routereplay.hf_tiny import tiny_model
-    from routereplay.vllm_tiny import word_tokenizer
+    from routereplay.testing.hf.models import tiny_model
+    from routereplay.testing.vllm_models import word_tokenizer
 
     with pytest.raises(UnservableModelError, match="head_dim=16"):
         VLLMEngine(tiny_model("qwen3_moe"), word_tokenizer())
@@ -249,7 +249,7 @@ def test_deepseek_v3_sync_equals_an_engine_started_on_the_new_weights() -> None:
     exactly what an engine started on those weights samples (tokens, log-probs, routes), its traces
     hold layers 1-2, and R3 replay of them in the trainer has zero disagreement."""
     from routereplay.engines.vllm_colocated import EngineConfig, VLLMEngine
-    from routereplay.vllm_tiny import tiny_vllm_model, word_tokenizer
+    from routereplay.testing.vllm_models import tiny_vllm_model, word_tokenizer
 
     model = bf16_rounded(tiny_vllm_model("deepseek_v3"))
     trainer = copy.deepcopy(model)

@@ -22,7 +22,7 @@ import pytest
 from routereplay.engines.hf import SamplingParams
 from routereplay.engines.remote import VLLMClient
 from routereplay.errors import EngineDeadError, StreamedResponseError, ZeroLayerError
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.vllm import decode_vllm
 from tests.engines.hostile_server import answer, hostile_server
 

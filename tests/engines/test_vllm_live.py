@@ -24,7 +24,7 @@ from routereplay.engines.remote import VLLMClient
 from routereplay.enums import Source
 from routereplay.errors import StreamedResponseError, ZeroLayerError
 from routereplay.metrics import routing_agreement
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.vllm import decode_vllm
 from tests.engines.conftest import LiveServer
 
@@ -146,7 +146,7 @@ def test_completions_batch_with_n_choices(vllm_qwen3: LiveServer) -> None:
 def test_chat_completions_routes_cover_the_templated_prompt(vllm_qwen3: LiveServer) -> None:
     """Silent misroute (issue 12 item 4): chat puts prompt_token_ids at the top level (the templated
     prompt, not the user's text); the routes cover those tokens plus the answer."""
-    from routereplay.vllm_tiny import text_of
+    from routereplay.testing.vllm_models import text_of
 
     words = prompts(3, [12])[0]
     body = {"messages": [{"role": "user", "content": text_of(words)}], "max_tokens": 6, "return_token_ids": True}

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay.compact.bundle import RankBundle
-from routereplay.compact.plan import bundles_for
 from routereplay.errors import DeliveryError
 from routereplay.integrations.ray_routes import fetch_bundle, import_ray, put_bundles, start_route_source
 from routereplay.layout.plan import gather, token_index
+from routereplay.transport.bundle import RankBundle
+from routereplay.transport.spans import bundles_for
 from tests.distributed import delivery_case as case
 
 pytestmark = pytest.mark.ray

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from routereplay.errors import BatchShapeError, ConfigError
 from routereplay.layout import Ragged, Side, attention_mask_of, pad, unpad
 from routereplay.layout.ragged import from_traces, to_traces
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from tests.layout.strategies import raggeds, same_type
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from routereplay.engines.hf import Rollout
 from routereplay.rl.async_grpo import AsyncGRPOTrainer
 from routereplay.rl.rollout_pool import CallInputs, Group
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 
 @dataclass

@@ -19,7 +19,7 @@ from routereplay.errors import ConfigError
 from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer, RolloutWorkerError
 from routereplay.rl.grpo import GRPOConfig
 from routereplay.rl.tasks import AdditionTask
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 pytestmark = pytest.mark.hf
 

@@ -11,8 +11,9 @@ import pytest
 from routereplay.engines.hf import Rollout
 from routereplay.errors import ConfigError
 from routereplay.rl.rollout_pool import CallInputs, ResumeRoutes, RolloutPool
-from routereplay.store import MisalignedRoutesError
-from routereplay.trace import RouteTrace, Segment
+from routereplay.store.sample import MisalignedRoutesError
+from routereplay.trace.provenance import Segment
+from routereplay.trace.route_trace import RouteTrace
 
 LAYERS, TOP_K, EXPERTS = (0, 1), 2, 8
 PROMPT = [5, 6, 7]

@@ -23,7 +23,9 @@ from tests.runtime.models import experts_inputs_by_name
 
 pytestmark = pytest.mark.hf
 
-hf_tiny = pytest.importorskip("routereplay.hf_tiny", reason="needs transformers (pip install 'routereplay[hf]')")
+hf_tiny = pytest.importorskip(
+    "routereplay.testing.hf.models", reason="needs transformers (pip install 'routereplay[hf]')"
+)
 MODEL_TYPES = hf_tiny.MOE_MODEL_TYPES
 
 # model types whose MoE blocks split tokens between routers by modality: the argument naming each token's type

@@ -19,7 +19,9 @@ from routereplay.runtime.discovery import Selection, discover
 
 pytestmark = pytest.mark.hf
 
-hf_tiny = pytest.importorskip("routereplay.hf_tiny", reason="needs transformers (pip install 'routereplay[hf]')")
+hf_tiny = pytest.importorskip(
+    "routereplay.testing.hf.models", reason="needs transformers (pip install 'routereplay[hf]')"
+)
 
 
 def _ids(model: nn.Module, batch: int = 2, positions: int = 6) -> dict[str, torch.Tensor]:

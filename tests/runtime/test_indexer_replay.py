@@ -28,7 +28,9 @@ from routereplay.errors import (
 
 pytestmark = pytest.mark.hf
 
-hf_tiny = pytest.importorskip("routereplay.hf_tiny", reason="needs transformers (pip install 'routereplay[hf]')")
+hf_tiny = pytest.importorskip(
+    "routereplay.testing.hf.models", reason="needs transformers (pip install 'routereplay[hf]')"
+)
 from routereplay.runtime.indexer_replayer import IndexerReplayer  # noqa: E402
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa")

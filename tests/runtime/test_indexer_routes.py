@@ -15,15 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay import codec
+from routereplay.codec import blob as codec
 from routereplay.errors import CodecFormatError, ConfigError
 from routereplay.indexer.trace import IndexerTrace
-from routereplay.store import RouteStore
+from routereplay.store.route_store import RouteStore
 from routereplay.wire.sglang_indexer import decode_sglang_indexer
 
 pytestmark = pytest.mark.hf
 
-hf_tiny = pytest.importorskip("routereplay.hf_tiny", reason="needs transformers (pip install 'routereplay[hf]')")
+hf_tiny = pytest.importorskip(
+    "routereplay.testing.hf.models", reason="needs transformers (pip install 'routereplay[hf]')"
+)
 DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 

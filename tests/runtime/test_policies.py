@@ -158,8 +158,8 @@ def test_router_bypassed_by_a_kernel_is_an_error() -> None:
 
 
 def test_hash_routers_stay_natural() -> None:
-    from routereplay import hf_tiny
     from routereplay.runtime import attach
+    from routereplay.testing.hf import models as hf_tiny
 
     model = hf_tiny.tiny_model("deepseek_v4")
     hashed = [type(m).__name__ for m in model.modules() if type(m).__name__ == "DeepseekV4HashRouter"]

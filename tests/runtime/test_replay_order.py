@@ -15,16 +15,18 @@ import pytest
 import torch
 from torch import nn
 
-from routereplay import codec
+from routereplay.codec import blob as codec
 from routereplay.errors import ConfigError, OrderLostError
 from routereplay.runtime import Replayer
-from routereplay.store import RouteStore
-from routereplay.trace import RouteTrace
+from routereplay.store.route_store import RouteStore
+from routereplay.trace.route_trace import RouteTrace
 from tests.runtime.models import experts_inputs, random_routes
 
 pytestmark = pytest.mark.hf
 
-hf_tiny = pytest.importorskip("routereplay.hf_tiny", reason="needs transformers (pip install 'routereplay[hf]')")
+hf_tiny = pytest.importorskip(
+    "routereplay.testing.hf.models", reason="needs transformers (pip install 'routereplay[hf]')"
+)
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "phimoe"]
 

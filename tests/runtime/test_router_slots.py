@@ -14,19 +14,21 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay import codec
+from routereplay.codec import blob as codec
 from routereplay.errors import (
     CodecFormatError,
     ConfigError,
     LayerCountError,
     ModalityMismatchError,
 )
-from routereplay.store import RouteStore
-from routereplay.trace import RouteTrace
+from routereplay.store.route_store import RouteStore
+from routereplay.trace.route_trace import RouteTrace
 
 pytestmark = pytest.mark.hf
 
-hf_tiny = pytest.importorskip("routereplay.hf_tiny", reason="needs transformers (pip install 'routereplay[hf]')")
+hf_tiny = pytest.importorskip(
+    "routereplay.testing.hf.models", reason="needs transformers (pip install 'routereplay[hf]')"
+)
 
 JETMOE_SLOTS = ("mlp.router", "self_attention.experts.router")
 ERNIE_SLOTS = ("mlp.text_moe.gate", "mlp.vision_moe.gate")

@@ -1,1 +1,33 @@
-"""Benchmarks behind `routereplay bench`: each suite returns a JSON-able record of medians."""
+"""Benchmarks behind `routereplay bench`: each suite returns a JSON-able record of medians.
+
+Files:
+- `codec.py`              Codec benchmark: bytes per (token, layer) row and throughput, against the engines'
+                          own forms
+- `delivery.py`           Delivery benchmark: a batch's routes from the driver to each rank, compact against
+                          dense
+- `delivery_job.py`       `DeliveryJob`: one batch's routes delivered to every rank of a real gloo job,
+                          compact vs dense
+- `delivery_pipeline.py`  `ResponsePipeline`: vLLM HTTP response bodies to every rank's replay-ready tensor,
+                          stage by stage
+- `engine.py`             Engine benchmark: what route capture costs the built-in engine's generation
+- `environment.py`        Facts about this machine and its packages, for `routereplay env` and benchmark
+                          records
+- `fully_async.py`        Fully-async GRPO benchmark: resume-route policies side by side, and async against
+                          sync throughput
+- `indexer.py`            Indexer benchmark: compact DSA indexer choices against the dense
+                          int32 form
+- `layout.py`             Layout benchmark: pack + Ulysses-shard a padded batch of routes, vectorised vs
+                          framework glue
+- `load.py`               Load benchmark: the demo's CPU paths on a quiet machine and with busy processes
+                          sharing the cores
+- `record.py`             BENCHMARKS.md and the README benchmark table, written from the records of
+                          `routereplay bench all`
+- `replay.py`             Replay benchmark: forward + backward time of a training step with routers off,
+                          recording, replaying
+- `store.py`              Store benchmark: driver memory of a batch's routes, compact `RouteStore` vs int16
+                          holders
+- `timing.py`             Repeated timing with median and spread: the only way figures in BENCHMARKS.md are
+                          measured
+- `vllm.py`               vLLM benchmark: what route capture costs a real vLLM, and how long a colocated
+                          weight sync takes
+"""

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from routereplay import codec
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import Timing, measure, target
-from routereplay.environment import collect
-from routereplay.synthetic import random_trace
-from routereplay.trace import RouteTrace
+from routereplay.codec import blob as codec
+from routereplay.testing.synthetic import random_trace
+from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.payload import npy_bytes
 from routereplay.wire.sglang import decode_sglang
 from routereplay.wire.vllm import decode_vllm

@@ -30,15 +30,15 @@ import torch
 
 from routereplay.bench.delivery_job import DeliveryJob
 from routereplay.bench.delivery_pipeline import STAGES, ResponsePipeline, expected_rank_rows, response_body
+from routereplay.bench.environment import collect
 from routereplay.bench.store import SampleSource
 from routereplay.bench.timing import interleave, median_ratio, spread, target
-from routereplay.compact.encoded import EncodedRoutes
-from routereplay.compact.plan import bundles_for
-from routereplay.environment import collect
+from routereplay.codec.encoded import EncodedRoutes
 from routereplay.layout import pack, unpad
 from routereplay.layout.plan import token_index
-from routereplay.store import RouteStore
-from routereplay.synthetic import random_trace
+from routereplay.store.route_store import RouteStore
+from routereplay.testing.synthetic import random_trace
+from routereplay.transport.spans import bundles_for
 
 COMPACT_SHARE = 0.35  # compact routes per rank against the dense batch per rank, times dp
 ACCESS_TARGET = 1.5  # (slice seconds / whole seconds) / (slice rows / whole rows)

@@ -38,7 +38,7 @@ import torch
 PRELOAD = (
     "torch",
     "torch.distributed",
-    "routereplay.compact.bundle",
+    "routereplay.transport.bundle",
     "routereplay.layout.plan",
     "routereplay.transport",
 )
@@ -209,8 +209,8 @@ def _rank(task: RankTask) -> dict[str, Any]:
     """This rank's bytes received and seconds per repeat of each method, after checking both give the same rows."""
     import torch.distributed as dist
 
-    from routereplay.compact.bundle import RankBundle
     from routereplay.layout.plan import gather
+    from routereplay.transport.bundle import RankBundle
     from routereplay.transport.distributed import broadcast_dense, scatter_bundles
 
     rows = int(task.plan_P.numel())

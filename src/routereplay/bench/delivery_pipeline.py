@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routereplay.compact.bundle import RankBundle
-from routereplay.compact.plan import bundles_for
 from routereplay.layout import pack, ulysses_shard, unpad
 from routereplay.layout.plan import token_index
-from routereplay.store import RouteStore
-from routereplay.trace import RouteTrace
+from routereplay.store.route_store import RouteStore
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.transport.bundle import RankBundle
+from routereplay.transport.spans import bundles_for
 from routereplay.wire.payload import npy_bytes
 from routereplay.wire.vllm import decode_vllm
 

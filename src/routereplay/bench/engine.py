@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import interleave, median_ratio, spread, target
-from routereplay.environment import collect
 
 CAPTURE_TARGET = 1.05
 

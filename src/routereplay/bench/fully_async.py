@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import interleave, median_ratio, spread
-from routereplay.environment import collect
 from routereplay.threads import ThreadPolicy
 
 MODES = ("off", "R2", "R3")

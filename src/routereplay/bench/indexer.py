@@ -1,4 +1,4 @@
-"""Indexer benchmark (issue 16 item 4): compact DSA indexer choices against the dense int32 form.
+"""Indexer benchmark: compact DSA indexer choices against the dense int32 form.
 
 Two synthetic sequences of T query tokens over L DSA layers picking I keys each: `recent` (a query
 at position p picks key k with weight 1 / (1 + p - k), the recency bias real indexers show, plus
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import measure, target
-from routereplay.environment import collect
 from routereplay.indexer.trace import IndexerTrace
 
 SINK_KEYS = 4  # recent case: the first keys every query keeps (attention sinks)

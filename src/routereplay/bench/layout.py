@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
-from routereplay.environment import collect
 from routereplay.layout import pack, ulysses_shard, unpad
 from routereplay.layout.plan import gather, token_index
 

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import median_ratio, spread, target
-from routereplay.environment import collect
 from routereplay.threads import ThreadPolicy
 
 LOADED_TARGET = 2.0  # loaded / quiet, per workload

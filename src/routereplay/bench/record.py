@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from routereplay.atomicfile import atomic_write
 from routereplay.errors import ConfigError
-from routereplay.tracefile import atomic_write
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
-from routereplay.environment import collect
 
 RECORD_TARGET = 1.03
 REPLAY_TARGET = 1.05

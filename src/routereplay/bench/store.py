@@ -36,11 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import target
-from routereplay.environment import collect
-from routereplay.store import RouteStore
-from routereplay.synthetic import random_trace
-from routereplay.trace import RouteTrace
+from routereplay.store.route_store import RouteStore
+from routereplay.testing.synthetic import random_trace
+from routereplay.trace.route_trace import RouteTrace
 
 COMPACT_TARGET = 0.35  # compact store peak / unpadded int16 payload
 VOCABULARY = 151_936  # Qwen3's vocabulary: token ids are drawn below it

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.environment import collect
 from routereplay.bench.timing import interleave, median_ratio, spread
-from routereplay.environment import collect
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

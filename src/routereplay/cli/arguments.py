@@ -12,8 +12,10 @@ import math
 import re
 from collections.abc import Callable
 
-from routereplay.codec_limits import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_EXPANSION, CodecLimits
-from routereplay.tracefile import FileFormat, PayloadHints, TraceFileLimits
+from routereplay.codec.limits import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_EXPANSION, CodecLimits
+from routereplay.tracefile.format import FileFormat
+from routereplay.tracefile.io import TraceFileLimits
+from routereplay.tracefile.payload import PayloadHints
 
 MAX_INT_FLAG = 2**31 - 1  # sizes, counts and offsets: larger is a typo, and would not fit an int32 tensor
 MAX_SEED = 2**32 - 1  # numpy's and torch's seed range

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from routereplay.cli.arguments import add_codec_limit_arguments, add_json_argument, add_payload_arguments, payload_hints
-from routereplay.codec_limits import CodecLimits
-from routereplay.trace import RouteTrace
+from routereplay.codec.limits import CodecLimits
+from routereplay.trace.route_trace import RouteTrace
 
 HELP = "convert a trace between engine payloads (vLLM/SGLang/Megatron JSON), .npy and the codec (.rrt)"
 
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     from routereplay.cli.extras import require
     from routereplay.cli.failure import naming, read_trace_file
     from routereplay.errors import ConfigError
-    from routereplay.tracefile import FileFormat, format_for_path, write_trace
+    from routereplay.tracefile.format import FileFormat, format_for_path
+    from routereplay.tracefile.io import write_trace
 
     target = FileFormat(args.to) if args.to else format_for_path(args.output)
     if target is None:
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         )
     dense = sorted(set(range(max(trace.layers, default=-1) + 1)) - set(trace.layers))
     if target in (FileFormat.VLLM, FileFormat.SGLANG) and dense:
-        from routereplay.summary import compact_ranges
+        from routereplay.trace.summary import compact_ranges
 
         print(
             f"note: {target} sends every hidden layer: wrote layers 0-{max(trace.layers)}, non-MoE layer(s) "
@@ -127,7 +128,7 @@ def codec_blob(trace: RouteTrace, mode: str, *, zstd: bool, output: str, limits:
     """The codec bytes `convert` writes: zstd-compressed only where readers within `limits` (default
     `CodecLimits()`) accept the result; notes on stderr when zstd was left out, made the file larger,
     or the file needs raised limits to be read back."""
-    from routereplay.codec import encode
+    from routereplay.codec.blob import encode
 
     limits = CodecLimits() if limits is None else limits
     plain = encode(trace, mode=mode, compress=False)
@@ -163,7 +164,7 @@ def codec_blob(trace: RouteTrace, mode: str, *, zstd: bool, output: str, limits:
 
 
 def _decoded_bytes(trace: RouteTrace) -> int:
-    from routereplay.trace import canonical_dtype
+    from routereplay.trace.validation import canonical_dtype
 
     return trace.num_tokens * trace.num_layers * trace.top_k * canonical_dtype(trace.num_experts).itemsize
 

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         _render(result)
     if not args.no_report:
         from routereplay.cli.failure import naming
-        from routereplay.report import write_report
+        from routereplay.report.page import write_report
 
         with naming(args.report):
             paths = write_report(result, args.report)
@@ -167,7 +167,7 @@ def _render(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from routereplay.report import METRIC_ROWS, format_metric
+    from routereplay.report.table import METRIC_ROWS, format_metric
 
     model, rollouts, modes = result["model"], result["rollouts"], result["modes"]
     console = Console()

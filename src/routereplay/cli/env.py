@@ -20,7 +20,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from routereplay.environment import collect
+    from routereplay.bench.environment import collect
 
     info = collect()
     if args.json:

@@ -21,10 +21,12 @@ from enum import IntEnum
 from pathlib import Path
 
 from routereplay.cli.arguments import CODEC_LIMIT_FLAGS, trace_file_limits
-from routereplay.codec_limits import CodecLimits
+from routereplay.codec.limits import CodecLimits
 from routereplay.errors import CodecLimitError, RouteReplayError, RouteValueError, TraceShapeError
-from routereplay.trace import RouteTrace
-from routereplay.tracefile import MAX_FILE_BYTES, FileFormat, PayloadHints, read_trace, sniff
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.tracefile.format import FileFormat, sniff
+from routereplay.tracefile.io import MAX_FILE_BYTES, read_trace
+from routereplay.tracefile.payload import PayloadHints
 
 
 class ExitCode(IntEnum):

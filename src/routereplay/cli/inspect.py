@@ -56,7 +56,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 valid, 1 invalid (read, but the routes fail validation), 2 unreadable; --json always prints a verdict."""
-    from routereplay.summary import summarize
+    from routereplay.trace.summary import summarize
 
     try:
         trace, found = read_trace_file(args, args.file, payload_hints(args), validate=False)
@@ -104,7 +104,7 @@ def _format_of(path: str, engine: str | None) -> str | None:
     """The format of a file that was read (its routes failed validation): --engine, else the sniffed one."""
     from pathlib import Path
 
-    from routereplay.tracefile import sniff
+    from routereplay.tracefile.format import sniff
 
     if engine is not None:
         return engine
@@ -118,8 +118,8 @@ def _render(path: str, fmt: str, summary: Any, layers_shown: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from routereplay.summary import compact_ranges
-    from routereplay.trace import Segment
+    from routereplay.trace.provenance import Segment
+    from routereplay.trace.summary import compact_ranges
 
     console = Console()
     facts = Table(

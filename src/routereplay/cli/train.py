@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         from routereplay.cli.failure import naming
-        from routereplay.report import plot_steps
+        from routereplay.report.plots import plot_steps
 
         with naming(args.plot):
             plot_steps({"modes": {config.mode: {}}, "steps": step_rows(history)}, Path(args.plot))

@@ -45,7 +45,9 @@ from routereplay.enums import Source
 from routereplay.errors import ConfigError
 from routereplay.layout.padding import unpad
 from routereplay.runtime import Recording, attach
-from routereplay.trace import RouteTrace, Segment, canonical_dtype
+from routereplay.trace.provenance import Segment
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.trace.validation import canonical_dtype
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -65,7 +65,7 @@ from routereplay.errors import (
     WeightSyncError,
 )
 from routereplay.threads import ThreadPolicy
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 WAIT_SLICE_SECONDS = 1.0  # the parent re-checks that the child is alive at least this often while it waits
 CLOSE_SECONDS = 5.0  # how long close() lets the child exit by itself, then after terminate(), before kill()

@@ -47,7 +47,7 @@ from routereplay.errors import (
     ResponseFieldError,
     ResponseTooLargeError,
 )
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.sglang import decode_sglang
 from routereplay.wire.sglang_indexer import decode_sglang_indexer
 from routereplay.wire.vllm import decode_vllm

@@ -26,7 +26,7 @@ from routereplay.errors import (
     PayloadError,
     ResponseFieldError,
 )
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 MAX_TOKEN_ID = 2**31  # token ids are ints in [0, MAX_TOKEN_ID): what a trainer's int32/int64 ids hold
 

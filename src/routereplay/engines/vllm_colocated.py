@@ -74,7 +74,7 @@ from routereplay.errors import (
     UnsupportedByEngineError,
     WeightSyncError,
 )
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.vllm import decode_vllm
 
 INSTALL_HINT = "pip install 'routereplay[vllm]'"

@@ -4,6 +4,7 @@ Each integration imports the core and its framework, never the other way round, 
 framework lazily behind an extra: `routereplay.integrations.trl` needs `pip install 'routereplay[trl]'`
 and raises `MissingDependencyError` naming it when TRL is absent. This package itself imports nothing.
 
+Files:
 - `trl`: `RouterReplayGRPOTrainer`, TRL's `GRPOTrainer` with R2 / R3 (`trl_state`, `trl_layout`,
   `trl_vllm` are its parts).
 - `ray_routes`: per-rank route bundles through Ray's object store (`put_bundles` / `fetch_bundle`, and

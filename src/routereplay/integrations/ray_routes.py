@@ -2,7 +2,7 @@
 
 In a Ray RL stack (verl, SkyRL, OpenRLHF) rollout workers and trainer ranks are actors, and the
 driver moves the batch between them. The routes need not ride along whole: a `RankBundle` per rank
-(`routereplay.compact.plan.bundles_for`: the rows of that rank's layout plan, still encoded) is one
+(`routereplay.transport.spans.bundles_for`: the rows of that rank's layout plan, still encoded) is one
 object in the object store, and rank r is handed only the reference to its own.
 
 - `put_bundles(bundles)`: one object per rank; give rank r `refs[r]` only (inside a list, so Ray
@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from routereplay.compact.plan import bundles_for
 from routereplay.errors import DeliveryError, MissingDependencyError
-from routereplay.store import RouteStore, SampleId
-from routereplay.trace import RouteTrace
+from routereplay.store.route_store import RouteStore
+from routereplay.store.sample import SampleId
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.transport.spans import bundles_for
 
 INSTALL_HINT = "pip install 'routereplay[ray]'"
 OLDEST_RAY = (2, 40)

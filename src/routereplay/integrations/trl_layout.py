@@ -25,7 +25,9 @@ from routereplay.enums import Source
 from routereplay.errors import MissingRoutesError, RowCountError
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.routes import traces_to_routes
-from routereplay.trace import RouteTrace, Segment, canonical_dtype
+from routereplay.trace.provenance import Segment
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.trace.validation import canonical_dtype
 
 
 def generation_traces(

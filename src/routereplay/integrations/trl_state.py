@@ -31,7 +31,7 @@ from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, MissingRoutesError, ReplayStateError, TokenMismatchError
 from routereplay.metrics import routing_agreement
 from routereplay.runtime import Recording, Replayer
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 OLD_ROUTES_KEY = "router_replay_old_routes"  # (B, S, L, K): the routes the old-log-prob pass used
 ENGINE_ROUTES_KEY = "router_replay_engine_routes"  # (B, S, L, K): the generation's routes, -1 where none

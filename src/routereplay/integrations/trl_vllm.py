@@ -39,7 +39,7 @@ from routereplay.engines.vllm_checkpoint import CheckpointLayout, layout_of
 from routereplay.engines.vllm_colocated import checkpoint_tensors
 from routereplay.engines.vllm_workarounds import forget_cpu_moe_kernels, kept_thread_settings, quiet_reload_warnings
 from routereplay.errors import ConfigError, UnsupportedByEngineError, WeightSyncError
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.vllm import decode_vllm
 
 

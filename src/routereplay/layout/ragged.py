@@ -20,7 +20,9 @@ import torch
 from routereplay.enums import Source
 from routereplay.errors import BatchShapeError, ConfigError, LayerCountError, TopKMismatchError
 from routereplay.layout.array import Array, as_tensor, index_tensor, like, select
-from routereplay.trace import RouteTrace, Segment, canonical_dtype
+from routereplay.trace.provenance import Segment
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.trace.validation import canonical_dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,8 +39,9 @@ from typing import Any
 from routereplay.engines.hf import Rollout
 from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError
-from routereplay.store import RouteStore
-from routereplay.trace import MergePolicy, RouteTrace
+from routereplay.store.route_store import RouteStore
+from routereplay.trace.provenance import MergePolicy
+from routereplay.trace.route_trace import RouteTrace
 
 
 class ResumeRoutes(StrEnum):

@@ -23,7 +23,7 @@ from torch import nn
 from routereplay.engines.hf import Rollout, position_ids_for
 from routereplay.errors import ConfigError
 from routereplay.runtime import Recording, Replayer
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 
 @dataclass(slots=True)

@@ -1,5 +1,39 @@
 """The replay runtime: bind an HF MoE model's (or a Megatron-core model's) routers, record and replay
-their top-k choice. Importing it never imports megatron."""
+their top-k choice. Importing it never imports megatron.
+
+Files:
+- `alignment.py`            Alignment of replay routes with the batch they are applied to: padding side and
+                            token ids
+- `attachment.py`           How a `Replayer` sits on a model: a forward pre-hook on the model and a `forward`
+                            attribute on each bound router scope, both inert stand-ins when pickled or copied
+- `binding.py`              What `attach` binds (`Binding`: one router per column of the routes) and the
+                            policies it binds them under
+- `call_inputs.py`          What a model call hands the Replayer: its batch shape and ids, and the attributes
+                            a replayed router call sets
+- `discovery.py`            Finding the routers of an HF transformers MoE model, by module, and what to
+                            intercept in each
+- `family_interceptors.py`  Interceptors of the families that do not select by one top-k over the experts:
+                            PhiMoE, Doge
+- `indexer.py`              DeepSeek Sparse Attention (DSA) indexers: finding them, and their choices in one
+                            canonical form
+- `indexer_layout.py`       DSA indexer choices between a padded batch (`indices_BSLI`) and per-sequence
+                            `IndexerTrace`s
+- `indexer_replayer.py`     `IndexerReplayer(model)`: record and replay the top-k of a model's DSA indexers
+- `interception.py`         Intercepting the one selection `torch.topk` of a router while its forward runs
+- `megatron.py`             `attach_megatron(model) -> MegatronReplayer`: record and replay the routing of a
+                            Megatron-core MoE model
+- `megatron_binding.py`     Finding the TopKRouters of Megatron-core model chunks, and what a replay
+                            payload's layers mean
+- `megatron_schedule.py`    One record/replay context of the Megatron adapter: the schedule it consumes and
+                            what it routed
+- `modality.py`             Modality routers: a layer whose tokens go to one of several routers by their
+                            modality
+- `replayer.py`             `attach(model) -> Replayer`: record and replay the routing of an HF transformers
+                            MoE model
+- `routes.py`               Batch routes <-> per-sequence traces, and the checks a replay batch must pass
+- `session.py`              One record or replay context of a `Replayer`: its state, what it captured, and
+                            the counters
+"""
 
 from routereplay.runtime.discovery import Refusal, RouterSite
 from routereplay.runtime.indexer_replayer import IndexerRecording, IndexerReplayer, IndexerStats

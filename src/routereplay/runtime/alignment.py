@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from routereplay.errors import ConfigError, PaddingMismatchError, TokenMismatchError
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 SHIFT_MIN_KNOWN = 2  # a one-position shift is named only when at least this many known ids confirm it
 FIX_PADDING = (

@@ -25,7 +25,7 @@ import torch
 from routereplay.errors import BatchShapeError, ConfigError, IndexerRouteError, LayerCountError, TopKMismatchError
 from routereplay.indexer.trace import IndexerTrace
 from routereplay.runtime.routes import mask_array
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 
 class IndexerGeometry(Protocol):

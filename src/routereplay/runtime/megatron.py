@@ -80,7 +80,7 @@ from routereplay.runtime.megatron_binding import (
 )
 from routereplay.runtime.megatron_schedule import MegatronRecording, Schedule
 from routereplay.runtime.replayer import Binding, ReplayStats
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 # Megatron's default top-k: (scores (N, E), k, num_groups=, group_topk=) -> (values (N, K), ids (N, K))
 DefaultTopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]

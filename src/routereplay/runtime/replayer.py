@@ -80,7 +80,7 @@ from routereplay.runtime.routes import (
     traces_to_routes,
 )
 from routereplay.runtime.session import Recording, ReplayStats, Session, guard_backward
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 
 class Replayer:

@@ -28,7 +28,9 @@ from routereplay.errors import (
     TopKMismatchError,
 )
 from routereplay.runtime.alignment import check_coverage, refuse_meta
-from routereplay.trace import RouteTrace, Segment, canonical_dtype
+from routereplay.trace.provenance import Segment
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.trace.validation import canonical_dtype
 
 
 def traces_to_routes(

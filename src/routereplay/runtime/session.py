@@ -27,7 +27,7 @@ from routereplay.runtime.indexer_replayer import IndexerRecording
 from routereplay.runtime.interception import RouterSlot, in_backward
 from routereplay.runtime.modality import take_rows
 from routereplay.runtime.routes import mask_array, routes_to_traces
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 
 
 @dataclass(slots=True)

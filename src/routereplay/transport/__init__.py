@@ -1,12 +1,17 @@
-"""Moving encoded routes to the trainer ranks that replay them, each rank only its own.
+"""Per-rank route delivery: each trainer rank receives exactly its rows, as encoded bytes.
 
-- `distributed`: over `torch.distributed` (gloo, NCCL): `scatter_bundles` from one rank,
-  `exchange_bundles` all-to-all between colocated rollout workers and trainer ranks, and
-  `broadcast_dense`, the whole-batch broadcast they replace (the benchmark's baseline).
+Files:
+- `bundle.py`       `RankBundle`: one rank's rows cut from encoded pieces, checked like a codec blob,
+                    decoded in bounded chunks
+- `spans.py`        `bundles_for`: a layout plan (token numbers per rank) as spans of samples, cut
+                    from a `RouteStore` without decoding
+- `distributed.py`  `scatter_bundles` / `exchange_bundles` / `broadcast_dense` over torch.distributed
+                    (gloo or NCCL): sizes first, checked, then the bytes
 
-Over Ray's object store: `routereplay.integrations.ray_routes` (extra `ray`).
+`docs/cluster-scale.md` shows the whole path.
 """
 
+from routereplay.transport.bundle import RankBundle
 from routereplay.transport.distributed import (
     DEFAULT_MAX_BYTES,
     Refusal,
@@ -14,5 +19,15 @@ from routereplay.transport.distributed import (
     exchange_bundles,
     scatter_bundles,
 )
+from routereplay.transport.spans import bundles_for, spans_of
 
-__all__ = ["DEFAULT_MAX_BYTES", "Refusal", "broadcast_dense", "exchange_bundles", "scatter_bundles"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "RankBundle",
+    "Refusal",
+    "broadcast_dense",
+    "bundles_for",
+    "exchange_bundles",
+    "scatter_bundles",
+    "spans_of",
+]

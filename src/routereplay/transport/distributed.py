@@ -3,7 +3,7 @@
 The usual glue (verl's router replay) broadcasts the dense padded routes of the whole batch to every
 rank, (B, S, L, K) int16 ids, although a rank replays only its DP share's CP/SP/PP slice of them: at
 scale that is tens of GB per step to every rank (verl #6211). Here the rank that holds the routes cuts
-one `RankBundle` per rank (`routereplay.compact.plan.bundles_for`: the rows of that rank's layout plan,
+one `RankBundle` per rank (`routereplay.transport.spans.bundles_for`: the rows of that rank's layout plan,
 still encoded) and sends each rank its own:
 
 - `scatter_bundles`: one source rank sends `bundles[r]` to group rank r. First a header every rank

@@ -27,7 +27,9 @@ from routereplay.errors import (
     TraceShapeError,
     location,
 )
-from routereplay.trace import RouteTrace, Segment, canonical_dtype
+from routereplay.trace.provenance import Segment
+from routereplay.trace.route_trace import RouteTrace
+from routereplay.trace.validation import canonical_dtype
 from routereplay.wire.diagnosis import Split, clean_alternatives, describe, split_hint_for_rows
 from routereplay.wire.limits import (
     DEFAULT_LIMITS,

@@ -18,7 +18,7 @@ import numpy as np
 
 from routereplay.enums import Source
 from routereplay.errors import MissingRoutesError, PayloadEncodingError, TraceShapeError, location
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.assembler import Expectation, assemble
 from routereplay.wire.limits import (
     DEFAULT_LIMITS,

@@ -25,7 +25,7 @@ from routereplay.errors import (
     TraceShapeError,
     location,
 )
-from routereplay.trace import RouteTrace
+from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.assembler import Expectation, assemble
 from routereplay.wire.limits import (
     DEFAULT_LIMITS,
