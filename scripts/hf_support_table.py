@@ -1,10 +1,10 @@
-"""Regenerate the README's table of HF MoE model types: supported or refused, and why.
+"""Regenerate docs/replay.md's table of HF MoE model types: supported or refused, and why.
 
 For every MoE model type of the installed transformers (routereplay.testing.hf.models.MOE_MODEL_TYPES), it
 builds the tiny model from its config, attaches a Replayer, and checks that replaying the recorded
 routes reproduces the logits bit for bit and that forced random routes reach the experts. Types
-that hf_tiny cannot build on a CPU are listed with that reason. Nothing is downloaded.
-Run: .venv/bin/python scripts/hf_support_table.py --write README.md   (or without --write: print)
+that routereplay.testing cannot build on a CPU are listed with that reason. Nothing is downloaded.
+Run: .venv/bin/python scripts/hf_support_table.py --write docs/replay.md   (or without --write: print)
 """
 
 from __future__ import annotations
