@@ -48,7 +48,7 @@ def test_logprob_mismatch_hand_computed() -> None:
     assert result["extreme_frac_2"] == pytest.approx(2 / 3)  # ratios 0.4 < 1/2 and 3 > 2; 1.0 is not
     assert result["mean_abs_dlogp"] == pytest.approx(sum(abs(d) for d in deltas) / 3)
     assert result["signed_mean_dlogp"] == pytest.approx(sum(deltas) / 3)
-    assert result["chi2"] == pytest.approx(sum(math.exp(2 * d) for d in deltas) / 3 - 1)
+    assert result["chi2"] == pytest.approx(sum((math.exp(d) - 1) ** 2 for d in deltas) / 3)
     assert result["prob_abs_diff"] == pytest.approx((0 + 0.3 + 0.6) / 3)
     x, y = [0.5, 0.2, 0.9], [0.5, 0.5, 0.3]
     mx, my = sum(x) / 3, sum(y) / 3
@@ -70,3 +70,19 @@ def test_logprob_mismatch_errors() -> None:
         logprob_mismatch(torch.zeros(3), torch.zeros(3), torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ConfigError, match="must be > 1"):
         logprob_mismatch(torch.zeros(3), torch.zeros(3), tau=1.0)
+
+
+def test_chi2_is_never_negative_where_the_sampled_ratios_average_below_one() -> None:
+    """A user saw a negative χ² row (-2.27e-4 against -5.45e-4, printed as the ratio 2.395, "R3 worse"):
+    mean(r²) - 1 goes negative whenever the sampled ratios r = p_train / p_infer average below 1, which
+    finite samples often do. mean((r - 1)²) estimates the same χ² without bias and is >= 0 by construction."""
+    ratios = torch.tensor([0.99, 0.995, 1.001, 0.998, 0.997], dtype=torch.float64)
+    assert float((ratios**2).mean() - 1) < 0  # the old estimate on these samples
+    infer = torch.log(torch.full((5,), 0.4, dtype=torch.float64))
+    result = logprob_mismatch(infer + ratios.log(), infer)
+    assert result["chi2"] == pytest.approx(float(((ratios - 1) ** 2).mean()))
+    assert result["chi2"] > 0
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):  # small random samples of near-equal log-probs: never below 0
+        d = torch.randn(7, generator=rng, dtype=torch.float64) * 1e-3
+        assert logprob_mismatch(d, torch.zeros(7, dtype=torch.float64))["chi2"] >= 0

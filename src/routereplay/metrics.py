@@ -4,7 +4,9 @@ Definitions follow research/papers-and-metrics.md (R3, arXiv 2510.11370). With `
 logp_infer` over sampled response tokens:
 - k3 KL = mean(exp(d) - 1 - d): estimates KL(pi_infer || pi_train) from samples of pi_infer.
 - F(tau) = mean 1[|d| > ln tau]: the extreme-token fraction (tau = 2 is the standard).
-- chi2 = mean(exp(d)^2) - 1, and mean |d|. The signed mean of d hides magnitude, so it is reported
+- chi2 = mean((exp(d) - 1)^2), and mean |d|. Over tokens sampled from pi_infer it estimates the chi^2
+  divergence without bias, like mean(exp(d)^2) - 1, but it is >= 0 on every sample (the other goes
+  negative whenever the sampled ratios average below 1). The signed mean of d hides magnitude, so it is reported
   next to mean |d|, not in its place.
 - prob_abs_diff = mean |p_train - p_infer| and pearson_prob = the Pearson correlation of the
   probabilities.
@@ -85,7 +87,7 @@ def logprob_mismatch(
         f"extreme_frac_{tau:g}": float((delta_N.abs() > math.log(tau)).double().mean()),
         "mean_abs_dlogp": float(delta_N.abs().mean()),
         "signed_mean_dlogp": float(delta_N.mean()),
-        "chi2": float((ratio_N**2).mean() - 1),
+        "chi2": float(((ratio_N - 1) ** 2).mean()),
         "prob_abs_diff": float((p_train - p_infer).abs().mean()),
         "pearson_prob": _pearson(p_train, p_infer),
     }

@@ -40,7 +40,7 @@ METRIC_ROWS: tuple[tuple[str, str, str], ...] = (
     ("mean_abs_dlogp", "Mean |d|", "mean absolute log-prob difference"),
     ("signed_mean_dlogp", "Mean d", "signed mean log-prob difference (bias)"),
     ("extreme_frac_2", "F(2)", "tokens with |d| > ln 2 (probability ratio outside [½, 2])"),
-    ("chi2", "χ²", "mean exp(d)² − 1, the χ² estimate of the token ratio p_train / p_infer"),
+    ("chi2", "χ²", "mean (exp(d) − 1)², the χ² estimate of the token ratio p_train / p_infer (never negative)"),
     ("prob_abs_diff", "Mean |Δp|", "mean |p_train − p_infer| of the sampled token"),
     ("pearson_prob", "Pearson r(p)", "correlation of p_train and p_infer over tokens"),
     (

@@ -277,11 +277,14 @@ class RouteTrace:
         return tensor
 
     def expert_load(self) -> np.ndarray:
-        """(L, E) int64 counts: how many routed rows picked each expert in each layer."""
+        """(L, E) int64 counts: how many routed rows picked each expert in each layer.
+
+        Ids outside [0, E) are not counted in any layer (`validate()` names them: `ExpertIdRangeError`), so a
+        trace that fails validation still has a load table, and no bad id lands in another layer's count."""
         num_layers, num_experts = self.num_layers, self.num_experts
         ids = self.experts.astype(np.int64)
         offsets = (np.arange(num_layers, dtype=np.int64) * num_experts)[None, :, None]
-        flat = (ids + offsets)[ids >= 0]
+        flat = (ids + offsets)[(ids >= 0) & (ids < num_experts)]
         return np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
 
     # --- comparison ----------------------------------------------------------------------------

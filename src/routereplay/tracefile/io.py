@@ -33,7 +33,7 @@ from routereplay.errors import ConfigError, JsonDocumentError
 from routereplay.jsondocument import JsonLimits
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.tracefile.format import FileFormat, parse_json, sniff
-from routereplay.tracefile.payload import PayloadHints, engine_payload, required_hint, with_carried
+from routereplay.tracefile.payload import PayloadHints, check_recorded, engine_payload, required_hint, with_carried
 from routereplay.wire.limits import is_int
 from routereplay.wire.megatron import decode_megatron
 from routereplay.wire.payload import NPY_MAGIC, load_npy, npy_bytes
@@ -97,6 +97,7 @@ def read_trace(
         document = parse_json(data, limits.json, where=where)
     if found is FileFormat.CODEC:
         trace = codec.decode(data, limits=limits.codec)
+        check_recorded(hints, trace, where)
         return (trace.validate(where) if validate else trace), found
     if found is FileFormat.NPY:
         array = load_npy(data, where)

@@ -128,6 +128,29 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check_recorded(hints: PayloadHints, trace: RouteTrace, where: str) -> None:
+    """A codec file records its model facts: a hint that contradicts them is refused, never ignored."""
+    recorded: dict[str, Any] = {
+        "num_experts": trace.num_experts,
+        "num_layers": trace.num_layers,
+        "top_k": trace.top_k,
+        "moe_layers": list(trace.layers),
+        "layers": list(trace.layers),
+    }
+    for name, value in recorded.items():
+        given = getattr(hints, name)
+        if given is None:
+            continue
+        given = [int(x) for x in given] if name in ("moe_layers", "layers") else int(given)
+        if given != value:
+            shown = compact_ranges(value) if isinstance(value, list) else value
+            asked = compact_ranges(given) if isinstance(given, list) else given
+            raise ConfigError(
+                f"{where}: the file records {name}={shown} but {_flag(name)} says {asked}; a codec file carries "
+                f"its own model facts: drop {_flag(name)} (or pass {shown})"
+            )
+
+
 def with_carried(hints: PayloadHints, document: Any, found: FileFormat, where: str) -> PayloadHints:
     """Fill what `hints` leave unsaid from the `"routereplay"` object of a payload `engine_payload` wrote."""
     carried = document.get(CARRIED_FIELD) if isinstance(document, dict) else None
