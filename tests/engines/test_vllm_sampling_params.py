@@ -6,17 +6,29 @@ from __future__ import annotations
 
 import pytest
 
-from routereplay.engines.hf import SamplingParams
-from routereplay.engines.vllm_colocated import checked_params
+from routereplay.engines.hf import HFEngine, SamplingParams, checked_params
 from routereplay.errors import ConfigError
 from tests.engines.colocated_engine import Colocated, prompts
 
 
 def test_checked_params_takes_routereplays_and_names_it_otherwise() -> None:
     params = SamplingParams(max_new_tokens=4, seed=2)
-    assert checked_params(params) is params
+    assert checked_params(params, "VLLMEngine") is params
     with pytest.raises(ConfigError, match=r"params is a builtins.dict; pass routereplay.engines.hf.SamplingParams\("):
-        checked_params({"max_tokens": 4})
+        checked_params({"max_tokens": 4}, "VLLMEngine")
+
+
+@pytest.mark.hf
+def test_the_built_in_engine_names_the_params_class_too() -> None:
+    """`HFEngine.generate(prompts, vllm_like_params)` was a bare AttributeError deep inside sampling."""
+    from routereplay.testing import tiny_model
+
+    class VLLMLike:  # the fields of vllm.SamplingParams that the hint reads
+        max_tokens, temperature, top_p, seed = 8, 0.0, 1.0, 3
+
+    engine = HFEngine(tiny_model("qwen3_moe"))
+    with pytest.raises(ConfigError, match=r"HFEngine\.generate: params is a .*VLLMLike.*temperature=1e-05, top_p=1.0"):
+        engine.generate([[5, 6, 7]], VLLMLike())  # type: ignore[arg-type]
 
 
 @pytest.mark.vllm

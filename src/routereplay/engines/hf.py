@@ -36,6 +36,7 @@ import copy
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,6 +69,28 @@ class SamplingParams:
             raise ConfigError(f"temperature={self.temperature} must be > 0 (use a small value for near-greedy)")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+def checked_params(params: object, engine: str) -> SamplingParams:
+    """`params` of an engine's `generate`: routereplay's `SamplingParams`; anything else (vLLM's own
+    `vllm.SamplingParams` above all) is a `ConfigError` naming the class and, for vLLM's, its equivalent."""
+    if isinstance(params, SamplingParams):
+        return params
+    kind = type(params)
+    hint = ""
+    if all(hasattr(params, name) for name in ("max_tokens", "temperature", "top_p", "seed")):  # vllm.SamplingParams
+        values: Any = params
+        temperature = values.temperature if values.temperature > 0 else 1e-5  # vLLM's 0 = greedy
+        hint = (
+            f"; the equivalent of this one is SamplingParams(max_new_tokens={values.max_tokens or 16}, "
+            f"temperature={temperature}, top_p={values.top_p}, seed={values.seed or 0}, eos_token_id=<your EOS id>) "
+            "(one sample per prompt: n, top_k, stop strings and penalties have no equivalent)"
+        )
+    raise ConfigError(
+        f"{engine}.generate: params is a {kind.__module__}.{kind.__qualname__}; pass "
+        "routereplay.engines.hf.SamplingParams(max_new_tokens, temperature, top_p, seed, eos_token_id): the engine "
+        f"builds vLLM's own per request (seed + index, the sampled token's log-prob, EOS as the stop id){hint}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +167,7 @@ class HFEngine:
         prefix_routes: Sequence[RouteTrace | None] | None = None,
     ) -> list[Rollout]:
         """Sample one response per prompt; `stop` and `prefix_routes` are described in the module docstring."""
+        params = checked_params(params, type(self).__name__)
         check_prompts(prompts)
         if prefix_routes is not None and self.replayer is None:
             raise ConfigError("prefix_routes needs route capture: build the HFEngine with capture=True")
@@ -314,6 +338,7 @@ __all__ = [
     "SamplingParams",
     "TokenBudget",
     "check_prompts",
+    "checked_params",
     "left_pad",
     "position_ids_for",
     "sample_tokens",

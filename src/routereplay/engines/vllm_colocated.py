@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from routereplay.engines.hf import Rollout, SamplingParams, check_prompts
+from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_params
 from routereplay.engines.vllm_checkpoint import CheckpointLayout, check_servable, write_checkpoint
 from routereplay.engines.vllm_requests import StoppableRun
 from routereplay.engines.vllm_workarounds import (
@@ -207,28 +207,6 @@ def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.
     return dict(revert_weight_conversion(model, state))  # type: ignore[arg-type]
 
 
-def checked_params(params: object) -> SamplingParams:
-    """`params` of `VLLMEngine.generate`: routereplay's `SamplingParams`; anything else (vLLM's own
-    `vllm.SamplingParams` above all) is a `ConfigError` naming the class and, for vLLM's, its equivalent."""
-    if isinstance(params, SamplingParams):
-        return params
-    kind = type(params)
-    hint = ""
-    if all(hasattr(params, name) for name in ("max_tokens", "temperature", "top_p", "seed")):  # vllm.SamplingParams
-        values: Any = params
-        temperature = values.temperature if values.temperature > 0 else 1e-5  # vLLM's 0 = greedy
-        hint = (
-            f"; the equivalent of this one is SamplingParams(max_new_tokens={values.max_tokens or 16}, "
-            f"temperature={temperature}, top_p={values.top_p}, seed={values.seed or 0}, eos_token_id=<your EOS id>) "
-            "(one sample per prompt: n, top_k, stop strings and penalties have no equivalent)"
-        )
-    raise ConfigError(
-        f"VLLMEngine.generate: params is a {kind.__module__}.{kind.__qualname__}; pass "
-        "routereplay.engines.hf.SamplingParams(max_new_tokens, temperature, top_p, seed, eos_token_id): the engine "
-        f"builds vLLM's own per request (seed + index, the sampled token's log-prob, EOS as the stop id){hint}"
-    )
-
-
 class VLLMEngine:
     """An in-process vLLM serving the trainer's model, with routes; see the module docstring."""
 
@@ -284,7 +262,7 @@ class VLLMEngine:
         """Sample one response per prompt (seed `params.seed + index`), with log-probs and routes.
 
         `stop` and `prefix_routes` are described in the module docstring."""
-        params = checked_params(params)
+        params = checked_params(params, "VLLMEngine")
         check_prompts(prompts)
         self._refuse_prefix_routes(prompts, prefix_routes)
         token_prompts = [[int(t) for t in p] for p in prompts]
@@ -431,7 +409,6 @@ __all__ = [
     "SyncReport",
     "VLLMEngine",
     "check_architecture",
-    "checked_params",
     "checkpoint_tensors",
     "import_vllm",
 ]
