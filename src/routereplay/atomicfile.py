@@ -9,6 +9,12 @@ targets and of other hosts are never touched.
 
 New files get the usual `0o666 & ~umask` mode (as `open(path, "w")` would); a file that is
 replaced keeps its mode.
+
+The target must be a regular file or absent. A symlink is written through: the file it points to is
+replaced (atomically, beside it) and the link stays. A FIFO, a device node (`/dev/full`, `/dev/null`)
+or a socket is refused with `OutputPathError` before anything is written, rather than replaced by a
+regular file; a directory too. An OS error (a read-only folder, a full disk) names the target, not
+the temporary.
 """
 
 from __future__ import annotations
@@ -17,8 +23,11 @@ import os
 import re
 import secrets
 import socket
+import stat
 from collections.abc import Iterable
 from pathlib import Path
+
+from routereplay.errors import OutputPathError
 
 TEMP_SUFFIX = ".tmp"
 
@@ -26,14 +35,19 @@ TEMP_SUFFIX = ".tmp"
 def atomic_write(path: str | Path, data: bytes | bytearray | memoryview | Iterable[bytes]) -> int:
     """Write `data` (bytes, or an iterable of byte chunks) to `path` atomically; returns the bytes written.
 
-    Stale temporaries of `path` left by dead writers are removed first.
+    Stale temporaries of `path` left by dead writers are removed first. A symlink is written through;
+    a FIFO, device, socket or directory at `path` raises `OutputPathError` (see the module docstring).
     """
-    path = Path(path)
+    named = Path(path)
+    path = regular_target(named)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     temporary = temporary_path(path, os.getpid())
     mode = _existing_mode(path)
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as exc:  # a read-only folder: say which output could not be written, not the temporary's name
+        raise _naming(exc, named, f"cannot create a file in {path.parent}") from exc
     written = 0
     try:
         with os.fdopen(descriptor, "wb") as stream:
@@ -46,11 +60,50 @@ def atomic_write(path: str | Path, data: bytes | bytearray | memoryview | Iterab
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise _naming(exc, named, None) from exc
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     _fsync_folder(path.parent)
     return written
+
+
+def regular_target(path: str | Path) -> Path:
+    """The file `atomic_write(path)` replaces: `path`, or the file a symlink at `path` points to (followed
+    to the end, dangling allowed). Raises `OutputPathError` when that is a directory, FIFO, device or socket."""
+    path = Path(path)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        mode = target.stat().st_mode
+    except FileNotFoundError:
+        return target
+    except OSError:
+        return target  # e.g. no permission on a parent folder: the write says so, naming the path
+    if stat.S_ISREG(mode):
+        return target
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    via = f" (through the symlink {path})" if target != path else ""
+    raise OutputPathError(
+        f"{target}{via} is {kind}, not a regular file: an output is written beside it and renamed over it, "
+        "which would replace it; name a regular file (or a new path)"
+    )
+
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _naming(exc: OSError, path: Path, why: str | None) -> OSError:
+    """`exc` again, of the same type, naming `path` (the output asked for) instead of the temporary."""
+    cause = exc.strerror or str(exc)
+    return type(exc)(exc.errno, f"{cause} ({why})" if why else cause, str(path))
 
 
 def temporary_path(path: Path, pid: int) -> Path:
@@ -130,4 +183,11 @@ def _fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-__all__ = ["TEMP_SUFFIX", "atomic_write", "remove_stale_temporaries", "stale_temporaries", "temporary_path"]
+__all__ = [
+    "TEMP_SUFFIX",
+    "atomic_write",
+    "regular_target",
+    "remove_stale_temporaries",
+    "stale_temporaries",
+    "temporary_path",
+]

@@ -188,6 +188,11 @@ class ForeignThreadError(ReplayStateError):
     """A thread tried to open a context on a Replayer whose context another thread holds."""
 
 
+class OutputPathError(ConfigError):
+    """An output cannot be written where asked: a FIFO, device or socket, a directory, `-`, or an existing
+    file or non-empty folder without --force."""
+
+
 class OrderLostError(ConfigError):
     """Replay was asked to force the routes' top-k order, but the routes kept only the expert set."""
 
