@@ -14,6 +14,7 @@ Files:
                      verdict
 - `main.py`          `routereplay` entry point: builds the parser from one module per subcommand and
                      dispatches
+- `outputs.py`       Output paths of the CLI: checked before the work starts, written whole at the end
 - `progress.py`      Progress of long CLI work on stderr: rich bars on a terminal, plain rate-limited lines
                      elsewhere
 - `threads.py`       The `--threads N` option of the commands that run the demo model (demo, train, bench

@@ -215,6 +215,12 @@ def run(args: argparse.Namespace) -> int:
     from routereplay.cli.progress import phase_progress
     from routereplay.errors import ConfigError
 
+    if args.suite == "all":  # BENCHMARKS.md (and the README) are written after minutes of measuring
+        from routereplay.cli.outputs import check_output_file
+
+        check_output_file("--output", args.output)
+        if args.readme is not None:
+            check_output_file("--readme", args.readme)
     names = SUITES if args.suite == "all" else (args.suite,)
     try:
         suites = {name: _suite(name, args) for name in names}

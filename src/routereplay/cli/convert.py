@@ -31,7 +31,9 @@ def add_parser(subparsers: Any) -> None:
         description=(
             f"{HELP[0].upper()}{HELP[1:]}. The input format is recognised from its bytes; the output "
             "format from --to or OUT's extension (.rrt, .npy). The input is validated before anything "
-            "is written, and OUT is written atomically."
+            "is written, and OUT is written atomically: a new file renamed over the old one. OUT must be a "
+            "regular file or new: a symlink is written through (the file it points to is replaced, the link "
+            "kept); a FIFO, a device (/dev/null, /dev/full), a socket, a directory and `-` (stdout) are refused."
         ),
         epilog=(
             "examples:\n  routereplay convert resp.json routes.rrt --num-experts 128 --moe-layers 0-47\n"
@@ -45,8 +47,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--mode",
         choices=["set", "ordered"],
-        default="set",
-        help="codec: keep each row's expert SET (smallest; ids come back sorted) or the exact order",
+        help="codec: keep each row's expert SET (smallest; ids come back sorted) or the exact order (default: a "
+        "codec input's own mode, so an ordered file stays ordered; set for any other input)",
     )
     parser.add_argument(
         "--zstd",
@@ -54,7 +56,9 @@ def add_parser(subparsers: Any) -> None:
         help="codec: compress the payload with zstd (extra `zstd`); left out, with a note, where the compressed file "
         "would expand past the default --max-expansion that readers apply",
     )
-    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite OUT if it exists (a symlink is written through, to its file)"
+    )
     add_payload_arguments(parser)
     add_codec_limit_arguments(parser)
     add_json_argument(parser)
@@ -65,27 +69,30 @@ def run(args: argparse.Namespace) -> int:
     from routereplay.atomicfile import atomic_write
     from routereplay.cli.extras import require
     from routereplay.cli.failure import naming, read_trace_file
-    from routereplay.errors import ConfigError
+    from routereplay.cli.outputs import check_output_file
+    from routereplay.errors import ConfigError, OutputPathError
     from routereplay.tracefile.format import FileFormat, format_for_path
     from routereplay.tracefile.io import write_trace
 
+    if Path(args.output).is_dir():
+        raise OutputPathError(
+            f"{args.output} is a directory; name the output file, e.g. {Path(args.output) / 'out.rrt'}"
+        )
+    check_output_file("OUT", args.output, force=args.force)  # `-`, a FIFO or device, an unwritable folder
     target = FileFormat(args.to) if args.to else format_for_path(args.output)
     if target is None:
         raise ConfigError(f"cannot tell the output format from {args.output!r}; pass --to rrt|npy|vllm|sglang|megatron")
-    if Path(args.output).is_dir():
-        raise ConfigError(f"{args.output} is a directory; name the output file, e.g. {Path(args.output) / 'out.rrt'}")
-    if Path(args.output).exists() and not args.force:
-        raise ConfigError(f"{args.output} exists; pass --force to overwrite it")
     if args.zstd:
         require("convert", {"zstandard": "--zstd"})
     trace, source = read_trace_file(args, args.input, payload_hints(args), validate=True)
+    mode = codec_mode(trace, source, args.mode, args.input)
     if target is FileFormat.CODEC:
-        blob = codec_blob(trace, args.mode, zstd=args.zstd, output=args.output)
+        blob = codec_blob(trace, mode, zstd=args.zstd, output=args.output)
         with naming(args.output):
             written = atomic_write(Path(args.output), blob)
     else:
         with naming(args.output):
-            written = write_trace(trace, args.output, target, mode=args.mode)
+            written = write_trace(trace, args.output, target, mode=mode)
     if target is FileFormat.NPY:
         print(
             f"note: .npy keeps only the ids; layers {list(trace.layers)[:4]}..., start {trace.start} and provenance "
@@ -122,6 +129,22 @@ def run(args: argparse.Namespace) -> int:
             f"{record['bytes_per_row']:.3f} B per (token, layer) row)"
         )
     return 0
+
+
+def codec_mode(trace: RouteTrace, source: Any, asked: str | None, path: str) -> str:
+    """The codec mode to write: `--mode` if given, else a codec input's own mode (an ordered file stays
+    ordered), else set. `--mode ordered` on a set-mode input is refused: its order is already lost."""
+    from routereplay.errors import OrderLostError
+    from routereplay.tracefile.format import FileFormat
+
+    if asked == "ordered" and not trace.ordered:
+        raise OrderLostError(
+            f"{path} keeps only each row's expert set (a set-mode codec file: ids come back sorted), so "
+            "--mode ordered would write an order that was never recorded; drop --mode ordered (or use --mode set)"
+        )
+    if asked is not None:
+        return asked
+    return "ordered" if source is FileFormat.CODEC and trace.ordered else "set"
 
 
 def codec_blob(trace: RouteTrace, mode: str, *, zstd: bool, output: str, limits: CodecLimits | None = None) -> bytes:

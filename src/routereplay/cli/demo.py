@@ -76,7 +76,17 @@ def add_parser(subparsers: Any) -> None:
         "--engine-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="engine precision"
     )
     output = parser.add_argument_group("output")
-    output.add_argument("--report", default="routereplay-report", help="report folder (default ./routereplay-report)")
+    output.add_argument(
+        "--report",
+        default="routereplay-report",
+        help="report folder (default ./routereplay-report); written whole at the end, never half; an existing "
+        "non-empty folder needs --force",
+    )
+    output.add_argument(
+        "--force",
+        action="store_true",
+        help="write into an existing non-empty --report folder (its report files are replaced, other files kept)",
+    )
     output.add_argument("--no-report", action="store_true", help="do not write the report folder")
     add_threads_argument(model)
     add_json_argument(parser)
@@ -93,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         _check_vllm(args)
     if not args.no_report:
-        _check_report_folder(args.report)
+        from routereplay.cli.outputs import check_output_folder
+
+        check_output_folder("--report", args.report, force=args.force)  # before minutes of work, creating nothing
 
     import transformers
 
@@ -124,10 +136,11 @@ def run(args: argparse.Namespace) -> int:
         _render(result)
     if not args.no_report:
         from routereplay.cli.failure import naming
+        from routereplay.cli.outputs import staged_folder
         from routereplay.report.page import write_report
 
-        with naming(args.report):
-            paths = write_report(result, args.report)
+        with naming(args.report), staged_folder(args.report) as staging:  # Ctrl-C here leaves no half report
+            paths = write_report(result, staging)
         if not args.json:
             print(f"report: {args.report}/report.html ({len(paths)} files)")
     return 0
@@ -147,20 +160,6 @@ def _check_vllm(args: argparse.Namespace) -> None:
         from routereplay.rl.model import vllm_overrides
 
         vllm_overrides(args.arch)  # UnservableModelError for an arch without a servable variant
-
-
-def _check_report_folder(report: str) -> None:
-    """Make sure the report folder can be created before the work starts (a file in the way, no permission)."""
-    from pathlib import Path
-
-    from routereplay.cli.failure import naming
-    from routereplay.errors import ConfigError
-
-    folder = Path(report)
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"--report {report} is a file, not a folder; pass another --report or --no-report")
-    with naming(folder):
-        folder.mkdir(parents=True, exist_ok=True)
 
 
 def _render(result: dict[str, Any]) -> None:

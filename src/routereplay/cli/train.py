@@ -138,8 +138,10 @@ def add_parser(subparsers: Any) -> None:
         help="prompt groups kept in flight (default 2 x --prompts-per-step)",
     )
     out = parser.add_argument_group("output")
-    out.add_argument("--log", help="append one JSON record per step to this JSONL file")
-    out.add_argument("--plot", help="write a per-step plot (PNG) here")
+    out.add_argument(
+        "--log", help="append one JSON record per step to this JSONL file (checked before any work, as are the next)"
+    )
+    out.add_argument("--plot", help="write a per-step plot (PNG) here, after the table")
     out.add_argument("--tensorboard", help="also log scalars to this tensorboard folder (needs tensorboard)")
     add_threads_argument(group)
     add_json_argument(parser)
@@ -158,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         needs["httpx"] = f"--engine {args.engine} (the remote client)"
     require("train", needs)  # before training the demo model, not after
     _check_async(args)
+    _check_outputs(args)
     colocated = args.engine == "vllm" and not args.url
     if colocated:
         _check_colocated(args)  # vLLM importable, the demo model servable: before any training
@@ -235,6 +238,13 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if owned:
                 engine.close()
+    # the numbers first: a plot that cannot be written (disk full) must not lose the steps' table
+    if args.json:
+        print(json.dumps(history, indent=2), flush=True)
+    elif args.fully_async:
+        render_async(history)
+    else:
+        render(history)
     if args.plot:
         from pathlib import Path
 
@@ -243,13 +253,19 @@ def run(args: argparse.Namespace) -> int:
 
         with naming(args.plot):
             plot_steps({"modes": {config.mode: {}}, "steps": step_rows(history)}, Path(args.plot))
-    if args.json:
-        print(json.dumps(history, indent=2))
-    elif args.fully_async:
-        render_async(history)
-    else:
-        render(history)
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--log, --plot and --tensorboard refused before any work when they cannot be written (`cli/outputs.py`)."""
+    from routereplay.cli.outputs import check_output_file, check_output_folder
+
+    if args.log:
+        check_output_file("--log", args.log, appends=True)
+    if args.plot:
+        check_output_file("--plot", args.plot)
+    if args.tensorboard:
+        check_output_folder("--tensorboard", args.tensorboard)
 
 
 def _check_async(args: argparse.Namespace) -> None:

@@ -117,7 +117,8 @@ def _compare(
         eos_token_id=task.eos_token_id,
         pad_token_id=task.pad_token_id,
     )
-    report("sampling (engine)", 0, config.max_new_tokens)
+    # one unit per phase, the engine's own: the built-in engine counts sampled tokens, vLLM finished prompts
+    report("sampling (engine)", 0, config.prompts if config.engine == "vllm" else config.max_new_tokens)
     rollouts = engine.generate(
         task.prompt_ids(problems), params, progress=lambda done, total: report("sampling (engine)", done, total)
     )

@@ -137,8 +137,17 @@ def load_or_train(
     if (folder / "config.json").exists():
         model, tokenizer = load_checkpoint(folder)
         return model, tokenizer, f"cached: {folder}"
+    try:  # an unwritable cache fails now, not after minutes of training
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder.parent):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"the demo model cache {folder.parent} cannot be written ({exc.strerror or exc}), so the model would "
+            "train and then not be saved; set ROUTEREPLAY_CACHE to a writable folder (default ~/.cache/routereplay), "
+            "or pass --model with a local checkpoint"
+        ) from exc
     model, tokenizer = train_demo_model(arch, steps=steps, seed=seed, progress=progress, threads=threads, **overrides)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     model.save_pretrained(staging)  # type: ignore[operator]
     tokenizer.save_pretrained(staging)

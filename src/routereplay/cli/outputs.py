@@ -1,0 +1,130 @@
+"""Output paths of the CLI: checked before the work starts, written whole at the end.
+
+A command that trains or samples for minutes must not fail at its last line because an output path
+was unusable all along, nor leave half an output behind when it is stopped. So:
+
+- `check_output_file(flag, path, force=...)` refuses, before any work and without creating anything:
+  `-` (no command writes to stdout: a file named `-` is `./-`), a directory, a FIFO, device node or
+  socket (through a symlink too: a symlink is written through, see `atomicfile`), an existing file
+  without `--force` (where the command has one), and a folder that cannot be created or written. A
+  file the command appends to (`train --log`) may be a FIFO or a device (`/dev/stderr`).
+- `check_output_folder(flag, path, force=...)` does the same for a folder: `-`, a file, an existing
+  non-empty folder without `--force`, a parent that cannot be written.
+- `staged_folder(path)` yields a new temporary folder beside `path` to write into; when the block ends
+  normally its files land in `path` (renamed, so a reader never sees half a report), and on any
+  failure or Ctrl-C the temporary folder is removed and `path` is left as it was. An existing folder
+  (with `--force`) keeps its other files; the staged ones replace theirs.
+
+Every refusal is an `OutputPathError` (or an `OSError` naming the path), which the CLI prints as one
+line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from routereplay.atomicfile import regular_target
+from routereplay.errors import OutputPathError
+
+STDOUT_NAME = "-"
+
+
+def check_output_file(flag: str, path: str | Path, *, force: bool | None = None, appends: bool = False) -> Path:
+    """Refuse an output file `flag PATH` that cannot be written (see the module docstring); returns the file
+    that will be written (a symlink's target). `force=None`: the command replaces or appends without asking.
+    `appends`: the command appends to PATH (a log), so an existing FIFO or device (/dev/stderr) is fine."""
+    _refuse_stdout(flag, path)
+    named = Path(path)
+    if appends and named.exists() and not named.is_dir():
+        if not os.access(named, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(named))
+        return named
+    target = regular_target(named)  # OutputPathError: a directory, FIFO, device or socket
+    if force is False and target.exists():
+        raise OutputPathError(f"{flag} {named} exists; pass --force to overwrite it")
+    _check_writable_folder(flag, named, target.parent)
+    return target
+
+
+def check_output_folder(flag: str, path: str | Path, *, force: bool | None = None) -> Path:
+    """Refuse an output folder `flag PATH` that cannot be written whole (see the module docstring)."""
+    _refuse_stdout(flag, path)
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise OutputPathError(f"{flag} {folder} is a file, not a folder; pass another {flag}")
+    if folder.is_dir():
+        if force is False and any(folder.iterdir()):
+            raise OutputPathError(
+                f"{flag} {folder} is a folder that is not empty; pass --force to write into it (its report files "
+                f"are replaced, other files kept), or another {flag}"
+            )
+        _check_writable_folder(flag, folder, folder)
+    _check_writable_folder(flag, folder, folder.parent)
+    return folder
+
+
+@contextmanager
+def staged_folder(path: str | Path) -> Iterator[Path]:
+    """Yield a new folder beside `path`; on a normal exit move its files into `path` (created if absent),
+    on an exception (Ctrl-C included) remove it and leave `path` untouched."""
+    folder = Path(path)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.parent / f".{folder.name}.{secrets.token_hex(4)}.tmp"
+    staging.mkdir(mode=0o777)  # the umask applies, as for any new folder
+    try:
+        yield staging
+        _move_in(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _move_in(staging: Path, folder: Path) -> None:
+    """Put `staging`'s files in `folder`: one rename of the whole folder when `folder` is absent or empty,
+    else file by file (each rename atomic; `report.html`, which links the others, last)."""
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+    if not folder.exists():
+        os.replace(staging, folder)
+        return
+    names = sorted(os.listdir(staging), key=lambda name: (name.endswith(".html"), name))
+    for name in names:
+        os.replace(staging / name, folder / name)
+    staging.rmdir()
+
+
+def _refuse_stdout(flag: str, path: str | Path) -> None:
+    if str(path) == STDOUT_NAME:
+        raise OutputPathError(
+            f"{flag} -: this command writes its output to a file, not to stdout (stdout carries its table or "
+            f"--json); name a file, or ./- for a file named '-'"
+        )
+
+
+def _check_writable_folder(flag: str, named: Path, folder: Path) -> None:
+    """Raise unless `folder` exists (or can be created) and a file can be created in it; creates nothing."""
+    existing = folder
+    while not existing.exists():  # the nearest folder that exists: the rest will be created in it
+        if existing.parent == existing:
+            break
+        if existing.is_symlink():  # a dangling symlink on the way
+            raise FileNotFoundError(errno.ENOENT, f"{existing} is a dangling symlink", str(named))
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(named))
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # the honest test: read-only mounts, ACLs, root
+            pass
+    except OSError as exc:
+        cause = exc.strerror or str(exc)
+        raise type(exc)(exc.errno, f"{cause} (cannot create a file in {existing}; {flag})", str(named)) from exc
+
+
+__all__ = ["STDOUT_NAME", "check_output_file", "check_output_folder", "staged_folder"]
