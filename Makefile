@@ -57,7 +57,7 @@ $(STAMP): $(DEMO_STAMP)
 EXAMPLES := src/routereplay/examples
 
 demo: $(DEMO_STAMP)
-	$(BIN)/routereplay demo --report routereplay-report
+	$(BIN)/routereplay demo --report routereplay-report --force
 
 examples: $(DEMO_STAMP)
 	@echo "== SGLang /generate response, Qwen3-30B-A3B shape (48 MoE layers, top-8 of 128) =="
