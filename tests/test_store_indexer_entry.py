@@ -10,7 +10,6 @@ unknown rows compactly (`IndexerTrace.padded`), never through the dense form.
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,22 +20,12 @@ from routereplay.errors import CodecLimitError, ConfigError, StoreHeaderError
 from routereplay.indexer import IndexerLimits, IndexerTrace
 from routereplay.indexer.trace import merged_indexer
 from routereplay.store.route_store import RouteStore
+from tests.codec_blobs import traced_peak
 from tests.indexer.choices import implicit_blob, random_choices
 from tests.wire import distinct_routes
 
 E, L, K = 8, 2, 2
 MiB = 1 << 20
-
-
-def peak_of(call: Callable[[], Any]) -> tuple[int, Any]:
-    """(peak traced bytes, result) of `call()`; an exception propagates."""
-    tracemalloc.start()
-    try:
-        result = call()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    return peak, result
 
 
 def forged_file(rng: np.random.Generator, tokens: int, indexer: IndexerTrace) -> bytes:
@@ -111,7 +100,8 @@ def test_trace_pads_the_indexer_without_its_dense_form(rng: np.random.Generator)
     indexer = IndexerTrace.from_dense(first, range(16), 2048)
     store.add_turn("s", [0, 1], RouteTrace(distinct_routes(rng, 1, L, K, E), E, indexer=indexer))
     store.add_turn("s", np.arange(512), None)
-    peak, trace = peak_of(lambda: store.trace("s"))
+    trace, peak = traced_peak(lambda: store.trace("s"))
+    assert not isinstance(trace, Exception), trace
     assert peak < 2 * MiB, f"trace() of a 511-row sample peaked at {peak} bytes"
     padded = trace.indexer
     assert padded is not None and padded.num_tokens == 511 and padded.nbytes < 16 * 511

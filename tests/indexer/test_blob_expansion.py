@@ -9,8 +9,6 @@ that `to_dense()` or replay would allocate. Honest blobs stay below I^2 / 4 entr
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,20 +17,10 @@ from routereplay.bench.indexer import synthetic_choices
 from routereplay.errors import CodecLimitError, ConfigError
 from routereplay.indexer import IndexerLimits, IndexerTrace
 from routereplay.indexer.limits import DEFAULT_MAX_EXPANSION
+from tests.codec_blobs import traced_peak
 from tests.indexer.choices import implicit_blob, random_choices
 
 DENSE_SLACK = 1 << 20  # bytes beyond the output allowed to to_dense(): Python objects, the per-block index arrays
-
-
-def peak_of(call: Callable[[], Any]) -> tuple[int, Any]:
-    """(peak traced bytes, result) of `call()`; an exception propagates."""
-    tracemalloc.start()
-    try:
-        result = call()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    return peak, result
 
 
 def test_implicit_blob_is_what_encode_writes() -> None:
@@ -115,6 +103,7 @@ def test_dense_form_of_an_accepted_blob_stays_within_the_documented_bound(shape:
     T, L, I = shape
     blob = implicit_blob(T, L, I)
     limits = IndexerLimits(max_expansion=-(-T * L * I // len(blob)))
-    peak, dense_TLI = peak_of(lambda: IndexerTrace.decode(blob, limits).to_dense())
+    dense_TLI, peak = traced_peak(lambda: IndexerTrace.decode(blob, limits).to_dense())
+    assert isinstance(dense_TLI, np.ndarray), dense_TLI
     assert dense_TLI.nbytes <= 4 * limits.max_expansion * len(blob)
     assert peak <= 3 * dense_TLI.nbytes + DENSE_SLACK, f"peak {peak} for {dense_TLI.nbytes} dense bytes"
