@@ -102,3 +102,12 @@ def test_other_routes_forms_are_a_config_error(routes: Any, where: str) -> None:
         with replayer.replay(routes, mask):
             pass
     assert replayer._session is None, "a refused replay leaves no session behind"
+
+
+def test_uint64_ids_beyond_int64_are_refused_not_wrapped_to_no_route() -> None:
+    """An outside tester found np.uint64 2**64-1 replayed as -1 (every row live, silently)."""
+    from routereplay.errors import ExpertIdRangeError
+    from routereplay.runtime.routes import replay_routes
+
+    with pytest.raises(ExpertIdRangeError, match="uint64 id 18446744073709551615"):
+        replay_routes(np.full((1, 2, 2, 2), 2**64 - 1, dtype=np.uint64))

@@ -23,6 +23,7 @@ from routereplay.errors import (
     BatchShapeError,
     ConfigError,
     DtypeError,
+    ExpertIdRangeError,
     LayerCountError,
     OrderLostError,
     TopKMismatchError,
@@ -150,6 +151,10 @@ def replay_routes(routes: object) -> torch.Tensor | list[RouteTrace]:
     if isinstance(routes, np.ndarray):
         if routes.dtype.kind not in "iu":
             raise DtypeError(f"routes array has dtype {routes.dtype}; expert ids are integers (-1 = no route)")
+        if routes.dtype == np.uint64 and routes.size and int(routes.max()) > np.iinfo(np.int64).max:
+            raise ExpertIdRangeError(  # astype(int64) would wrap 2**64-1 to -1, a silent "no route"
+                f"routes array holds uint64 id {int(routes.max())}, beyond any expert; pass ids in [0, E) (-1 = none)"
+            )
         if routes.dtype.kind == "u" and routes.dtype != np.uint8:  # torch has few ops on uint16/32/64
             routes = routes.astype(np.int64)
         if not (routes.flags.c_contiguous and routes.flags.writeable):  # torch.from_numpy refuses or warns
