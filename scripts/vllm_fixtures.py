@@ -5,7 +5,7 @@ records, with routes on:
 - offline (`vllm.LLM`, in-process engine): `outputs[i].routed_experts` of every case, saved as
   `.npy` exactly as vLLM returned it (uint8, all hidden layers, dense layers zero-filled), with the
   prompt and output token ids;
-- HTTP (`python -m vllm.entrypoints.openai.api_server`, via `engines/vllm_server.VLLMServer`): the
+- HTTP (`python -m vllm.entrypoints.openai.api_server`, via `engines/vllm/server.VLLMServer`): the
   exact response bytes of /v1/completions (single, 2-prompt batch, n=2, routed_experts_prompt_start,
   a prefix-cached repeat, VLLMClient's own request) and /v1/chat/completions, plus one stream=true
   response as its server-sent-event text;
@@ -122,7 +122,7 @@ def run_http(model_dir: Path, out: Path) -> list[dict[str, Any]]:
 
     from routereplay.engines.hf import SamplingParams
     from routereplay.engines.remote import VLLMClient
-    from routereplay.engines.vllm_server import ServerConfig, VLLMServer
+    from routereplay.engines.vllm.server import ServerConfig, VLLMServer
     from routereplay.testing.vllm_models import text_of
 
     prompts = case_prompts(BLOCK_SIZE)
@@ -185,7 +185,7 @@ def record_engine_death(model_dir: Path, out: Path) -> dict[str, Any]:
 
     from routereplay.engines.hf import SamplingParams
     from routereplay.engines.remote import VLLMClient
-    from routereplay.engines.vllm_server import ServerConfig, VLLMServer
+    from routereplay.engines.vllm.server import ServerConfig, VLLMServer
 
     prompt = np.random.default_rng(0).integers(4, 1000, size=150).tolist()
     request = VLLMClient("http://x", model=SERVED, num_experts=1)._body(

@@ -302,6 +302,17 @@ class UnsupportedByEngineError(ConfigError):
     engine or setting that can."""
 
 
+class ForcedRoutesError(ConfigError):
+    """Routes a request asks the engine to force do not fit it: a bad blob (checksum, format, limits), another
+    expert count, top-k or set of MoE layers than the served model, rows beyond the prompt, token ids that are not
+    the prompt's, or an engine that cannot force (not eager, data parallel). The request fails; the engine serves on."""
+
+
+class ForcingNotAppliedError(RouteReplayError):
+    """An engine was asked to force routes and its own capture reports other experts on forced rows: the server
+    lacks the routereplay vLLM plugin, or a layer's router is one the plugin cannot force. The message names rows."""
+
+
 class EngineStartError(RouteReplayError):
     """A local inference server did not start (it exited, or was not ready in time); the message has its log."""
 

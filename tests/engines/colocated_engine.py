@@ -28,7 +28,7 @@ MAX_MODEL_LEN = 256
 class Colocated:
     """A running engine, the trainer model it was built from, and the RNG states around its start."""
 
-    engine: Any  # routereplay.engines.vllm_colocated.VLLMEngine
+    engine: Any  # routereplay.engines.vllm.colocated.VLLMEngine
     model: nn.Module
     rng_kept: bool
     env_before: str | None  # VLLM_ENABLE_V1_MULTIPROCESSING before the engine started
@@ -50,7 +50,7 @@ def rng_states() -> bytes:
 
 def start(family: str) -> Iterator[Colocated]:
     """A `VLLMEngine` on the family's bf16-rounded tiny model, closed when the generator is."""
-    from routereplay.engines.vllm_colocated import EngineConfig, VLLMEngine
+    from routereplay.engines.vllm.colocated import EngineConfig, VLLMEngine
     from routereplay.testing.vllm_models import tiny_vllm_model, word_tokenizer
 
     model = bf16_rounded(tiny_vllm_model(family))

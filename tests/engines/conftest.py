@@ -25,14 +25,14 @@ class LiveServer:
 
     url: str
     served_model_name: str
-    layout: Any  # routereplay.engines.vllm_checkpoint.CheckpointLayout
+    layout: Any  # routereplay.engines.vllm.checkpoint.CheckpointLayout
     model: Any  # the HF model with the checkpoint's weights (fp32 copies of the bf16 values)
     block_size: int
     log_path: Path
 
 
 def _serve(family: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    from routereplay.engines.vllm_server import ServerConfig, VLLMServer
+    from routereplay.engines.vllm.server import ServerConfig, VLLMServer
     from routereplay.testing.vllm_models import build_checkpoint
 
     folder = tmp_path_factory.mktemp(f"vllm-{family}")

@@ -1,4 +1,4 @@
-"""vLLM checkpoints written from HF models (engines/vllm_checkpoint.py) and the tiny servable models
+"""vLLM checkpoints written from HF models (engines/vllm/checkpoint.py) and the tiny servable models
 (routereplay.testing.vllm_models): config fixes, refusals of shapes vLLM's CPU backend cannot run, routing layout.
 These need transformers only; tests/engines/test_vllm_live.py serves the same checkpoints for real."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from routereplay.engines.vllm_checkpoint import check_servable, layout_of, vllm_config_fixes, write_checkpoint
+from routereplay.engines.vllm.checkpoint import check_servable, layout_of, vllm_config_fixes, write_checkpoint
 from routereplay.errors import ConfigError, NoRoutersError, UnservableModelError
 
 pytestmark = pytest.mark.hf

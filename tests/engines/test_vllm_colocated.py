@@ -224,7 +224,7 @@ def test_dense_first_model_drops_the_dense_layer(dense_first: Colocated) -> None
 def test_refuses_a_family_vllm_does_not_implement() -> None:
     """Error that is not a RouteReplayError (issue 12 item 2): an architecture missing from vLLM's
     ModelRegistry (JetMoe) is refused by name before any checkpoint is written or engine started."""
-    from routereplay.engines.vllm_colocated import VLLMEngine
+    from routereplay.engines.vllm.colocated import VLLMEngine
     from routereplay.testing.hf.models import tiny_model
     from routereplay.testing.vllm_models import word_tokenizer
 
@@ -235,7 +235,7 @@ def test_refuses_a_family_vllm_does_not_implement() -> None:
 def test_refuses_a_head_size_the_cpu_backend_rejects() -> None:
     """Error that is not a RouteReplayError (issue 12 item 2): head_dim 16 (vLLM's CPU attention refuses it
     at start-up) raises UnservableModelError before the engine starts."""
-    from routereplay.engines.vllm_colocated import VLLMEngine
+    from routereplay.engines.vllm.colocated import VLLMEngine
     from routereplay.testing.hf.models import tiny_model
     from routereplay.testing.vllm_models import word_tokenizer
 
@@ -248,7 +248,7 @@ def test_deepseek_v3_sync_equals_an_engine_started_on_the_new_weights() -> None:
     a shared expert, dense layer 0): after sync_weights with new weights and a new bias, vLLM samples
     exactly what an engine started on those weights samples (tokens, log-probs, routes), its traces
     hold layers 1-2, and R3 replay of them in the trainer has zero disagreement."""
-    from routereplay.engines.vllm_colocated import EngineConfig, VLLMEngine
+    from routereplay.engines.vllm.colocated import EngineConfig, VLLMEngine
     from routereplay.testing.vllm_models import tiny_vllm_model, word_tokenizer
 
     model = bf16_rounded(tiny_vllm_model("deepseek_v3"))
@@ -276,7 +276,7 @@ def test_deepseek_v3_sync_equals_an_engine_started_on_the_new_weights() -> None:
 def test_engine_runs_in_process_and_leaves_the_environment_as_it_was(qwen3: Colocated) -> None:
     """Concurrency (issue 12 item 2): the engine core runs in this process (so `sync_weights` reaches the
     model directly), and the in-process switch is not left set for vLLM servers started later."""
-    from routereplay.engines.vllm_workarounds import IN_PROCESS_ENV
+    from routereplay.engines.vllm.workarounds import IN_PROCESS_ENV
 
     assert os.environ.get(IN_PROCESS_ENV) == qwen3.env_before
     engine_core = qwen3.engine.llm.llm_engine.engine_core

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.hf]
 def test_missing_vllm_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     """Error that is not a RouteReplayError (issue 12 item 2): without vLLM, VLLMEngine raises
     MissingDependencyError (an ImportError) naming the extra to install, before writing anything."""
-    from routereplay.engines.vllm_colocated import VLLMEngine
+    from routereplay.engines.vllm.colocated import VLLMEngine
     from routereplay.testing.vllm_models import tiny_vllm_model, word_tokenizer
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` meets where vLLM is not installed
@@ -25,7 +25,7 @@ def test_missing_vllm_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_engine_config_refuses_a_context_longer_than_the_model() -> None:
     """Misleading message (issue 12 item 2): a max_model_len above the model's max_position_embeddings
     (vLLM refuses it deep in its start-up) is a ConfigError naming both numbers; the default is capped."""
-    from routereplay.engines.vllm_colocated import DEFAULT_MAX_MODEL_LEN, EngineConfig
+    from routereplay.engines.vllm.colocated import DEFAULT_MAX_MODEL_LEN, EngineConfig
     from routereplay.errors import ConfigError
     from routereplay.testing.vllm_models import tiny_vllm_model
 
@@ -45,7 +45,7 @@ def test_only_the_known_harmless_reload_warnings_are_dropped() -> None:
     is still logged."""
     import logging
 
-    from routereplay.engines.vllm_workarounds import RELOAD_LAYER_FAILED, RELOAD_UNLOADED, quiet_reload_warnings
+    from routereplay.engines.vllm.workarounds import RELOAD_LAYER_FAILED, RELOAD_UNLOADED, quiet_reload_warnings
 
     def record(msg: str, *args: object) -> logging.LogRecord:
         return logging.LogRecord("vllm.v1.worker.gpu_model_runner", logging.WARNING, __file__, 1, msg, args, None)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from routereplay.engines.vllm_colocated import EngineConfig
-from routereplay.engines.vllm_workarounds import LOG_LEVEL_ENV, VLLM_LOGGER, quiet_vllm_logs, vllm_log_level
+from routereplay.engines.vllm.colocated import EngineConfig
+from routereplay.engines.vllm.workarounds import LOG_LEVEL_ENV, VLLM_LOGGER, quiet_vllm_logs, vllm_log_level
 from routereplay.errors import ConfigError
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -86,7 +86,7 @@ def test_verbose_keeps_vllms_own_level(vllm_logger: tuple[logging.Logger, _Kept]
 def _first_import(env: dict[str, str]) -> str:
     """stdout + stderr of a fresh interpreter importing vLLM the way VLLMEngine does."""
     code = (
-        "from routereplay.engines.vllm_colocated import import_vllm\n"
+        "from routereplay.engines.vllm.colocated import import_vllm\n"
         "vllm = import_vllm()\n"
         "vllm.ModelRegistry.get_supported_archs()  # imports what logs on this machine (Triton disabled)\n"
         "from vllm.logger import init_logger\n"

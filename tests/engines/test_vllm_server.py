@@ -1,4 +1,4 @@
-"""The vLLM server launcher (engines/vllm_server.py): its command line, and the ways a start fails.
+"""The vLLM server launcher (engines/vllm/server.py): its command line, and the ways a start fails.
 
 A server that exits (here: a flag vLLM does not know, or no vLLM at all) raises EngineStartError with
 the end of its log; one not ready within ready_timeout is stopped, its whole process group included.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from routereplay.engines.vllm_server import SERVER_MODULE, ServerConfig, VLLMServer
+from routereplay.engines.vllm.server import SERVER_MODULE, ServerConfig, VLLMServer
 from routereplay.errors import ConfigError, EngineStartError
 
 

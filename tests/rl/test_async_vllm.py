@@ -55,7 +55,7 @@ def servable(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module,
 @pytest.fixture(scope="module")
 def engine(servable: tuple[torch.nn.Module, Any, Path]) -> Iterator[Any]:
     """The module's one colocated vLLM; each trainer syncs its own weights in (version 0) when it starts."""
-    from routereplay.engines.vllm_colocated import VLLMEngine
+    from routereplay.engines.vllm.colocated import VLLMEngine
 
     model, tokenizer, _ = servable
     with VLLMEngine(copy.deepcopy(model), tokenizer, policy_version=0) as running:

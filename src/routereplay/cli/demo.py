@@ -151,7 +151,7 @@ def _check_vllm(args: argparse.Namespace) -> None:
     import os
 
     from routereplay.cli.train import VLLM_CLI_LOGGING
-    from routereplay.engines.vllm_colocated import import_vllm
+    from routereplay.engines.vllm.colocated import import_vllm
 
     for name, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table / --json
         os.environ.setdefault(name, value)

@@ -1,7 +1,7 @@
 """`routereplay train`: GRPO on the demo task with router replay off, R2 or R3.
 
 The built-in engine (bf16, weights synced every step) samples by default. `--engine vllm` without
-`--url` runs a real vLLM in this process (`engines.vllm_colocated.VLLMEngine`, routes on) and syncs
+`--url` runs a real vLLM in this process (`engines.vllm.colocated.VLLMEngine`, routes on) and syncs
 the trainer's weights into it every step; the model must be one vLLM's CPU backend serves (the demo
 models are served through their vLLM-servable variant, head_dim 64, cached under its own key;
 deepseek_v3 has none, so pass `--model`). `--engine vllm|sglang --url URL`
@@ -44,7 +44,7 @@ from routereplay.cli.threads import add_threads_argument
 from routereplay.cli.train_tables import render, render_async, step_rows
 
 # stdout carries the command's table or --json: vLLM's own log (stdout by default) goes to stderr; its level is
-# ERROR unless VLLM_LOGGING_LEVEL is set (engines.vllm_workarounds.quiet_vllm_logs, when vLLM is imported)
+# ERROR unless VLLM_LOGGING_LEVEL is set (engines.vllm.workarounds.quiet_vllm_logs, when vLLM is imported)
 VLLM_CLI_LOGGING = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 
 
@@ -305,7 +305,7 @@ def _check_async(args: argparse.Namespace) -> None:
 
 def _check_colocated(args: argparse.Namespace) -> None:
     """Refuse `--engine vllm` without `--url` early: vLLM missing, or a demo arch without a servable variant."""
-    from routereplay.engines.vllm_colocated import import_vllm
+    from routereplay.engines.vllm.colocated import import_vllm
 
     for name, value in VLLM_CLI_LOGGING.items():  # before vLLM configures its logging on import
         os.environ.setdefault(name, value)
@@ -335,7 +335,7 @@ def _engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
     if args.engine == "hf":
         return HFEngine(model)
     if args.engine == "vllm" and not args.url:
-        from routereplay.engines.vllm_colocated import VLLMEngine
+        from routereplay.engines.vllm.colocated import VLLMEngine
 
         return VLLMEngine(model, tokenizer, policy_version=0)
     probe = attach(model)

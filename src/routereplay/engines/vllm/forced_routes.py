@@ -1,0 +1,196 @@
+"""Routes one vLLM request asks to have forced: the codec blob it carries, checked against the model and prompt.
+
+A request asks by carrying `SamplingParams.extra_args[XARG_KEY]`: the project's compact codec blob
+(`routereplay.codec.encode`, CRC included) as base64 text. In process `VLLMEngine` sets it; over HTTP
+it travels in the request body's `vllm_xargs`, which vLLM's OpenAI server copies into `extra_args`.
+The blob is a `RouteTrace`: row i forces the token at position `start + i`; a -1 row routes live; its
+`layers` must be exactly the model's MoE layers, by their global numbers (a dense-first model's start at 1).
+
+`ForcedRoutes.parse` trusts nothing: the text must be base64, the blob passes the codec's own checks
+(magic, version, CRC, lengths) under limits sized from the prompt (at most prompt x MoE layers x K
+ids, so a small blob cannot declare a huge trace), then its expert count, top-k and layers must be
+the served model's, its rows must lie inside the prompt, and token ids, when the blob has them, must
+be the prompt's. Every failure is a `ForcedRoutesError` naming the request and the fix. It runs twice:
+in vLLM's front end before the request is queued (the request fails with HTTP 400, the server serves
+on) and in the worker before use (`forcing_worker`).
+
+Prefix caching: KV blocks are keyed by token ids, not by the routes that computed them. A forced
+request's prompt is salted with a digest of its routes (`salted`, vLLM's own `cache_salt`), so its
+blocks are shared only with requests forcing the same routes, and an unforced request never reuses
+KV computed under forced routes (nor the other way round).
+
+Legend: T = forced rows, L = the model's MoE layers, K = top-k, N = token rows of one engine step.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from routereplay import codec
+from routereplay.codec.limits import CodecLimits
+from routereplay.errors import ForcedRoutesError, RouteReplayError
+from routereplay.trace.route_trace import RouteTrace
+
+XARG_KEY = "routereplay_routes"  # the key in SamplingParams.extra_args / the request body's vllm_xargs
+SALT_PREFIX = "routereplay-forced:"
+MAX_BLOB_CHARS = 64 << 20  # base64 text longer than this is refused before it is decoded
+
+
+@dataclass(frozen=True, slots=True)
+class ServedRouting:
+    """What the served model routes with: experts, top-k, hidden layers and which of them are MoE layers."""
+
+    num_experts: int
+    top_k: int
+    num_layers: int
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, text_config: Any, num_experts: int, top_k: int) -> ServedRouting:
+        """From an HF text config (the front end has no model): MoE layers by the config's own fields."""
+        num_layers = int(text_config.num_hidden_layers)
+        return cls(int(num_experts), int(top_k), num_layers, moe_layers_of(text_config, num_layers))
+
+
+def moe_layers_of(text_config: Any, num_layers: int) -> tuple[int, ...]:
+    """The hidden layers with a router, by the fields MoE configs use (all layers when none is set).
+
+    `mlp_only_layers` / `decoder_sparse_step` (Qwen2/3-MoE), `first_k_dense_replace` / `moe_layer_freq`
+    (DeepSeek-V2/V3, Kimi, GLM-4.5). The worker checks the same against the loaded model's routers."""
+    dense = {int(i) for i in (getattr(text_config, "mlp_only_layers", None) or [])}
+    step = getattr(text_config, "decoder_sparse_step", None)
+    first = getattr(text_config, "first_k_dense_replace", None)
+    freq = getattr(text_config, "moe_layer_freq", None)
+    layers = []
+    for i in range(num_layers):
+        if i in dense:
+            continue
+        if isinstance(step, int) and step > 0 and (i + 1) % step != 0:
+            continue
+        if isinstance(first, int) and i < first:
+            continue
+        if isinstance(freq, int) and freq > 1 and i % freq != 0:
+            continue
+        layers.append(i)
+    return tuple(layers)
+
+
+def encode_forced(trace: RouteTrace) -> str:
+    """A trace as the text a request carries under `XARG_KEY`: its codec blob, base64."""
+    return base64.b64encode(codec.encode(trace)).decode("ascii")
+
+
+def route_digest(text: str) -> str:
+    """A short digest of a request's forced-routes text (what its KV blocks are salted with)."""
+    return hashlib.sha256(text.encode("ascii", "replace")).hexdigest()[:32]
+
+
+def salted(cache_salt: str | None, text: str) -> str:
+    """The cache salt of a forced request: the caller's salt (if any) and the routes' digest."""
+    digest = SALT_PREFIX + route_digest(text)
+    return digest if not cache_salt else f"{cache_salt}|{digest}"
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedRoutes:
+    """A request's checked forced routes; `experts_TLK` columns follow `ServedRouting.moe_layers`, -1 = live."""
+
+    start: int
+    experts_TLK: np.ndarray
+    moe_layers: tuple[int, ...]
+
+    @property
+    def stop(self) -> int:
+        return self.start + int(self.experts_TLK.shape[0])
+
+    @property
+    def forced_rows(self) -> int:
+        """(token, layer) rows that are forced (not -1)."""
+        return int((self.experts_TLK[:, :, 0] >= 0).sum())
+
+    @classmethod
+    def parse(cls, value: object, served: ServedRouting, prompt: list[int] | None, *, where: str) -> ForcedRoutes:
+        """Check a request's `extra_args[XARG_KEY]` against the model and prompt (module docstring)."""
+        fail = _Failure(where)
+        if prompt is None:
+            raise fail("the request has no prompt token ids (embeddings-only prompts cannot be forced)")
+        if isinstance(value, bytes | bytearray):
+            value = value.decode("ascii", "replace")
+        if not isinstance(value, str):
+            raise fail(f"the value is a {type(value).__name__}; it must be base64 text of a codec blob")
+        if len(value) > MAX_BLOB_CHARS:
+            raise fail(f"the text is {len(value)} characters, above the {MAX_BLOB_CHARS} allowed")
+        try:
+            blob = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError) as error:
+            raise fail(f"the text is not base64 ({error})") from None
+        K, L = served.top_k, len(served.moe_layers)
+        limits = CodecLimits(max_entries=max(1, len(prompt) * max(L, 1) * K))
+        try:
+            trace = codec.decode(blob, limits=limits)
+            trace.validate()
+        except RouteReplayError as error:
+            raise fail(f"the blob does not decode to a valid trace within this prompt's size: {error}") from None
+        if trace.num_experts != served.num_experts or trace.top_k != K:
+            raise fail(
+                f"the trace has E={trace.num_experts}, K={trace.top_k}; the served model routes E="
+                f"{served.num_experts}, K={K}: encode routes of this model"
+            )
+        if tuple(trace.layers) != served.moe_layers:
+            raise fail(
+                f"the trace has layers {list(trace.layers)}; the served model's MoE layers are "
+                f"{list(served.moe_layers)}: give one column per MoE layer, numbered as the model numbers them"
+            )
+        if trace.start < 0 or trace.stop > len(prompt):
+            raise fail(
+                f"the trace covers positions {trace.start}..{trace.stop - 1} but the prompt has {len(prompt)} tokens "
+                f"(positions 0..{len(prompt) - 1}): only prompt positions can be forced"
+            )
+        if trace.token_ids is not None:
+            expected = np.asarray(prompt[trace.start : trace.stop], dtype=np.int64)
+            differ = np.flatnonzero(np.asarray(trace.token_ids, dtype=np.int64) != expected)
+            if differ.size:
+                at = int(differ[0]) + trace.start
+                theirs = int(trace.token_ids[at - trace.start])
+                raise fail(
+                    f"the trace's token id at position {at} is {theirs}, the prompt's is "
+                    f"{prompt[at]} ({differ.size} position(s) differ): these routes belong to another sequence"
+                )
+        return cls(trace.start, np.asarray(trace.experts, dtype=np.int64), served.moe_layers)
+
+    def rows_at(self, positions_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For a step's token positions: which of them this trace covers (mask N) and their rows (n, L, K)."""
+        inside_N = (positions_N >= self.start) & (positions_N < self.stop)
+        return inside_N, self.experts_TLK[positions_N[inside_N] - self.start]
+
+
+class _Failure:
+    """Builds the `ForcedRoutesError` of one request: what, where and how to fix."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __call__(self, what: str) -> ForcedRoutesError:
+        return ForcedRoutesError(
+            f"{self.where}: forced routes (extra_args / vllm_xargs {XARG_KEY!r}) refused: {what}. The request was "
+            "not run; send routereplay.engines.vllm.encode_forced(trace) of a RouteTrace of this model and prompt"
+        )
+
+
+__all__ = [
+    "MAX_BLOB_CHARS",
+    "SALT_PREFIX",
+    "XARG_KEY",
+    "ForcedRoutes",
+    "ServedRouting",
+    "encode_forced",
+    "moe_layers_of",
+    "route_digest",
+    "salted",
+]

