@@ -6,8 +6,9 @@ own copy of the weights in at policy version 0 first, so the tests share the eng
 `test_async_resume`, every engine call's raw output is logged as it reaches the pool (the samples it
 continued, the rollouts vLLM returned, the engine's policy version, the thread that called vLLM) and
 every batch the trainer learns from is captured. The expected routes of a row are those vLLM returned
-in the first call that fed it, with that call's version: vLLM cannot replay a prefix, so the resume
-policy is `first` (`latest` would keep the resumed call's re-routing instead).
+in the first call that fed it, with that call's version, under `first` (the routes kept) and under
+`prefix-replay` (the default with vLLM: the resumed prefill is forced to them inside vLLM, so vLLM's
+capture of the resumed call must report the same routes and prefix conflicts are 0).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay.cli.main import EXIT_ERROR, EXIT_OK, main
+from routereplay.cli.main import EXIT_OK, main
 from routereplay.cli.train import VLLM_CLI_LOGGING
-from routereplay.errors import ConfigError
 from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
 from routereplay.rl.grpo import GRPOConfig
 from routereplay.rl.tasks import AdditionTask
@@ -125,8 +125,10 @@ def test_seeded_async_r3_keeps_vllms_routes_across_repeated_aborts(servable: Any
     _check_r3_exact(run)
     history = run.trainer.history
     assert [r["policy_version"] for r in history] == [0, 1, 2, 3]
-    assert {r["resume_routes"] for r in history} == {"first"}, "vLLM cannot replay a prefix: the default is first"
+    assert {r["resume_routes"] for r in history} == {"prefix-replay"}, "vLLM forces prefixes: prefix-replay is default"
+    assert sum(r["prefix_conflicts"] for r in history) == 0, "a forced resumed prefill re-routed a prefix row"
     assert sum(r["aborts"] for r in history) >= sum(aborts.values())
+    _check_resumed_prefills_report_the_first_routes(run)
 
 
 def test_threaded_async_calls_vllm_from_the_rollout_thread_with_r3_exact(servable: Any, engine: Any) -> None:
@@ -142,17 +144,29 @@ def test_threaded_async_calls_vllm_from_the_rollout_thread_with_r3_exact(servabl
     _check_r3_exact(run)
 
 
-def test_prefix_replay_with_vllm_is_refused_before_anything_runs(servable: Any, engine: Any) -> None:
-    """Silent misroute (issue 13): vLLM 0.30 cannot force routes on a resumed prefill, so 'prefix-replay'
-    with VLLMEngine must be refused when the trainer is built, naming why and what to use, before any
-    weights are synced or anything sampled."""
-    model, tokenizer, _ = servable
-    before = engine.last_sync, engine.policy_version
-    config = GRPOConfig(mode="R3", steps=1, prompts_per_step=4, group_size=2)
-    fully = AsyncConfig(schedule="seeded", resume_routes="prefix-replay")
-    with pytest.raises(ConfigError, match=r"'prefix-replay' needs an engine that forces routes.*VLLMEngine cannot"):
-        AsyncGRPOTrainer(copy.deepcopy(model), AdditionTask(tokenizer), engine, config, fully)
-    assert (engine.last_sync, engine.policy_version) == before
+def _check_resumed_prefills_report_the_first_routes(run: Run) -> None:
+    """Every resumed call's returned prefix rows (vLLM's own capture) equal the routes of the call that first fed
+    them: the forcing held inside vLLM, row by row, across every abort."""
+    checked = 0
+    for sample_id, _rollout in run.learnt():
+        fed = list(run.fed_by(sample_id))
+        for tokens, rollout, _version in fed[1:]:
+            if rollout.trace is None:
+                continue
+            rows = len(tokens) - 1
+            expected, _versions = run.sampled_routes(sample_id, rows)
+            got = np.sort(np.asarray(rollout.trace.experts[:rows]), -1)
+            assert np.array_equal(got, np.sort(expected, -1)), f"sample {sample_id}: a resumed prefill re-routed"
+            checked += rows
+    assert checked > 0, "no resumed prefill was checked"
+
+
+def test_first_resume_policy_with_vllm_keeps_sampling_routes(servable: Any, engine: Any) -> None:
+    """`first` still works with vLLM (the resumed prefill routes live, the kept routes are the first call's)."""
+    run = _run(servable, engine, schedule="seeded", steps=2, resume="first")
+    assert {r["resume_routes"] for r in run.trainer.history} == {"first"}
+    _check_learnt_traces_are_vllms(run)
+    _check_r3_exact(run)
 
 
 def test_train_cli_async_seeded_with_vllm_reports_async_keys(
@@ -170,24 +184,24 @@ def test_train_cli_async_seeded_with_vllm_reports_async_keys(
     assert [r["policy_version"] for r in history] == [0, 1]
     for record in history:
         assert all(key in record for key in ASYNC_KEYS), sorted(record)
-        assert record["resume_routes"] == "first"
+        assert record["resume_routes"] == "prefix-replay"
+        assert record["prefix_conflicts"] == 0
         assert sum(record["rows_by_version"].values()) > 0
         assert record["rollout_routing_disagreement"] == 0.0
         assert record["rollout_disagreement_per_mini_step"] == [0.0, 0.0]
 
 
-def test_train_cli_async_vllm_refuses_prefix_replay_naming_why(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_train_cli_async_vllm_prefix_replay_runs(
+    servable: Any, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Misleading message (issue 13): `--async --engine vllm --resume-routes prefix-replay` exits with an
-    error naming the cause (vLLM cannot force routes on a resumed prefill) and the choices that work,
-    before loading a model or starting vLLM."""
-    monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path / "cache"))
+    """Issue 24: `routereplay train --async --engine vllm --resume-routes prefix-replay --steps 2 --json` runs,
+    with no prefix conflict and R3 exact."""
     for name in VLLM_CLI_LOGGING:
         monkeypatch.delenv(name, raising=False)
-    args = ["train", "--async", "--engine", "vllm", "--resume-routes", "prefix-replay", "--steps", "1"]
-    assert main(args) == EXIT_ERROR
-    message = capsys.readouterr().err
-    assert "--resume-routes prefix-replay" in message and "vLLM 0.30 has no API" in message
-    assert "--resume-routes first|latest" in message and "--engine hf" in message
-    assert not (tmp_path / "cache").exists(), "the demo model was trained before the refusal"
+    args = ["train", "--async", "--engine", "vllm", "--resume-routes", "prefix-replay", "--steps", "2"]
+    args += ["--model", str(servable[2]), "--schedule", "seeded", "--prompts-per-step", "4", "--group-size", "2"]
+    args += ["--mode", "R3"]
+    assert main([*args, "--json"]) == EXIT_OK
+    history = json.loads(capfd.readouterr().out)
+    assert [r["resume_routes"] for r in history] == ["prefix-replay", "prefix-replay"]
+    assert [(r["prefix_conflicts"], r["rollout_routing_disagreement"]) for r in history] == [(0, 0.0), (0, 0.0)]

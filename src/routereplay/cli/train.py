@@ -14,8 +14,9 @@ also write a JSONL log and a per-step plot.
 `--async` trains fully-asynchronously (`rl.async_grpo`): the engine keeps sampling while the trainer
 updates, each weight sync aborts the in-flight requests at a token boundary and resumes them under
 the new version, and the trainer takes groups at most `--max-staleness` versions old. How a resumed
-prefix's routes are kept is `--resume-routes` (default: prefix-replay with the built-in engine, which
-re-prefills the prefix replaying its sampling routes; first with vLLM, which cannot force routes).
+prefix's routes are kept is `--resume-routes` (default: prefix-replay, with the built-in engine and
+with vLLM alike: the resumed prefill is forced to the prefix's sampling routes, inside vLLM through the
+routereplay vLLM plugin).
 The table then adds the policy version, stale rows, aborts, resumes, prefix conflicts, dropped groups
 and samples per second. `--schedule seeded` makes the aborts land where a seeded schedule says. With
 the built-in engine, `--async` runs it in a child process (`engines.hf_process.HFProcessEngine`), so
@@ -111,7 +112,7 @@ def add_parser(subparsers: Any) -> None:
     fully.add_argument(
         "--resume-routes",
         choices=["prefix-replay", "first", "latest"],
-        help="routes of a resumed prefix: prefix-replay (engine replays them; built-in engine only), first "
+        help="routes of a resumed prefix: prefix-replay (the engine forces them on the resumed prefill), first "
         "(routes at sampling), latest (the resumed call's, verl's fix). Default: the best the engine supports",
     )
     fully.add_argument(
@@ -295,11 +296,6 @@ def _check_async(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--async syncs weights into the engine while it samples, and a remote server's (--url {args.url}) "
             "never are: drop --url (built-in engine, or --engine vllm in this process)"
-        )
-    if args.fully_async and args.engine == "vllm" and args.resume_routes == "prefix-replay":
-        raise ConfigError(
-            "--resume-routes prefix-replay needs an engine that forces routes on a resumed prefill, and vLLM 0.30 "
-            "has no API for it: use --engine hf, or --resume-routes first|latest"
         )
 
 

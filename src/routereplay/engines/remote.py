@@ -10,7 +10,13 @@ request (run `concurrency` at a time) with its own seed `params.seed + index`, s
   reads `output_ids`, `meta_info.output_token_logprobs` ([logprob, token_id, text] triples) and
   `meta_info.routed_experts`. DSA models (`index_topk=`): also `return_indexer_topk: true` (server flag
   --enable-return-indexer-topk), and `meta_info.indexer_topk` becomes each trace's `indexer`.
-Both servers must run with --enable-return-routed-experts. The request loop, the model check and the
+Both servers must run with --enable-return-routed-experts. `VLLMClient.generate(..., prefix_routes=)`
+forces routes on each prompt's rows (engine-side prefix replay, multi-turn prefixes): each trace goes
+as the codec blob, base64, in the body's `vllm_xargs` (`engines/vllm/forced_routes`), which a vLLM
+with the routereplay plugin (`engines/vllm/plugin`, installed with the `vllm` extra) checks and
+forces; a refusal comes back as `ForcedRoutesError` with the server's reason, and returned routes
+that differ from the forced ones on a forced row as `ForcingNotAppliedError` (a server without the
+plugin ignores the field). The request loop, the model check and the
 response field checks both clients share are `RemoteEngine` (engines/remote_engine.py). Requests go
 through `BoundedHTTP` (engines/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect
 to last byte; default 2 x timeout), `max_response_bytes` and `retries` / `backoff` are keyword
@@ -36,12 +42,14 @@ from routereplay.engines.http import (
     HTTPPolicy,
 )
 from routereplay.engines.remote_engine import RemoteEngine, checked_logprobs, checked_token_ids, excerpt
+from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced
 from routereplay.errors import (
     DeadlineExceededError,
     EngineDeadError,
     EngineModelError,
     EngineRequestError,
     EngineTimeoutError,
+    ForcedRoutesError,
     ModelMismatchError,
     PayloadError,
     ResponseFieldError,
@@ -65,6 +73,7 @@ class VLLMClient(RemoteEngine):
 
     name = "vLLM"
     generate_path = "/v1/completions"
+    supports_prefix_replay = True  # with the routereplay plugin on the server (else ForcingNotAppliedError)
 
     def __init__(
         self,
@@ -106,10 +115,25 @@ class VLLMClient(RemoteEngine):
             )
         return served
 
-    def _rollout(self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams) -> Rollout:
+    def _with_forced(self, body: dict[str, Any], prompt: list[int], forced: RouteTrace, index: int) -> dict[str, Any]:
+        """The body with `forced` in `vllm_xargs`; checked here first where the client knows the model's layout."""
+        text = encode_forced(forced)
+        if self.top_k is not None and self.moe_layers is not None:
+            served = ServedRouting(self.num_experts, self.top_k, max(self.moe_layers) + 1, self.moe_layers)
+            ForcedRoutes.parse(text, served, prompt, where=f"vLLM server {self.url}, sequence {index}")
+        return {**body, "vllm_xargs": {**body.get("vllm_xargs", {}), XARG_KEY: text}}
+
+    def _rollout(
+        self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams, forced: RouteTrace | None
+    ) -> Rollout:
         try:
-            return super()._rollout(http, index, prompt, params)
+            return super()._rollout(http, index, prompt, params, forced)
         except EngineRequestError as exc:
+            if exc.status == 400 and XARG_KEY in exc.body:
+                raise ForcedRoutesError(
+                    f"vLLM server {self.url}, sequence {index}: the server refused the forced routes: "
+                    f"{exc.body[: 4 * EXCERPT_CHARS]}"
+                ) from exc
             if exc.status == 500 and ENGINE_DEAD_MARKER in exc.body:
                 raise EngineDeadError(
                     f"vLLM server {self.url}: its engine died ({exc.body[:EXCERPT_CHARS]!r}); restart it, and read "

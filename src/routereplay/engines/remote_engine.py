@@ -19,12 +19,14 @@ from typing import Any
 
 from routereplay.engines.hf import Rollout, SamplingParams, check_prompts
 from routereplay.engines.http import BoundedHTTP, HTTPPolicy
+from routereplay.engines.vllm.forced_routes import check_forced
 from routereplay.errors import (
     ConfigError,
     MissingRoutesError,
     ModelMismatchError,
     PayloadError,
     ResponseFieldError,
+    UnsupportedByEngineError,
 )
 from routereplay.trace.route_trace import RouteTrace
 
@@ -44,6 +46,7 @@ class RemoteEngine(ABC):
 
     name = "remote"
     generate_path = "/"
+    supports_prefix_replay = False  # `generate(prefix_routes=...)`: VLLMClient with the plugin on the server
 
     def __init__(
         self, url: str, model: str | None, policy: HTTPPolicy, concurrency: int, policy_version: int | None
@@ -62,16 +65,23 @@ class RemoteEngine(ABC):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         progress: Callable[[int, int], None] | None = None,
+        *,
+        prefix_routes: Sequence[RouteTrace | None] | None = None,
     ) -> list[Rollout]:
-        """Sample one response per prompt; `progress(done, total)` is called as requests finish."""
+        """Sample one response per prompt; `progress(done, total)` is called as requests finish.
+
+        `prefix_routes` (one `RouteTrace` or None per prompt) asks the server to force those routes on the
+        prompt's rows (engine-side prefix replay); only servers that can (`supports_prefix_replay`) take it."""
         check_prompts(prompts)
+        forced = self._forced(prompts, prefix_routes)
         results: dict[int, Rollout] = {}
         workers = min(self.concurrency, len(prompts))
         with self._http(workers) as http:
             pool = ThreadPoolExecutor(max_workers=workers)
             try:
                 futures = {
-                    pool.submit(self._rollout, http, i, [int(t) for t in p], params): i for i, p in enumerate(prompts)
+                    pool.submit(self._rollout, http, i, [int(t) for t in p], params, forced[i]): i
+                    for i, p in enumerate(prompts)
                 }
                 for future in as_completed(futures):
                     results[futures[future]] = future.result()
@@ -84,8 +94,34 @@ class RemoteEngine(ABC):
     def _http(self, connections: int = 1) -> BoundedHTTP:
         return BoundedHTTP(self.policy, server=self.name, max_connections=connections, tls=self.url.startswith("https"))
 
-    def _rollout(self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams) -> Rollout:
-        data = http.call("POST", self.url + self.generate_path, self._body(prompt, params, params.seed + index))
+    def _forced(
+        self, prompts: Sequence[Sequence[int]], prefix_routes: Sequence[RouteTrace | None] | None
+    ) -> list[RouteTrace | None]:
+        """Each prompt's routes to force (None: route live); refused where the server cannot force."""
+        if prefix_routes is None:
+            return [None] * len(prompts)
+        if len(prefix_routes) != len(prompts):
+            raise ConfigError(
+                f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one (or None) each"
+            )
+        given = [i for i, trace in enumerate(prefix_routes) if trace is not None]
+        if given and not self.supports_prefix_replay:
+            raise UnsupportedByEngineError(
+                f"prefix_routes given for prompt(s) {given[:8]}: {self.name} servers cannot be told which experts to "
+                "use; use VLLMClient against a vLLM with the routereplay plugin, or pass prefix_routes=None"
+            )
+        for i in given:
+            if not isinstance(prefix_routes[i], RouteTrace):
+                raise ConfigError(f"prefix_routes[{i}] is a {type(prefix_routes[i]).__name__}; give a RouteTrace")
+        return list(prefix_routes)
+
+    def _rollout(
+        self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams, forced: RouteTrace | None
+    ) -> Rollout:
+        body = self._body(prompt, params, params.seed + index)
+        if forced is not None:
+            body = self._with_forced(body, prompt, forced, index)
+        data = http.call("POST", self.url + self.generate_path, body)
         where = f"{self.name} {self.url}, sequence {index}"
         if not isinstance(data, dict):
             raise PayloadError(f"{where}: expected a JSON object, got {type(data).__name__}")
@@ -95,6 +131,8 @@ class RemoteEngine(ABC):
             trace = self._decode(data, num_tokens=len(prompt) + len(response_ids), sequence=index)
         except MissingRoutesError as exc:
             raise MissingRoutesError(f"{self.name} server {self.url}: {exc}") from None
+        if forced is not None:
+            check_forced(forced, trace, where=where)
         return _cut_at_eos(prompt, response_ids, logprobs, trace, params.eos_token_id)
 
     def _check_model(self, data: dict[str, Any], where: str) -> None:
@@ -110,6 +148,10 @@ class RemoteEngine(ABC):
                 f"asked for; point the client at a server of {self.model!r}, or pass model={served!r} if that is "
                 "the same model under another name (vLLM answers with its first --served-model-name)"
             )
+
+    def _with_forced(self, body: dict[str, Any], prompt: list[int], forced: RouteTrace, index: int) -> dict[str, Any]:
+        """The request body asking the server to force `forced` (servers that can override this)."""
+        raise UnsupportedByEngineError(f"{self.name} servers cannot force routes")
 
     @abstractmethod
     def _body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:

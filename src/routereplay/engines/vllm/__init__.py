@@ -16,8 +16,15 @@ Importing this package does not import vLLM; `VLLMEngine` and the plugin import 
 """
 
 from routereplay.engines.vllm.checkpoint import CheckpointLayout
-from routereplay.engines.vllm.colocated import EngineConfig, SyncReport, VLLMEngine, check_forced
-from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced, salted
+from routereplay.engines.vllm.colocated import EngineConfig, SyncReport, VLLMEngine
+from routereplay.engines.vllm.forced_routes import (
+    XARG_KEY,
+    ForcedRoutes,
+    ServedRouting,
+    check_forced,
+    encode_forced,
+    salted,
+)
 from routereplay.engines.vllm.server import ServerConfig, VLLMServer
 
 __all__ = [

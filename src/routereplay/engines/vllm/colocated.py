@@ -58,13 +58,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_params
 from routereplay.engines.vllm.checkpoint import CheckpointLayout, check_servable, write_checkpoint
-from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced
+from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, check_forced, encode_forced
 from routereplay.engines.vllm.plugin import register
 from routereplay.engines.vllm.requests import StoppableRun
 from routereplay.engines.vllm.workarounds import (
@@ -78,7 +77,6 @@ from routereplay.engines.vllm.workarounds import (
 )
 from routereplay.errors import (
     ConfigError,
-    ForcingNotAppliedError,
     MissingDependencyError,
     UnservableModelError,
     WeightSyncError,
@@ -216,28 +214,6 @@ def checkpoint_tensors(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.
     return dict(revert_weight_conversion(model, state))  # type: ignore[arg-type]
 
 
-def check_forced(plan: ForcedRoutes, trace: RouteTrace, *, where: str) -> None:
-    """`ForcingNotAppliedError` unless the engine's returned routes hold the forced experts (as sets) on every
-    forced row it returned (rows it never fed, after an early abort, are not checked)."""
-    rows = min(plan.stop, trace.start + trace.num_tokens) - plan.start
-    if rows <= 0:
-        return
-    asked_TLK = np.sort(plan.experts_TLK[:rows], axis=-1)
-    got_TLK = np.sort(np.asarray(trace.experts[plan.start - trace.start : plan.start - trace.start + rows]), axis=-1)
-    forced_TL = asked_TLK[:, :, 0] >= 0
-    wrong_TL = forced_TL & (asked_TLK != got_TLK).any(axis=-1)
-    if wrong_TL.any():
-        token, column = (int(x) for x in np.argwhere(wrong_TL)[0])
-        raise ForcingNotAppliedError(
-            f"{where}: the engine was asked to force {int(forced_TL.sum())} (token, layer) rows and its own capture "
-            f"reports other experts on {int(wrong_TL.sum())} of them (first: token {plan.start + token}, layer "
-            f"{plan.moe_layers[column]}: asked {asked_TLK[token, column].tolist()}, got "
-            f"{got_TLK[token, column].tolist()}). "
-            "The server lacks the routereplay vLLM plugin (pip install 'routereplay[vllm]' where vLLM runs), or a "
-            "layer's router cannot be forced (its log says which)"
-        )
-
-
 class VLLMEngine:
     """An in-process vLLM serving the trainer's model, with routes; see the module docstring."""
 
@@ -321,9 +297,9 @@ class VLLMEngine:
             self._rollout(i, p, out, params, aborted)
             for i, (p, (out, aborted)) in enumerate(zip(token_prompts, received, strict=True))
         ]
-        for i, (rollout, plan) in enumerate(zip(rollouts, forced, strict=True)):
-            if plan is not None and rollout.trace is not None:
-                check_forced(plan[1], rollout.trace, where=f"prompt {i}")
+        for i, (rollout, asked) in enumerate(zip(rollouts, prefix_routes or [None] * len(rollouts), strict=True)):
+            if asked is not None and rollout.trace is not None:
+                check_forced(asked, rollout.trace, where=f"prompt {i}")
         if progress is not None:
             progress(len(rollouts), len(rollouts))
         return rollouts

@@ -34,7 +34,7 @@ import numpy as np
 
 from routereplay import codec
 from routereplay.codec.limits import CodecLimits
-from routereplay.errors import ForcedRoutesError, RouteReplayError
+from routereplay.errors import ForcedRoutesError, ForcingNotAppliedError, RouteReplayError
 from routereplay.trace.route_trace import RouteTrace
 
 XARG_KEY = "routereplay_routes"  # the key in SamplingParams.extra_args / the request body's vllm_xargs
@@ -131,27 +131,32 @@ class ForcedRoutes:
         except (binascii.Error, ValueError) as error:
             raise fail(f"the text is not base64 ({error})") from None
         K, L = served.top_k, len(served.moe_layers)
+        try:
+            head = codec.header_info(blob)  # envelope, CRC and header only: nothing sized by the blob is allocated
+        except RouteReplayError as error:
+            raise fail(f"the blob is not a valid codec blob: {error}") from None
+        if head.num_experts != served.num_experts or head.top_k != K:
+            raise fail(
+                f"the trace has E={head.num_experts}, K={head.top_k}; the served model routes E="
+                f"{served.num_experts}, K={K}: encode routes of this model"
+            )
+        layers = tuple(head.layers) or tuple(range(head.num_layers))
+        if layers != served.moe_layers:
+            raise fail(
+                f"the trace has layers {list(layers)}; the served model's MoE layers are "
+                f"{list(served.moe_layers)}: give one column per MoE layer, numbered as the model numbers them"
+            )
+        if head.start < 0 or head.start + head.num_tokens > len(prompt):
+            raise fail(
+                f"the trace covers positions {head.start}..{head.start + head.num_tokens - 1} but the prompt has "
+                f"{len(prompt)} tokens (positions 0..{len(prompt) - 1}): only prompt positions can be forced"
+            )
         limits = CodecLimits(max_entries=max(1, len(prompt) * max(L, 1) * K))
         try:
             trace = codec.decode(blob, limits=limits)
             trace.validate()
         except RouteReplayError as error:
-            raise fail(f"the blob does not decode to a valid trace within this prompt's size: {error}") from None
-        if trace.num_experts != served.num_experts or trace.top_k != K:
-            raise fail(
-                f"the trace has E={trace.num_experts}, K={trace.top_k}; the served model routes E="
-                f"{served.num_experts}, K={K}: encode routes of this model"
-            )
-        if tuple(trace.layers) != served.moe_layers:
-            raise fail(
-                f"the trace has layers {list(trace.layers)}; the served model's MoE layers are "
-                f"{list(served.moe_layers)}: give one column per MoE layer, numbered as the model numbers them"
-            )
-        if trace.start < 0 or trace.stop > len(prompt):
-            raise fail(
-                f"the trace covers positions {trace.start}..{trace.stop - 1} but the prompt has {len(prompt)} tokens "
-                f"(positions 0..{len(prompt) - 1}): only prompt positions can be forced"
-            )
+            raise fail(f"the blob does not decode to a valid trace: {error}") from None
         if trace.token_ids is not None:
             expected = np.asarray(prompt[trace.start : trace.stop], dtype=np.int64)
             differ = np.flatnonzero(np.asarray(trace.token_ids, dtype=np.int64) != expected)
@@ -168,6 +173,31 @@ class ForcedRoutes:
         """For a step's token positions: which of them this trace covers (mask N) and their rows (n, L, K)."""
         inside_N = (positions_N >= self.start) & (positions_N < self.stop)
         return inside_N, self.experts_TLK[positions_N[inside_N] - self.start]
+
+
+def check_forced(asked: RouteTrace, got: RouteTrace, *, where: str) -> None:
+    """`ForcingNotAppliedError` unless an engine's returned trace holds the asked experts (as sets) on every row
+    `asked` routes (-1 rows are not forced; positions the engine never fed, after an early abort, are skipped)."""
+    begin, end = max(asked.start, got.start), min(asked.stop, got.stop)
+    if end <= begin:
+        return
+    missing = [layer for layer in asked.layers if layer not in got.layers]
+    if missing:
+        raise ForcingNotAppliedError(f"{where}: the engine's trace lacks layer(s) {missing} that were forced")
+    columns = [list(got.layers).index(layer) for layer in asked.layers]
+    asked_TLK = np.sort(np.asarray(asked.experts[begin - asked.start : end - asked.start], np.int64), axis=-1)
+    got_TLK = np.sort(np.asarray(got.experts[begin - got.start : end - got.start][:, columns], np.int64), axis=-1)
+    forced_TL = asked_TLK[:, :, 0] >= 0
+    wrong_TL = forced_TL & (asked_TLK != got_TLK).any(axis=-1)
+    if wrong_TL.any():
+        row, column = (int(x) for x in np.argwhere(wrong_TL)[0])
+        raise ForcingNotAppliedError(
+            f"{where}: the engine was asked to force {int(forced_TL.sum())} (token, layer) rows and its own capture "
+            f"reports other experts on {int(wrong_TL.sum())} of them (first: token {begin + row}, layer "
+            f"{asked.layers[column]}: asked {asked_TLK[row, column].tolist()}, got {got_TLK[row, column].tolist()}). "
+            "The server lacks the routereplay vLLM plugin (pip install 'routereplay[vllm]' where vLLM runs), or a "
+            "layer's router cannot be forced (the server's log names it)"
+        )
 
 
 class _Failure:
@@ -189,6 +219,7 @@ __all__ = [
     "XARG_KEY",
     "ForcedRoutes",
     "ServedRouting",
+    "check_forced",
     "encode_forced",
     "moe_layers_of",
     "route_digest",
