@@ -115,7 +115,9 @@ def test_wrong_dtype_never_decodes_silently(rng: np.random.Generator) -> None:
 def test_missing_and_none() -> None:
     with pytest.raises(MissingRoutesError, match="aborted before any forward pass"):
         decode_sglang({"meta_info": {"routed_experts": None}}, **SHAPE)
-    with pytest.raises(MissingRoutesError, match="looked in meta_info, choices\\[0\\].sgl_ext and sglext"):
+    with pytest.raises(
+        MissingRoutesError, match=r"looked in meta_info, choices\[0\].sgl_ext / .nvext, sglext and nvext"
+    ):
         decode_sglang({"text": "x", "choices": [{}]}, **SHAPE)
     with pytest.raises(MissingRoutesError, match="is None"):
         decode_sglang(None, **SHAPE)

@@ -211,8 +211,8 @@ def test_a_bad_blob_sent_straight_to_vllm_fails_that_request_only(colocated_qwen
 
 @pytest.fixture(scope="module")
 def chunked(colocated_qwen3: Colocated) -> Iterator[Any]:
-    """A second in-process vLLM on the same checkpoint: chunked prefill in 32-token steps and a KV cache of 12
-    blocks of 16 tokens, so long requests are prefilled in chunks and preempted (recomputed) while decoding."""
+    """A second in-process vLLM on the same checkpoint: chunked prefill in 32-token steps and a KV cache of 6
+    blocks of 32 tokens, so long requests are prefilled in chunks and preempted (recomputed) while decoding."""
     from routereplay.engines.vllm.colocated import import_vllm
     from routereplay.engines.vllm.workarounds import file_stdout, in_process, kept_random_state, kept_thread_settings
 
@@ -220,8 +220,8 @@ def chunked(colocated_qwen3: Colocated) -> Iterator[Any]:
     with kept_random_state(), kept_thread_settings(), file_stdout(), in_process():
         llm = vllm.LLM(
             model=str(colocated_qwen3.engine.folder), enable_return_routed_experts=True, dtype="bfloat16",
-            enforce_eager=True, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
-            enable_chunked_prefill=True, block_size=16, num_gpu_blocks_override=12, enable_prefix_caching=False,
+            enforce_eager=True, max_model_len=160, max_num_seqs=4, max_num_batched_tokens=32,
+            enable_chunked_prefill=True, block_size=32, num_gpu_blocks_override=6, enable_prefix_caching=False,
             kv_cache_memory_bytes=64 << 20,
         )  # fmt: skip
     try:
@@ -234,7 +234,7 @@ def test_forcing_is_keyed_by_position_across_chunked_prefill_and_preemption(
     colocated_qwen3: Colocated, chunked: Any
 ) -> None:
     """Forced routes are keyed by request and token position: prompts prefilled in 32-token chunks, batched with an
-    unforced request, and preempted then recomputed when the 12-block KV cache runs out are reported by vLLM's
+    unforced request, and preempted then recomputed when the 6-block KV cache runs out are reported by vLLM's
     capture with exactly the forced sets on every forced row (requests without a seed: vLLM 0.30's CPU worker
     cannot combine per-request seeds with chunked prefill)."""
     from routereplay.engines.vllm import XARG_KEY, encode_forced

@@ -12,6 +12,8 @@ positions [routed_experts_start_len, seqlen - 1) over every hidden layer:
   choice carries its own `sgl_ext` (or the field is a list with one entry per choice). A response
   rebuilt from an n > 1 *stream* is not covered: there SGLang sends the first choice it holds
   routes for, not necessarily choice 0, and no decoder can tell - stream with n = 1, or do not stream.
+- NVIDIA Dynamo's frontend (ai-dynamo/dynamo #9657) relays the same raw int32 base64 in an `nvext`
+  envelope, per choice or response-level; it is read exactly like `sgl_ext` / `sglext`.
 - `skip_tokenizer_init=True`: a raw tensor in `meta_info` (a gateway that JSON-serialises it sends
   `{}`, which is refused with an explanation).
 """
@@ -137,6 +139,10 @@ def decode_sglang(
     )
 
 
+CHOICE_EXTENSIONS = ("sgl_ext", "nvext")  # per-choice envelopes: SGLang's docs, NVIDIA Dynamo's frontend
+RESPONSE_EXTENSIONS = ("sglext", "nvext")  # response-level envelopes: SGLang's protocol code, Dynamo
+
+
 def _locate(value: Any, index: int, choice: int, where: str | int | None) -> tuple[Any, Any]:
     """Return (meta_info or None, routes) from whichever response shape was given."""
     what = f"{location(where)} routed_experts"
@@ -144,7 +150,7 @@ def _locate(value: Any, index: int, choice: int, where: str | int | None) -> tup
         value = pick(value, index, "requests", what)
     if not isinstance(value, dict):
         return None, require_present(value, what, _ABORTED_HINT)
-    if "choices" not in value and "sglext" not in value and choice != 0:
+    if "choices" not in value and not any(k in value for k in RESPONSE_EXTENSIONS) and choice != 0:
         raise ConfigError(
             f"{what}: choice={choice} picks a choice of an OpenAI-style response, but this is a /generate "
             "result or meta_info (one sample); a /generate batch is a list, indexed by index="
@@ -158,17 +164,19 @@ def _locate(value: Any, index: int, choice: int, where: str | int | None) -> tup
         choices = value["choices"]
         found = mapping(pick_choice(choices, choice, what), "choices[]", what)
         num_choices = len(choices)
-        ext = found.get("sgl_ext")
-        if ext is not None and "routed_experts" in mapping(ext, "sgl_ext", what):
-            return ext, require_present(ext["routed_experts"], what, _ABORTED_HINT)
-    if value.get("sglext") is not None and "routed_experts" in mapping(value["sglext"], "sglext", what):
-        ext = value["sglext"]
-        return ext, require_present(
-            _response_level(ext["routed_experts"], choice, num_choices, what), what, _ABORTED_HINT
-        )
+        for key in CHOICE_EXTENSIONS:
+            ext = found.get(key)
+            if ext is not None and "routed_experts" in mapping(ext, key, what):
+                return ext, require_present(ext["routed_experts"], what, _ABORTED_HINT)
+    for key in RESPONSE_EXTENSIONS:
+        if value.get(key) is not None and "routed_experts" in mapping(value[key], key, what):
+            ext = value[key]
+            return ext, require_present(
+                _response_level(ext["routed_experts"], choice, num_choices, what), what, _ABORTED_HINT
+            )
     raise MissingRoutesError(
-        f"{what}: the response has no routed_experts (looked in meta_info, choices[{choice}].sgl_ext and "
-        "sglext); start SGLang with --enable-return-routed-experts and send return_routed_experts: true"
+        f"{what}: the response has no routed_experts (looked in meta_info, choices[{choice}].sgl_ext / .nvext, "
+        "sglext and nvext); start SGLang with --enable-return-routed-experts and send return_routed_experts: true"
     )
 
 

@@ -7,11 +7,21 @@ vLLM records routes when started with `--enable-return-routed-experts`:
 - >= 0.22: one ndarray (uint8 when E <= 256, else uint16) of num_tokens - 1 - prompt_start rows;
   over HTTP `choices[i].routed_experts` is base64 of the `.npy` bytes (np.save, then b64).
 The layer axis is every hidden layer (dense layers zero-filled): pass `moe_layers=` to keep the MoE
-layers by global number. `None` means the request was aborted or the flag is off.
+layers by global number. `None` on a finished choice means the request was aborted before any forward
+pass or the flag is off.
+
+Streaming: /v1/completions and /v1/chat/completions streams carry no routes in any chunk (every
+version). From vLLM 0.31 the token-in-token-out endpoint /inference/v1/generate also streams them:
+only the final chunk of a choice (the one with `finish_reason` set) carries `routed_experts`, covering
+the whole sequence; earlier chunks carry `routed_experts: null`, which is not an abort. `decode_vllm`
+takes that final chunk parsed, or the whole server-sent-event text (it finds the final chunk of
+`choice` itself); a mid-stream chunk is refused as such (`StreamedResponseError`). A chunk's
+`token_ids` holds only that chunk's tokens: `num_tokens` is the prompt plus the sum over chunks.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +58,8 @@ from routereplay.wire.payload import (
 
 _ABORTED_HINT = (
     "the request was aborted (or preempted) before any forward pass, or the server runs without "
-    "--enable-return-routed-experts (routes are returned for non-streaming requests only)"
+    "--enable-return-routed-experts (streams carry routes only on /inference/v1/generate's final chunk, "
+    "vLLM >= 0.31)"
 )
 
 
@@ -94,6 +105,7 @@ def decode_vllm(
     choice = checked_int(choice, "choice")
     max_bytes, policy_version, validate, sequence = checked_decoder_args(max_bytes, policy_version, validate, sequence)
     where = f"choice {choice}" if sequence is None else sequence
+    value = _final_chunk(value, choice, where, max_bytes)
     value, prompt_value = _locate(value, prompt_value, choice, where)
     what = f"{location(where)} routed_experts"
     routes = _to_array(value, what, max_bytes, limits)
@@ -121,6 +133,12 @@ def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tup
         if prompt_value is None:
             prompt_value = get_field(response, "prompt_routed_experts", None)
         response = pick_choice(choices, choice, f"{location(where)} response")
+        if isinstance(response, dict) and response.get("routed_experts", 0) is None and _mid_stream(response):
+            raise StreamedResponseError(
+                f"{location(where)}: a mid-stream chunk (finish_reason null) of a streamed /inference/v1/generate "
+                "response; its routed_experts is null because only the final chunk carries the routes, not because "
+                "the request was aborted: decode the final chunk, or the whole event stream"
+            )
     if not has_field(response, "routed_experts"):
         raise MissingRoutesError(
             f"{location(where)}: the response has no 'routed_experts' field; start vLLM (>= 0.22 for "
@@ -132,9 +150,61 @@ def _locate(value: Any, prompt_value: Any, choice: int, where: str | int) -> tup
 
 
 _STREAM_HINT = (
-    "vLLM returns routed_experts only on non-streaming requests (no chunk of a stream=true response "
-    "carries them): send the request with stream=false"
+    "vLLM's /v1/completions and /v1/chat/completions streams carry no routed_experts in any chunk: send "
+    "the request with stream=false, or stream /inference/v1/generate (vLLM >= 0.31), whose final chunk "
+    "carries them"
 )
+SSE_MARKERS = (b"data:", b"event:", b":")
+
+
+def _mid_stream(choice: dict[str, Any]) -> bool:
+    """A choice of a stream chunk that is not its last: `finish_reason` present and null."""
+    return "finish_reason" in choice and choice["finish_reason"] is None
+
+
+def _is_sse(value: Any) -> bool:
+    if not isinstance(value, (str, bytes, bytearray)):
+        return False
+    head = bytes(value[:16]).lstrip() if not isinstance(value, str) else value[:16].lstrip().encode()
+    return head.startswith(SSE_MARKERS)
+
+
+def _final_chunk(value: Any, choice: int, where: str | int, max_bytes: int) -> Any:
+    """From server-sent-event text, the parsed chunk that carries `choice`'s routes (the stream's final one).
+
+    Anything else is returned as given. Text longer than twice `max_bytes` (the routes' base64 is 4/3 of
+    them, plus token ids) is refused before parsing; a chunk that is not JSON is a `PayloadEncodingError`."""
+    if not _is_sse(value):
+        return value
+    if len(value) > 2 * max_bytes + (1 << 20):
+        raise PayloadEncodingError(
+            f"{location(where)}: server-sent-event text of {len(value)} bytes exceeds twice max_bytes={max_bytes}; "
+            "raise max_bytes if the stream is trusted"
+        )
+    text = value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else value
+    chunks: list[Any] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        try:
+            chunks.append(json.loads(line[5:]))
+        except ValueError as error:
+            raise PayloadEncodingError(f"{location(where)}: an event's data is not JSON ({error})") from None
+    seen_field = False
+    for chunk in reversed(chunks):
+        choices = chunk.get("choices") if isinstance(chunk, dict) else None
+        for entry in choices if isinstance(choices, list) else []:
+            if not isinstance(entry, dict) or entry.get("index", 0) != choice or "routed_experts" not in entry:
+                continue
+            seen_field = True
+            if entry["routed_experts"] is not None:
+                return {**chunk, "choices": [{**entry, "index": choice}]}
+    if seen_field:
+        raise MissingRoutesError(
+            f"{location(where)}: no chunk of the stream carries choice {choice}'s routes; {_ABORTED_HINT}"
+        )
+    raise StreamedResponseError(f"{location(where)}: got server-sent-event text without routes; {_STREAM_HINT}")
 
 
 def _refuse_stream(value: Any, where: str | int) -> None:
@@ -145,8 +215,7 @@ def _refuse_stream(value: Any, where: str | int) -> None:
     (which every non-streaming completions response has), unless it carries routed_experts.
     """
     if isinstance(value, (str, bytes, bytearray)):
-        head = bytes(value[:16]).lstrip() if not isinstance(value, str) else value[:16].lstrip().encode()
-        if head.startswith((b"data:", b"event:")):
+        if _is_sse(value):
             raise StreamedResponseError(f"{location(where)}: got server-sent-event text; {_STREAM_HINT}")
         return
     if not isinstance(value, dict):
