@@ -29,6 +29,7 @@ PAGE_MARKS: dict[str, list[pytest.MarkDecorator]] = {
     "cluster-scale.md": [],
     "megatron.md": [pytest.mark.megatron],
     "trl.md": [pytest.mark.hf, pytest.mark.trl],
+    "route-forcing.md": [pytest.mark.hf, pytest.mark.vllm, pytest.mark.xdist_group("vllm-live")],
 }
 
 

@@ -16,6 +16,10 @@ Two parts, both on the trained demo model (`rl.model.load_or_train`, cached) and
   `engines.hf_process.HFProcessEngine`; its start-up is inside the timed run, the steady state leaves
   it out), interleaved over `repeats` repeats. The ratios are medians of per-repeat ratios async /
   sync, on the same machine in the same run.
+With `engine="vllm"` (`routereplay bench async --engine vllm`) the `policies` part runs on a real
+in-process vLLM (`VLLMEngine`, the demo model's vLLM-servable variant), where `prefix-replay` forces
+each resumed prefill's routes inside vLLM; every run syncs its own weights in first, so the nine runs
+share one engine. The throughput part is the built-in engine's and is left out then.
 """
 
 from __future__ import annotations
@@ -48,12 +52,15 @@ class AsyncBenchConfig:
     repeats: int = 3
     seed: int = 0
     train_steps: int = 800  # supervised steps of the demo model (the demo's default; cached after the first run)
+    engine: str = "hf"  # "hf": the built-in engine; "vllm": the policies part on an in-process vLLM
 
     def __post_init__(self) -> None:
         names = ("steps", "prompts_per_step", "group_size", "mini_steps", "throughput_steps", "repeats", "train_steps")
         for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"async bench: {name}={getattr(self, name)} must be >= 1")
+        if self.engine not in ("hf", "vllm"):
+            raise ValueError(f"async bench: engine={self.engine!r} must be 'hf' or 'vllm'")
         if self.throughput_steps < 2:
             raise ValueError(
                 f"async bench: throughput_steps={self.throughput_steps} must be >= 2 (the steady state is timed "
@@ -61,7 +68,9 @@ class AsyncBenchConfig:
             )
 
 
-def _policy_run(model: Any, task: Any, config: AsyncBenchConfig, mode: str, policy: str) -> dict[str, Any]:
+def _policy_run(
+    model: Any, task: Any, config: AsyncBenchConfig, mode: str, policy: str, engine: Any = None
+) -> dict[str, Any]:
     from routereplay.engines.hf import HFEngine
     from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
 
@@ -69,7 +78,7 @@ def _policy_run(model: Any, task: Any, config: AsyncBenchConfig, mode: str, poli
     trainer = AsyncGRPOTrainer(
         policy_model,
         task,
-        HFEngine(policy_model),
+        engine if engine is not None else HFEngine(policy_model),
         _grpo(config, mode, config.steps),
         AsyncConfig(
             schedule="seeded",
@@ -175,16 +184,39 @@ def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None)
     transformers.utils.logging.disable_progress_bar()
     with ThreadPolicy(threads=1).applied() as choice:
         report("the demo model (trained once, cached)")
-        model, tokenizer, _ = load_or_train("qwen3_moe", threads=1, steps=config.train_steps)
+        vllm = config.engine == "vllm"
+        model, tokenizer, _ = load_or_train("qwen3_moe", threads=1, steps=config.train_steps, vllm=vllm)
         task = AdditionTask(tokenizer)
+        engine, vllm_version = None, None
+        if vllm:
+            from routereplay.engines.vllm.colocated import VLLMEngine, import_vllm
+
+            vllm_version = import_vllm().__version__
+            report("starting vLLM")
+            engine = VLLMEngine(copy.deepcopy(model), tokenizer, policy_version=0)
         runs = []
-        for mode in MODES:
-            for policy in POLICIES:
-                report(f"policies: {mode}, {policy} ({config.steps} steps)")
-                began = time.perf_counter()
-                result = _policy_run(model, task, config, mode, policy)
-                result["seconds"] = time.perf_counter() - began
-                runs.append(result)
+        try:
+            for mode in MODES:
+                for policy in POLICIES:
+                    report(f"policies: {mode}, {policy} ({config.steps} steps)")
+                    began = time.perf_counter()
+                    result = _policy_run(model, task, config, mode, policy, engine)
+                    result["seconds"] = time.perf_counter() - began
+                    runs.append(result)
+        finally:
+            if engine is not None:
+                engine.close()
+        if vllm:
+            return {
+                "suite": "async",
+                "machine": {**collect(), "vllm": vllm_version},
+                "config": asdict(config),
+                "threads": choice.to_dict(),
+                "policies": runs,
+                "throughput": None,
+                "ratios": {},
+                "targets": {},
+            }
         steady: dict[str, list[float]] = {}
         seconds = interleave(_throughput_workloads(model, task, config, steady), config.repeats, report)
         for name in steady:  # interleave's untimed warm-up call appended first: keep the timed repeats
@@ -226,7 +258,9 @@ def markdown(result: dict[str, Any]) -> str:
     config, machine = result["config"], result["machine"]
     lines = [
         f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, by "
-        f"`routereplay bench async`. Trained demo model, built-in engine (bf16), {config['prompts_per_step']} prompts "
+        f"`routereplay bench async`. Trained demo model, "
+        + ("in-process vLLM (bf16)" if config.get("engine") == "vllm" else "built-in engine (bf16)")
+        + f", {config['prompts_per_step']} prompts "
         f"x {config['group_size']} per step, {config['mini_steps']} mini-steps, seeded schedule: a trainer step lasts "
         f"{config['sync_tokens'][0]}-{config['sync_tokens'][1]} engine tokens, max staleness "
         f"{config['max_staleness']}, {config['steps']} steps per run (means over steps).",
@@ -245,6 +279,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['reward_first']:.1%} → {r['reward_last']:.1%} |"
         )
     throughput = result["throughput"]
+    if throughput is None:
+        return "\n".join(lines)
     lines += [
         "",
         f"Throughput: {config['throughput_steps']} R3 steps ({throughput['samples_per_run']} samples) per run, "

@@ -9,6 +9,12 @@ addition-length prompts (6 tokens, `max_new_tokens` new tokens each, EOS ignored
 median of the per-repeat ratios (and, robust to load from other processes, fastest over fastest).
 `routed` is vLLM's own capture only; `routed_decoded` is the routes-on engine through
 `VLLMEngine.generate` (capture + decoding each payload into a validated `RouteTrace`).
+Route forcing: `resumed` and `resumed_forced` continue every prompt from its first `max_new_tokens`
+(prompt + response as the new prompt, what fully-async RL sends after an abort) through
+`VLLMEngine.generate`, the second with `prefix_routes` = the first call's traces, so every prefix row
+is forced inside vLLM (plugin); `forced_over_resumed` is the median of their per-repeat ratios
+(target <= 1.05). Both pay the same prefill: the 22-token resumed prompts fill no whole 32-token
+KV block, so neither hits the prefix cache.
 `sync_weights` is timed `sync_repeats` times on the routes-on engine (`SyncReport.seconds`: the
 trainer's state dict renamed and cast, vLLM's in-place reload, prefix-cache reset).
 """
@@ -24,7 +30,9 @@ from typing import Any
 import torch
 
 from routereplay.bench.environment import collect
-from routereplay.bench.timing import interleave, median_ratio, spread
+from routereplay.bench.timing import interleave, median_ratio, spread, target
+
+FORCED_TARGET = 1.05  # forcing every prefix row of a resumed call / the same call unforced
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,10 +77,18 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
         try:
             inputs = [{"prompt_token_ids": p} for p in prompts]
             sampling = [engine._sampling(params, params.seed + i) for i in range(len(prompts))]
+            first = engine.generate(prompts, params)
+            resumed = [r.prompt_ids + r.response_ids for r in first]
+            traces = [r.trace for r in first]
+            forced = engine.generate(resumed, params, prefix_routes=traces)  # raises unless forcing held
+            if any(f.trace is None for f in forced):
+                raise RuntimeError("a forced resume returned no routes")
             calls: dict[str, Callable[[], Any]] = {
                 "unrouted": partial(plain.generate, inputs, sampling, use_tqdm=False),
                 "routed": partial(engine.llm.generate, inputs, sampling, use_tqdm=False),
                 "routed_decoded": partial(engine.generate, prompts, params),
+                "resumed": partial(engine.generate, resumed, params),
+                "resumed_forced": partial(engine.generate, resumed, params, prefix_routes=traces),
             }
             routed = engine.llm.generate(inputs[:1], sampling[:1], use_tqdm=False)[0].outputs[0].routed_experts
             unrouted = plain.generate(inputs[:1], sampling[:1], use_tqdm=False)[0].outputs[0].routed_experts
@@ -87,6 +103,7 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
             syncs.append(engine.sync_weights(model, policy_version=repeat + 1))
         started_in = engine.started_in
     tokens = config.prompts * config.max_new_tokens
+    forced_ratio = median_ratio(seconds["resumed_forced"], seconds["resumed"])
     sync_seconds = [s.seconds for s in syncs]
     return {
         "suite": "vllm",
@@ -105,14 +122,17 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
             "routed_decoded_over_unrouted": median_ratio(seconds["routed_decoded"], seconds["unrouted"]),
             # fastest over fastest: robust to load spikes from other processes on a shared machine
             "best_routed_over_unrouted": min(seconds["routed"]) / min(seconds["unrouted"]),
+            "forced_over_resumed": forced_ratio,
+            "best_forced_over_resumed": min(seconds["resumed_forced"]) / min(seconds["resumed"]),
         },
+        "forced_rows_per_call": sum(t.num_routed for t in traces if t is not None),
         "sync_weights_seconds": {
             "median": statistics.median(sync_seconds),
             "low": min(sync_seconds),
             "high": max(sync_seconds),
         },
         "engine_start_seconds": started_in,
-        "targets": {},
+        "targets": {"forced_over_resumed": target(forced_ratio, FORCED_TARGET)},
     }
 
 
@@ -146,6 +166,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"\nroutes on / off (median of per-repeat ratios): {ratios['routed_over_unrouted']:.3f}; "
         f"with decoding into RouteTraces: {ratios['routed_decoded_over_unrouted']:.3f}; fastest routed / fastest "
         f"unrouted: {ratios['best_routed_over_unrouted']:.3f}"
+    )
+    lines.append(
+        f"forcing every prefix row of a resumed call ({result['forced_rows_per_call']:,} (token, layer) rows, "
+        f"`prefix_routes`) / the same resume unforced: {ratios['forced_over_resumed']:.3f} (target <= 1.05); "
+        f"fastest over fastest: {ratios['best_forced_over_resumed']:.3f}"
     )
     lines.append(
         f"sync_weights ({model['tensors']} tensors): median {sync['median']:.3f} s (low {sync['low']:.3f}, "

@@ -84,6 +84,13 @@ def add_parser(subparsers: Any) -> None:
     sizes.add_argument(
         "--rl-steps", type=positive_int, default=24, help="async: trainer steps per resume-policy run (default 24)"
     )
+    sizes.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="async: the rollout engine of the resume-policy runs: hf (built-in) or vllm (in-process vLLM; "
+        "prefix-replay forced inside vLLM; no throughput part)",
+    )
     load = parser.add_argument_group("load")
     load.add_argument(
         "--busy", type=non_negative_int, default=2, help="load: busy processes started for the loaded half (default 2)"
@@ -173,7 +180,16 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
     if name == "async":
         from routereplay.bench import fully_async
 
+        if args.engine == "vllm":
+            import os
+
+            from routereplay.cli.train import VLLM_CLI_LOGGING
+
+            for variable, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table
+                os.environ.setdefault(variable, value)
+
         return fully_async, fully_async.AsyncBenchConfig(
+            engine=args.engine,
             steps=2 if quick else args.rl_steps,
             prompts_per_step=4 if quick else 16,
             throughput_steps=2 if quick else 6,
