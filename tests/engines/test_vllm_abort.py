@@ -10,14 +10,12 @@ K = top-k.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import pytest
 
 from routereplay.engines.hf import HFEngine, Rollout, SamplingParams
 from routereplay.enums import Source
-from routereplay.errors import ConfigError, UnsupportedByEngineError
+from routereplay.errors import ConfigError
 from routereplay.trace.route_trace import RouteTrace
 from tests.engines.colocated_engine import Colocated, prompts
 
@@ -177,21 +175,22 @@ def test_a_failing_stop_leaves_no_request_behind(qwen3: Colocated) -> None:
     assert len(after) == 1 and len(after[0].response_ids) == 3
 
 
-def test_prefix_routes_are_refused_by_name(qwen3: Colocated) -> None:
-    """Silent misroute on resume (issue 13): vLLM 0.30 cannot force routes on a prefill, so prefix_routes with a
-    trace raises UnsupportedByEngineError naming what can (HFEngine, resume policy first/latest) before
-    anything runs; all-None prefix_routes is nothing to force and runs; the flag says which engine can."""
+def test_an_aborted_calls_routes_force_its_resumed_prefill(qwen3: Colocated) -> None:
+    """Issue 24 with aborts: the traces an aborted call returns (its fed positions) force the resumed prefill
+    inside vLLM, so the resumed call reports exactly those routes on the prefix rows, with a `stop` of its own;
+    a wrong-length prefix_routes is refused before anything runs; both engines say they can replay a prefix."""
     batch = prompts(18, [5, 12])
-    params = SamplingParams(max_new_tokens=3, seed=8)
-    first = qwen3.engine.generate(batch, params)
-    resumed = [r.token_ids for r in first]
-    stop: Callable[[int], bool] = Stopper(at=10**9)
-    with pytest.raises(
-        UnsupportedByEngineError, match=r"vLLM 0\.30 cannot force routes on a prefill.*HFEngine.*'first'"
-    ):
-        qwen3.engine.generate(resumed, params, stop=stop, prefix_routes=[first[0].trace, None])
+    params = SamplingParams(max_new_tokens=6, seed=8)
+    aborted = qwen3.engine.generate(batch, params, stop=Stopper(at=2))
+    assert all(r.aborted and r.trace is not None for r in aborted)
+    resumed = [r.token_ids for r in aborted]
+    traces = [r.trace for r in aborted]
+    again = qwen3.engine.generate(resumed, params, stop=Stopper(at=10**9), prefix_routes=traces)
+    for before, after in zip(aborted, again, strict=True):
+        assert before.trace is not None and after.trace is not None
+        rows = before.trace.num_tokens
+        assert np.array_equal(np.sort(after.trace.experts[:rows], -1), np.sort(before.trace.experts, -1))
     with pytest.raises(ConfigError, match="prefix_routes has 1 entries for 2 prompts"):
         qwen3.engine.generate(resumed, params, prefix_routes=[None])
     assert unfinished(qwen3) == 0
-    assert len(qwen3.engine.generate(resumed, params, prefix_routes=[None, None])) == 2
-    assert (type(qwen3.engine).supports_prefix_replay, HFEngine.supports_prefix_replay) == (False, True)
+    assert (type(qwen3.engine).supports_prefix_replay, HFEngine.supports_prefix_replay) == (True, True)

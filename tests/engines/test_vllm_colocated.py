@@ -296,3 +296,15 @@ def test_engine_start_leaves_the_trainers_thread_settings(qwen3: Colocated) -> N
     with ThreadPolicy(threads=target).applied():
         assert torch.get_num_threads() == target
     assert torch.get_num_threads() == before
+
+
+def test_closing_one_in_process_engine_leaves_the_others_working(qwen3: Colocated) -> None:
+    """Defect found with issue 24: closing an in-process engine ran vLLM's `cleanup_dist_env_and_memory`, which
+    destroys the process-wide parallel groups, so every other in-process engine's next generate failed
+    ("pipeline model parallel group is not initialized"). Closing keeps them."""
+    other = start("qwen3_moe_dense_first")
+    colocated = next(other)
+    assert colocated.engine.generate(prompts(3, [5]), SamplingParams(max_new_tokens=2))[0].trace is not None
+    other.close()  # the generator's finally closes the second engine
+    rollouts = qwen3.engine.generate(prompts(4, [6, 9]), SamplingParams(max_new_tokens=3, seed=1))
+    assert [len(r.response_ids) for r in rollouts] == [3, 3]

@@ -214,7 +214,13 @@ def chunked(colocated_qwen3: Colocated) -> Iterator[Any]:
     """A second in-process vLLM on the same checkpoint: chunked prefill in 32-token steps and a KV cache of 6
     blocks of 32 tokens, so long requests are prefilled in chunks and preempted (recomputed) while decoding."""
     from routereplay.engines.vllm.colocated import import_vllm
-    from routereplay.engines.vllm.workarounds import file_stdout, in_process, kept_random_state, kept_thread_settings
+    from routereplay.engines.vllm.workarounds import (
+        file_stdout,
+        in_process,
+        kept_random_state,
+        kept_thread_settings,
+        shutdown_in_process,
+    )
 
     vllm = import_vllm()
     with kept_random_state(), kept_thread_settings(), file_stdout(), in_process():
@@ -227,7 +233,7 @@ def chunked(colocated_qwen3: Colocated) -> Iterator[Any]:
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown_in_process(llm)
 
 
 def test_forcing_is_keyed_by_position_across_chunked_prefill_and_preemption(
@@ -264,3 +270,18 @@ def test_forcing_is_keyed_by_position_across_chunked_prefill_and_preemption(
         got = np.asarray(output.outputs[0].routed_experts)[:, list(engine.served.moe_layers)]
         if trace is not None:
             assert np.array_equal(as_sets(got[: trace.num_tokens]), as_sets(trace.experts))
+
+
+def test_a_multi_turn_prompt_carries_the_earlier_turns_routes(colocated: Colocated) -> None:
+    """Multi-turn: turn 2's prompt is turn 1's prompt and answer plus new user tokens; forcing it with turn 1's
+    trace reproduces turn 1's routes on every turn-1 row; the new tokens route live (rows past the trace)."""
+    engine = colocated.engine
+    params = SamplingParams(max_new_tokens=5, seed=21)
+    turn1 = engine.generate(prompts(91, [20]), params)[0]
+    assert turn1.trace is not None
+    turn2_prompt = turn1.token_ids + prompts(92, [9])[0]
+    forced = engine.generate([turn2_prompt], params, prefix_routes=[turn1.trace])[0]
+    assert forced.trace is not None
+    rows = turn1.trace.num_tokens
+    assert np.array_equal(as_sets(forced.trace.experts[:rows]), as_sets(turn1.trace.experts))
+    assert forced.trace.num_tokens == len(turn2_prompt) + len(forced.response_ids) - 1

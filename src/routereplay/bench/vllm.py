@@ -52,7 +52,13 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
     from routereplay.engines.hf import SamplingParams
     from routereplay.engines.vllm.checkpoint import write_checkpoint
     from routereplay.engines.vllm.colocated import VLLMEngine, import_vllm
-    from routereplay.engines.vllm.workarounds import file_stdout, in_process, kept_random_state, kept_thread_settings
+    from routereplay.engines.vllm.workarounds import (
+        file_stdout,
+        in_process,
+        kept_random_state,
+        kept_thread_settings,
+        shutdown_in_process,
+    )
     from routereplay.rl.model import demo_config, vllm_overrides
     from routereplay.rl.tasks import build_tokenizer
 
@@ -96,7 +102,7 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
                 raise RuntimeError(f"route capture switch had no effect: on {type(routed)}, off {type(unrouted)}")
             seconds = interleave(calls, config.repeats, report)
         finally:
-            _shutdown(plain)
+            shutdown_in_process(plain)
         syncs = []
         for repeat in range(config.sync_repeats):
             report(f"sync_weights {repeat + 1}/{config.sync_repeats}")
@@ -134,13 +140,6 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
         "engine_start_seconds": started_in,
         "targets": {"forced_over_resumed": target(forced_ratio, FORCED_TARGET)},
     }
-
-
-def _shutdown(llm: Any) -> None:
-    engine = getattr(llm, "llm_engine", None)
-    shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-    if callable(shutdown):
-        shutdown()
 
 
 def markdown(result: dict[str, Any]) -> str:

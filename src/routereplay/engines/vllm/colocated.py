@@ -74,6 +74,7 @@ from routereplay.engines.vllm.workarounds import (
     kept_thread_settings,
     quiet_reload_warnings,
     quiet_vllm_logs,
+    shutdown_in_process,
 )
 from routereplay.errors import (
     ConfigError,
@@ -403,10 +404,7 @@ class VLLMEngine:
         """Stop the engine and remove the temporary checkpoint folder."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            if callable(shutdown):
-                shutdown()
+            shutdown_in_process(llm)  # other in-process engines keep vLLM's parallel groups
         self._remove_folder()
 
     def _remove_folder(self) -> None:

@@ -10,6 +10,9 @@ Each is scoped to the smallest block that needs it and undone afterwards:
 - `forget_cpu_moe_kernels`: a weight reload would skip the CPU experts' prepacking (silently wrong
   expert outputs); dropping the kernel makes the reload take the first-load path.
 - `quiet_reload_warnings`: two warnings vLLM logs on every correct reload are dropped.
+- `shutdown_in_process`: stopping one in-process engine (`EngineCore.shutdown`) would tear down vLLM's
+  process-wide parallel groups, which every other in-process engine still uses (its next step fails
+  with "pipeline model parallel group is not initialized"); the groups are kept.
 - `quiet_vllm_logs`: vLLM's own log (a dozen start-up WARNINGs about CPU tuning, Triton, seeds) is kept
   to ERROR and above while vLLM is imported and the engine runs, unless the user set
   `VLLM_LOGGING_LEVEL` or asked for it (`EngineConfig(verbose=True)`).
@@ -169,6 +172,36 @@ def quiet_vllm_logs(verbose: bool = False) -> Iterator[None]:
         logger.setLevel(saved_level)
 
 
+def shutdown_in_process(llm: object) -> None:
+    """Stop an in-process `vllm.LLM`'s engine core, keeping vLLM's process-wide parallel groups.
+
+    `EngineCore.shutdown` ends with `cleanup_dist_env_and_memory()`, which destroys the model-parallel
+    groups of the whole process: right for an engine process that exits, wrong where other engines in
+    the same process go on using them. Only that call is skipped (the executor, worker and scheduler
+    are shut down as vLLM does); a later engine reuses the groups, as a second engine started beside a
+    first one does."""
+    engine = getattr(llm, "llm_engine", None)
+    client = getattr(engine, "engine_core", None)
+    shutdown = getattr(client, "shutdown", None)
+    if not callable(shutdown):
+        return
+    import vllm.v1.engine.core as core
+
+    cleanup = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = _keep_parallel_groups
+    try:
+        shutdown()
+    finally:
+        core.cleanup_dist_env_and_memory = cleanup
+
+
+def _keep_parallel_groups(shutdown_ray: bool = False) -> None:
+    """What `cleanup_dist_env_and_memory` does besides destroying the parallel groups: free cached memory."""
+    import gc
+
+    gc.collect()
+
+
 def forget_cpu_moe_kernels(served: nn.Module) -> int:
     """Make vLLM 0.30 re-run its CPU expert prepacking on the next weight load.
 
@@ -202,5 +235,6 @@ __all__ = [
     "kept_thread_settings",
     "quiet_reload_warnings",
     "quiet_vllm_logs",
+    "shutdown_in_process",
     "vllm_log_level",
 ]
