@@ -117,10 +117,10 @@ class VLLMClient(RemoteEngine):
 
     def _with_forced(self, body: dict[str, Any], prompt: list[int], forced: RouteTrace, index: int) -> dict[str, Any]:
         """The body with `forced` in `vllm_xargs`; checked here first where the client knows the model's layout."""
-        text = encode_forced(forced)
         if self.top_k is not None and self.moe_layers is not None:
             served = ServedRouting(self.num_experts, self.top_k, max(self.moe_layers) + 1, self.moe_layers)
-            ForcedRoutes.parse(text, served, prompt, where=f"vLLM server {self.url}, sequence {index}")
+            ForcedRoutes.check(forced, served, prompt, where=f"vLLM server {self.url}, sequence {index}")
+        text = encode_forced(forced)
         return {**body, "vllm_xargs": {**body.get("vllm_xargs", {}), XARG_KEY: text}}
 
     def _rollout(

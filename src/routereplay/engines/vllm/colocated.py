@@ -322,8 +322,8 @@ class VLLMEngine:
                 continue
             if not isinstance(trace, RouteTrace):
                 raise ConfigError(f"prefix_routes[{i}] is a {type(trace).__name__}; give a RouteTrace or None")
-            text = encode_forced(trace)
-            forced.append((text, ForcedRoutes.parse(text, self.served, prompt, where=f"prefix_routes[{i}]")))
+            plan = ForcedRoutes.check(trace, self.served, prompt, where=f"prefix_routes[{i}]")
+            forced.append((encode_forced(trace), plan))
         return forced
 
     def _sampling(self, params: SamplingParams, seed: int, forced: tuple[str, ForcedRoutes] | None = None) -> Any:

@@ -34,6 +34,7 @@ import numpy as np
 
 from routereplay import codec
 from routereplay.codec.limits import CodecLimits
+from routereplay.enums import CodecMode
 from routereplay.errors import ForcedRoutesError, ForcingNotAppliedError, RouteReplayError
 from routereplay.trace.route_trace import RouteTrace
 
@@ -82,8 +83,9 @@ def moe_layers_of(text_config: Any, num_layers: int) -> tuple[int, ...]:
 
 
 def encode_forced(trace: RouteTrace) -> str:
-    """A trace as the text a request carries under `XARG_KEY`: its codec blob, base64."""
-    return base64.b64encode(codec.encode(trace)).decode("ascii")
+    """A trace as the text a request carries under `XARG_KEY`: its codec blob (ordered mode: a few
+    microseconds to decode for a prompt's rows, where set mode pays its unranker's set-up), base64."""
+    return base64.b64encode(codec.encode(trace, mode=CodecMode.ORDERED)).decode("ascii")
 
 
 def route_digest(text: str) -> str:
@@ -131,32 +133,25 @@ class ForcedRoutes:
         except (binascii.Error, ValueError) as error:
             raise fail(f"the text is not base64 ({error})") from None
         K, L = served.top_k, len(served.moe_layers)
-        try:
-            head = codec.header_info(blob)  # envelope, CRC and header only: nothing sized by the blob is allocated
-        except RouteReplayError as error:
-            raise fail(f"the blob is not a valid codec blob: {error}") from None
-        if head.num_experts != served.num_experts or head.top_k != K:
-            raise fail(
-                f"the trace has E={head.num_experts}, K={head.top_k}; the served model routes E="
-                f"{served.num_experts}, K={K}: encode routes of this model"
-            )
-        layers = tuple(head.layers) or tuple(range(head.num_layers))
-        if layers != served.moe_layers:
-            raise fail(
-                f"the trace has layers {list(layers)}; the served model's MoE layers are "
-                f"{list(served.moe_layers)}: give one column per MoE layer, numbered as the model numbers them"
-            )
-        if head.start < 0 or head.start + head.num_tokens > len(prompt):
-            raise fail(
-                f"the trace covers positions {head.start}..{head.start + head.num_tokens - 1} but the prompt has "
-                f"{len(prompt)} tokens (positions 0..{len(prompt) - 1}): only prompt positions can be forced"
-            )
-        limits = CodecLimits(max_entries=max(1, len(prompt) * max(L, 1) * K))
+        limits = CodecLimits(max_entries=max(1, len(prompt) * max(L, 1) * K))  # rows beyond the prompt: refused
         try:
             trace = codec.decode(blob, limits=limits)
+        except RouteReplayError as error:
+            _refuse_header(blob, served, prompt, fail)  # the header's own mismatch names the problem best
+            raise fail(f"the blob does not decode to a valid trace: {error}") from None
+        return cls.check(trace, served, prompt, where=where)
+
+    @classmethod
+    def check(cls, trace: RouteTrace, served: ServedRouting, prompt: list[int], *, where: str) -> ForcedRoutes:
+        """Check a decoded (or not yet encoded) trace against the model and prompt; `ForcedRoutesError` if not."""
+        fail = _Failure(where)
+        _refuse_shape(
+            trace.num_experts, trace.top_k, tuple(trace.layers), trace.start, trace.num_tokens, served, prompt, fail
+        )
+        try:
             trace.validate()
         except RouteReplayError as error:
-            raise fail(f"the blob does not decode to a valid trace: {error}") from None
+            raise fail(f"the routes are not valid: {error}") from None
         if trace.token_ids is not None:
             expected = np.asarray(prompt[trace.start : trace.stop], dtype=np.int64)
             differ = np.flatnonzero(np.asarray(trace.token_ids, dtype=np.int64) != expected)
@@ -197,6 +192,43 @@ def check_forced(asked: RouteTrace, got: RouteTrace, *, where: str) -> None:
             f"{asked.layers[column]}: asked {asked_TLK[row, column].tolist()}, got {got_TLK[row, column].tolist()}). "
             "The server lacks the routereplay vLLM plugin (pip install 'routereplay[vllm]' where vLLM runs), or a "
             "layer's router cannot be forced (the server's log names it)"
+        )
+
+
+def _refuse_header(blob: bytes, served: ServedRouting, prompt: list[int], fail: _Failure) -> None:
+    """After a failed decode: `ForcedRoutesError` naming what the header says that does not fit, if anything."""
+    try:
+        head = codec.header_info(blob)  # envelope, CRC and header only: nothing sized by the blob is allocated
+    except RouteReplayError as error:
+        raise fail(f"the blob is not a valid codec blob: {error}") from None
+    layers = tuple(head.layers) or tuple(range(head.num_layers))
+    _refuse_shape(head.num_experts, head.top_k, layers, head.start, head.num_tokens, served, prompt, fail)
+
+
+def _refuse_shape(
+    num_experts: int,
+    top_k: int,
+    layers: tuple[int, ...],
+    start: int,
+    rows: int,
+    served: ServedRouting,
+    prompt: list[int],
+    fail: _Failure,
+) -> None:
+    if num_experts != served.num_experts or top_k != served.top_k:
+        raise fail(
+            f"the trace has E={num_experts}, K={top_k}; the served model routes E={served.num_experts}, "
+            f"K={served.top_k}: encode routes of this model"
+        )
+    if layers != served.moe_layers:
+        raise fail(
+            f"the trace has layers {list(layers)}; the served model's MoE layers are "
+            f"{list(served.moe_layers)}: give one column per MoE layer, numbered as the model numbers them"
+        )
+    if start < 0 or start + rows > len(prompt):
+        raise fail(
+            f"the trace covers positions {start}..{start + rows - 1} but the prompt has "
+            f"{len(prompt)} tokens (positions 0..{len(prompt) - 1}): only prompt positions can be forced"
         )
 
 

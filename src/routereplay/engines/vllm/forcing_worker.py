@@ -112,15 +112,19 @@ class ForcingWorker:
                 plans.append((index, plan))
         if not plans or positions is None:
             return False
-        starts = runner.query_start_loc.np[: num_reqs + 1]
+        starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
         positions_N = positions.detach().to("cpu").numpy()
         rows: list[np.ndarray] = []
         experts: list[np.ndarray] = []
         for index, plan in plans:
-            first, last = int(starts[index]), int(starts[index + 1])
+            first, last = starts[index], starts[index + 1]
+            if last <= first or positions_N[first] >= plan.stop or positions_N[last - 1] < plan.start:
+                continue  # a decode step past the forced prefix (positions grow within a request's rows)
             inside_n, experts_nLK = plan.rows_at(positions_N[first:last])
             rows.append(np.arange(first, last)[inside_n])
             experts.append(experts_nLK)
+        if not rows:
+            return False
         rows_N = np.concatenate(rows)
         if rows_N.size == 0:
             return False
