@@ -49,3 +49,28 @@ def test_bench_async_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> No
         main(["bench", "async", "--rl-steps", "0"])
     assert info.value.code == EXIT_ERROR
     assert "argument --rl-steps: must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm-live")
+def test_bench_async_with_vllm_records_the_policies_on_a_real_vllm(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24 item 5: `--engine vllm` runs the nine policy x mode runs on one in-process vLLM; under R3 the
+    disagreement with vLLM is 0 for every policy and prefix-replay (forced inside vLLM) has no prefix conflict;
+    the throughput part (the built-in engine's) is left out and the markdown says which engine ran."""
+    monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path_factory.getbasetemp() / "cache-vllm"))
+    config = fully_async.AsyncBenchConfig(
+        engine="vllm", steps=2, prompts_per_step=2, group_size=2, mini_steps=2, repeats=1, train_steps=25
+    )
+    result = fully_async.run(config)
+    runs = {(r["mode"], r["resume_routes"]): r for r in result["policies"]}
+    assert set(runs) == {(m, p) for m in fully_async.MODES for p in fully_async.POLICIES}
+    for policy in fully_async.POLICIES:
+        assert runs[("R3", policy)]["disagreement_old"] == 0.0 == runs[("R3", policy)]["disagreement_update"]
+    assert runs[("R3", "prefix-replay")]["prefix_conflicts"] == 0
+    assert result["throughput"] is None and result["machine"]["vllm"].startswith("0.30")
+    text = fully_async.markdown(result)
+    assert "in-process vLLM (bf16)" in text and "| R3 | prefix-replay |" in text and "Throughput" not in text
+    with pytest.raises(ValueError, match="engine='sglang' must be 'hf' or 'vllm'"):
+        fully_async.AsyncBenchConfig(engine="sglang")

@@ -23,9 +23,12 @@ def test_bench_vllm_quick_json(capfd: pytest.CaptureFixture[str], monkeypatch: p
         monkeypatch.delenv(name, raising=False)
     assert main(["bench", "vllm", "--quick", "--repeats", "1", "--json"]) == EXIT_OK
     record = json.loads(capfd.readouterr().out)
-    assert set(record["seconds"]) == {"unrouted", "routed", "routed_decoded"}
+    assert set(record["seconds"]) == {"unrouted", "routed", "routed_decoded", "resumed", "resumed_forced"}
     ratios = {"routed_over_unrouted", "routed_decoded_over_unrouted", "best_routed_over_unrouted"}
-    assert set(record["ratios"]) == ratios
+    assert set(record["ratios"]) == ratios | {"forced_over_resumed", "best_forced_over_resumed"}
+    assert record["forced_rows_per_call"] > 0  # every prefix row of the resumed prompts, forced and checked
+    goal = record["targets"]["forced_over_resumed"]
+    assert (goal["target"], goal["met"]) == (1.05, None)  # --quick: not graded
     assert record["model"]["head_dim"] == 64 and record["model"]["tensors"] > 0
     assert record["sync_weights_seconds"]["median"] > 0 and record["machine"]["vllm"].startswith("0.30")
 

@@ -226,3 +226,25 @@ def test_client_checks_what_it_can_before_sending() -> None:
             SGLangClient(stub.url, num_layers=4, top_k=2, num_experts=64).generate(
                 [[5, 6]], SamplingParams(), prefix_routes=[trace(1, layers=(1, 2, 3), experts=64)]
             )
+
+
+def test_a_router_that_cannot_be_forced_routes_live_counts_and_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU router (here a stand-in named like vLLM's FusedTopKRouter) is never forced silently: its rows route
+    live, are counted, and the worker's log names the layer and why (the client then sees ForcingNotAppliedError)."""
+    import logging
+
+    from routereplay.engines.vllm.router_forcing import LayerForcing, StepRows
+
+    class FusedTopKRouter:
+        def _compute_routing(self, hidden: torch.Tensor, logits: torch.Tensor, indices_type: object, **kw: object):
+            return torch.full((logits.shape[0], 2), 0.5), torch.tensor([[0, 1]] * logits.shape[0])
+
+    router = FusedTopKRouter()
+    forcing = LayerForcing.of(3, router)
+    forcing.install()
+    forcing.install()  # installing twice keeps one wrapper around the original
+    forcing.step = StepRows(torch.tensor([1]), torch.tensor([[5, 6]]))
+    with caplog.at_level(logging.ERROR, logger="routereplay.vllm.forcing"):
+        _weights, ids = router._compute_routing(torch.zeros(3, 4), torch.zeros(3, 8), None)
+    assert ids.tolist() == [[0, 1]] * 3 and forcing.live_fallback_rows == 1 and forcing.forced_rows == 0
+    assert "layer 3 cannot be forced (router FusedTopKRouter is not vLLM's CPURouter" in caplog.text

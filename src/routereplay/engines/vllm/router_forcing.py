@@ -24,6 +24,7 @@ Legend: N = rows of this step forced in this layer, E = experts, K = top-k.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 
 from routereplay.enums import StrEnum
 
+LOG = logging.getLogger("routereplay.vllm.forcing")
 ComputeRouting = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 WRAPPED_MARK = "_routereplay_forcing"  # set on a wrapped `_compute_routing`, so a router is wrapped once
 
@@ -146,6 +148,13 @@ class LayerForcing:
         if step is None or step.rows_N.numel() == 0:
             return weights_NK, ids_NK
         if self.rule is None:
+            if self.live_fallback_rows == 0:
+                LOG.error(
+                    "routereplay: layer %d cannot be forced (%s); its forced rows route live, and the client that "
+                    "asked sees the capture differ (ForcingNotAppliedError)",
+                    self.layer,
+                    self.unsupported,
+                )
             self.live_fallback_rows += int(step.rows_N.numel())
             return weights_NK, ids_NK
         rows_N = step.rows_N
