@@ -25,7 +25,8 @@ class MissingRoutesError(RouteReplayError, ValueError):
 
 
 class StreamedResponseError(MissingRoutesError):
-    """A streamed (`stream=true`) response or chunk: engines return routes on non-streaming requests only."""
+    """A streamed (`stream=true`) response or chunk without routes: a completions / chat stream (no chunk carries
+    them), or a mid-stream chunk of vLLM >= 0.31's /inference/v1/generate stream (only its final chunk does)."""
 
 
 class PayloadError(RouteReplayError, ValueError):
@@ -298,8 +299,8 @@ class UnservableModelError(ConfigError):
 
 
 class UnsupportedByEngineError(ConfigError):
-    """The engine cannot do what was asked (vLLM 0.30 cannot force routes on a prefill); the message names an
-    engine or setting that can."""
+    """The engine cannot do what was asked (an SGLang server cannot be told which experts to use); the message
+    names an engine or setting that can."""
 
 
 class ForcedRoutesError(ConfigError):
