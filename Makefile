@@ -27,6 +27,18 @@ VLLM_UNWANTED := torchvision torchaudio torchcodec
 TRL := trl==1.16.0
 # routereplay.integrations.ray_routes ships per-rank route bundles through Ray's object store
 RAY := ray==2.60.0
+# verl 0.9.1 (routereplay.integrations.verl) pins transformers<5.11 and tensordict<=0.10, so its tests run in
+# their own venv beside .venv (which keeps transformers 5.23): torch first (the CPU wheel), then verl --no-deps,
+# then the newest transformers 5.10 and verl's runtime deps (its metadata's, plus cachetools, fastapi and
+# uvicorn, which its agent loop imports without declaring them); no vLLM there. megatron-core 0.16 (--no-deps,
+# CPU-importable) lets the tests run verl's own Megatron R3 replay rules (router_replay_utils / _patch).
+VERL_VENV  := .venv-verl
+VERL_BIN   := $(VERL_VENV)/bin
+VERL_STAMP := $(VERL_VENV)/.installed
+VERL := verl==0.9.1
+VERL_TRANSFORMERS := transformers==5.10.4
+VERL_DEPS := codetiming dill hydra-core pylatexenc "tensordict>=0.8,<=0.10,!=0.9.0" torchdata peft orjson \
+	wandb tensorboard accelerate datasets pandas pyarrow pybind11 "ray>=2.40,<3" cachetools fastapi uvicorn
 # two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
 # `make test` installs nothing more; `make test` after `make demo` adds the rest)
 DEMO_STAMP := $(VENV)/.installed-demo
@@ -39,7 +51,7 @@ EXAMPLES_OUT := build/examples
 # On a busy machine: make test TEST_WORKERS=1
 TEST_WORKERS ?= auto
 
-.PHONY: demo examples test test-megatron016 lint bench clean
+.PHONY: demo examples test test-megatron016 test-verl lint bench clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +65,14 @@ $(STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install --quiet $(TRITON) $(TRANSFORMERS) $(VLLM) $(TRL) $(RAY) -e ".[dev,hf,demo,megatron,vllm,trl,ray]"
 	$(BIN)/python -m pip uninstall --quiet -y $(VLLM_UNWANTED)
 	touch $(STAMP)
+
+$(VERL_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_BIN)/python -m pip install --quiet --upgrade pip
+	$(VERL_BIN)/python -m pip install --quiet $(TORCH)
+	$(VERL_BIN)/python -m pip install --quiet --no-deps $(VERL) $(MEGATRON_016)
+	$(VERL_BIN)/python -m pip install --quiet $(TORCH) $(VERL_TRANSFORMERS) $(VERL_DEPS) -e ".[dev,hf]"
+	touch $(VERL_STAMP)
 
 EXAMPLES := src/routereplay/examples
 
@@ -73,8 +93,9 @@ examples: $(DEMO_STAMP)
 	$(BIN)/routereplay convert $(EXAMPLES)/qwen3_30b_a3b_sglang.json $(EXAMPLES_OUT)/qwen3_30b_a3b.rrt --force \
 		--num-layers 48 --top-k 8 --num-experts 128
 
-test: $(STAMP)
+test: $(STAMP) $(VERL_STAMP)
 	$(MAKE) --no-print-directory test-megatron016
+	$(MAKE) --no-print-directory test-verl
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # the Megatron adapter's tests on megatron-core 0.16 too: that release (17 MB) overlays the venv's 0.19
@@ -82,6 +103,10 @@ test-megatron016: $(STAMP)
 	$(BIN)/python -m pip install --quiet --upgrade --no-deps --target $(VENV)/megatron016 $(MEGATRON_016)
 	PYTHONPATH=$(VENV)/megatron016 $(BIN)/python -m pytest -q -n 0 -p no:cacheprovider \
 		tests/runtime/test_megatron.py tests/runtime/test_megatron_native.py
+
+# routereplay.integrations.verl against real verl 0.9.1 code, in its own venv (transformers 5.10, tensordict 0.10)
+test-verl: $(VERL_STAMP)
+	$(VERL_BIN)/python -m pytest -q -n 0 -p no:cacheprovider tests/integrations/verl
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
@@ -91,4 +116,4 @@ bench: $(STAMP)
 	$(BIN)/routereplay bench all --output BENCHMARKS.md --readme README.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

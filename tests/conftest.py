@@ -1,7 +1,8 @@
 """Shared fixtures, and the one place where optional-dependency markers turn into skips.
 
 Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a test marked `hf`,
-`megatron`, `zstd`, `vllm`, `trl`, `ray` or `gpu` is skipped with a reason only when that dependency is missing here.
+`megatron`, `zstd`, `vllm`, `trl`, `ray`, `verl` or `gpu` is skipped with a reason only when that dependency
+is missing here (verl runs in its own .venv-verl: `make test-verl`).
 
 Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
 `too_slow` health check, because both are wall-clock limits that fail on a busy machine (issue 11
@@ -71,6 +72,7 @@ OPTIONAL = {
     "vllm": ("vllm", "pip install 'routereplay[vllm]'"),
     "trl": ("trl", "pip install 'routereplay[trl]'"),
     "ray": ("ray", "pip install 'routereplay[ray]'"),
+    "verl": ("verl", "make test-verl: verl 0.9.1 runs in its own .venv-verl"),
 }
 
 

@@ -29,6 +29,7 @@ PAGE_MARKS: dict[str, list[pytest.MarkDecorator]] = {
     "cluster-scale.md": [],
     "megatron.md": [pytest.mark.megatron],
     "trl.md": [pytest.mark.hf, pytest.mark.trl],
+    "verl.md": [],
     "route-forcing.md": [pytest.mark.hf, pytest.mark.vllm, pytest.mark.xdist_group("vllm-live")],
 }
 
@@ -38,9 +39,7 @@ def blocks(page: Path) -> list[str]:
 
 
 def page_params() -> list[object]:
-    return [
-        pytest.param(page, marks=PAGE_MARKS.get(page.name, []), id=page.name) for page in PAGES if blocks(page)
-    ]
+    return [pytest.param(page, marks=PAGE_MARKS.get(page.name, []), id=page.name) for page in PAGES if blocks(page)]
 
 
 def test_every_page_with_python_is_listed() -> None:

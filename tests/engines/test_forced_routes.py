@@ -30,6 +30,7 @@ from routereplay.engines.vllm.forced_routes import (
 )
 from routereplay.engines.vllm.router_forcing import RoutingMethod, RoutingRule, rule_of
 from routereplay.errors import (
+    ConfigError,
     ExpertIdRangeError,
     ForcedRoutesError,
     ForcingNotAppliedError,
@@ -248,3 +249,55 @@ def test_a_router_that_cannot_be_forced_routes_live_counts_and_logs(caplog: pyte
         _weights, ids = router._compute_routing(torch.zeros(3, 4), torch.zeros(3, 8), None)
     assert ids.tolist() == [[0, 1]] * 3 and forcing.live_fallback_rows == 1 and forcing.forced_rows == 0
     assert "layer 3 cannot be forced (router FusedTopKRouter is not vLLM's CPURouter" in caplog.text
+
+
+def test_the_front_end_names_every_refusal_with_the_field_and_reserves_its_salt() -> None:
+    """The plugin's front-end check (`check_request`, what vLLM's InputProcessor runs): a non-eager or data-parallel
+    engine refuses forced routes naming the vllm_xargs field (so `VLLMClient` maps the 400 to ForcedRoutesError);
+    an unforced request may not send the forced requests' reserved salt (it would reuse forced KV); a good forced
+    request is salted with its routes' digest, after the caller's own salt."""
+    from routereplay.engines.vllm.plugin import check_request
+
+    text = encode_forced(trace(19))
+
+    def processor(eager: bool = True, dp: int = 1) -> SimpleNamespace:
+        model_config = SimpleNamespace(
+            enforce_eager=eager,
+            get_num_experts=lambda: 16,
+            get_num_experts_per_tok=lambda: 2,
+            hf_text_config=SimpleNamespace(num_hidden_layers=3, mlp_only_layers=[0]),
+        )
+        return SimpleNamespace(
+            model_config=model_config,
+            vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp)),
+        )
+
+    def request(extra: dict[str, object] | None, salt: str | None = None) -> SimpleNamespace:
+        params = SimpleNamespace(extra_args=extra)
+        return SimpleNamespace(request_id="r7", sampling_params=params, prompt_token_ids=PROMPT, cache_salt=salt)
+
+    with pytest.raises(
+        ForcedRoutesError, match=r"'r7': forced routes \(vllm_xargs 'routereplay_routes'\) need an eager"
+    ):
+        check_request(processor(eager=False), request({XARG_KEY: text}))
+    with pytest.raises(
+        ForcedRoutesError, match=r"vllm_xargs 'routereplay_routes'\) are supported with one data-parallel"
+    ):
+        check_request(processor(dp=2), request({XARG_KEY: text}))
+    with pytest.raises(ForcedRoutesError, match=r"cache_salt contains 'routereplay-forced:', which is reserved"):
+        check_request(processor(), request(None, salt=salted("mine", text)))
+    plain = request(None, salt="mine")
+    check_request(processor(), plain)
+    assert plain.cache_salt == "mine"
+    forced = request({XARG_KEY: text}, salt="mine")
+    check_request(processor(), forced)
+    assert forced.cache_salt == salted("mine", text)
+
+
+def test_prefix_routes_must_be_a_list_per_prompt() -> None:
+    with stub_server(StubConfig(num_experts=64)) as stub:
+        routes = trace(4, layers=(1, 2, 3), experts=64)
+        for value in (routes, 5, (t for t in [routes])):
+            with pytest.raises(ConfigError, match=r"prefix_routes is a .*; give a list of one RouteTrace"):
+                _client(stub.url).generate([[5, 6, 7, 8, 9]], SamplingParams(), prefix_routes=value)  # type: ignore[arg-type]
+        assert stub.posts("/v1/completions") == []

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from routereplay.engines.hf import Rollout, SamplingParams
-from routereplay.errors import ForcedRoutesError
+from routereplay.errors import ConfigError, ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
 from tests.engines.colocated_engine import Colocated, bf16_rounded, prompts, start
 from tests.engines.test_vllm_colocated import PERTURBATION, hf_logprobs, replayed_mismatch
@@ -186,6 +186,8 @@ def test_bad_prefix_routes_are_refused_before_anything_runs(colocated_qwen3: Col
     wrong = good.with_token_ids([t + 1 for t in batch[0][:9]])
     with pytest.raises(ForcedRoutesError, match=r"token id at position 0 .* another sequence"):
         engine.generate(batch, params, prefix_routes=[wrong])
+    with pytest.raises(ConfigError, match=r"prefix_routes is a RouteTrace; give a list of one RouteTrace"):
+        engine.generate(batch, params, prefix_routes=good)  # type: ignore[arg-type]
     with pytest.raises(ForcedRoutesError, match=r"E=16, K=1; the served model routes E=16, K=2"):
         engine.generate(batch, params, prefix_routes=[RouteTrace(good.experts[:, :, :1], E, layers)])
     assert engine.generate(batch, params, prefix_routes=[good])[0].trace is not None

@@ -19,7 +19,7 @@ import pytest
 from routereplay import codec
 from routereplay.engines.hf import SamplingParams
 from routereplay.engines.remote import VLLMClient
-from routereplay.engines.vllm.forced_routes import XARG_KEY, encode_forced
+from routereplay.engines.vllm.forced_routes import XARG_KEY, encode_forced, salted
 from routereplay.errors import ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
 from tests.engines.colocated_engine import Colocated, prompts
@@ -93,6 +93,17 @@ def test_hostile_blobs_fail_their_request_and_the_server_serves_on(vllm_qwen3: L
         assert answer.status_code == 400, (message, answer.status_code, answer.text[:300])
         assert XARG_KEY in answer.text
         assert re.search(message, answer.text), (message, answer.text[:400])
+    spoof = httpx.post(
+        vllm_qwen3.url + "/v1/completions",
+        json={
+            "model": vllm_qwen3.served_model_name,
+            "prompt": prompt,
+            "max_tokens": 2,
+            "cache_salt": salted(None, encode_forced(good)),
+        },
+        timeout=TIMEOUT,
+    )  # an unforced request with a forced request's salt would reuse KV computed under forced routes
+    assert spoof.status_code == 400 and "reserved for requests that force routes" in spoof.text
     assert post(vllm_qwen3, prompt, None).status_code == 200
     served = post(vllm_qwen3, prompt, {XARG_KEY: encode_forced(good)})
     assert served.status_code == 200, served.text[:300]

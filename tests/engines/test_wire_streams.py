@@ -71,6 +71,8 @@ def test_streams_without_routes_say_where_routes_stream() -> None:
         decode_vllm(generate_stream([None]), num_experts=E)
     with pytest.raises(PayloadEncodingError, match="not JSON"):
         decode_vllm("data: {not json\n\n", num_experts=E)
+    with pytest.raises(PayloadEncodingError, match="not JSON"):  # nesting deeper than the JSON parser goes
+        decode_vllm("data: " + "[" * 100_000 + "]" * 100_000 + "\n\n", num_experts=E)
     with pytest.raises(PayloadEncodingError, match="exceeds twice max_bytes"):
         decode_vllm("data: " + "x" * (2000 + (1 << 20)), num_experts=E, max_bytes=1000)
 

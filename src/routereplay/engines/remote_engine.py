@@ -100,6 +100,10 @@ class RemoteEngine(ABC):
         """Each prompt's routes to force (None: route live); refused where the server cannot force."""
         if prefix_routes is None:
             return [None] * len(prompts)
+        if not isinstance(prefix_routes, (list, tuple)):
+            raise ConfigError(
+                f"prefix_routes is a {type(prefix_routes).__name__}; give a list of one RouteTrace (or None) per prompt"
+            )
         if len(prefix_routes) != len(prompts):
             raise ConfigError(
                 f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one (or None) each"

@@ -189,7 +189,7 @@ def _final_chunk(value: Any, choice: int, where: str | int, max_bytes: int) -> A
             continue
         try:
             chunks.append(json.loads(line[5:]))
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
             raise PayloadEncodingError(f"{location(where)}: an event's data is not JSON ({error})") from None
     seen_field = False
     for chunk in reversed(chunks):

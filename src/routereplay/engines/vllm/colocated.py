@@ -311,6 +311,10 @@ class VLLMEngine:
         """Each prompt's forced routes as the text its request carries, checked (`ForcedRoutesError`) first."""
         if prefix_routes is None:
             return [None] * len(prompts)
+        if not isinstance(prefix_routes, (list, tuple)):
+            raise ConfigError(
+                f"prefix_routes is a {type(prefix_routes).__name__}; give a list of one RouteTrace (or None) per prompt"
+            )
         if len(prefix_routes) != len(prompts):
             raise ConfigError(
                 f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one (or None) each"

@@ -15,7 +15,8 @@ engine does not depend on entry points. It is inert unless a request carries
   request with `VLLMValidationError` (HTTP 400, the message naming what and how to fix, the cause a
   `ForcedRoutesError`), and the server keeps serving. A good request's prompt is salted with its
   routes' digest (vLLM's `cache_salt`, `forced_routes.salted`), so prefix-cache hits reuse only KV
-  computed under the same forced routes.
+  computed under the same forced routes; a request without forced routes whose own salt has the
+  reserved prefix is refused (it would reuse forced KV).
 - `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
   forward in which some request asks for forcing, the runner's `ForcingWorker` sets every MoE layer's
   forced rows for the step (`forcing_worker`); they are cleared after the forward, also when it raises.
@@ -32,7 +33,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, salted
+from routereplay.engines.vllm.forced_routes import SALT_PREFIX, XARG_KEY, ForcedRoutes, ServedRouting, salted
 from routereplay.engines.vllm.forcing_worker import RUNNER_ATTR, ForcingWorker
 from routereplay.errors import ForcedRoutesError
 
@@ -75,22 +76,31 @@ def served_routing(model_config: Any) -> ServedRouting:
 
 
 def check_request(processor: Any, request: Any) -> None:
-    """Refuse a request's forced routes by name (`ForcedRoutesError`), or salt its prompt's KV blocks."""
+    """Refuse a request's forced routes by name (`ForcedRoutesError`), or salt its prompt's KV blocks.
+
+    A request without forced routes may not carry a salt in the forced requests' reserved form: it would
+    reuse KV blocks computed under forced routes."""
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) or {}
-    if XARG_KEY not in extra:
-        return
     where = f"vLLM request {request.request_id!r}"
+    if XARG_KEY not in extra:
+        if SALT_PREFIX in str(getattr(request, "cache_salt", None) or ""):
+            raise ForcedRoutesError(
+                f"{where}: its cache_salt contains {SALT_PREFIX!r}, which is reserved for requests that force routes "
+                f"(vllm_xargs {XARG_KEY!r}): it would reuse KV computed under forced routes; use another salt"
+            )
+        return
     model_config = processor.model_config
+    asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})"
     if not model_config.enforce_eager:
         raise ForcedRoutesError(
-            f"{where}: forced routes need an eager engine (compiled graphs do not see per-step forcing); start vLLM "
-            "with --enforce-eager (LLM(..., enforce_eager=True))"
+            f"{asked} need an eager engine (compiled graphs do not see per-step forcing); start vLLM with "
+            "--enforce-eager (LLM(..., enforce_eager=True))"
         )
     if processor.vllm_config.parallel_config.data_parallel_size != 1:
-        raise ForcedRoutesError(f"{where}: forced routes are supported with one data-parallel rank only")
+        raise ForcedRoutesError(f"{asked} are supported with one data-parallel rank only")
     if model_config.get_num_experts() <= 0:
-        raise ForcedRoutesError(f"{where}: the served model has no routed experts; there is nothing to force")
+        raise ForcedRoutesError(f"{asked}: the served model has no routed experts; there is nothing to force")
     ForcedRoutes.parse(extra[XARG_KEY], served_routing(model_config), request.prompt_token_ids, where=where)
     request.cache_salt = salted(request.cache_salt, str(extra[XARG_KEY]))
 

@@ -1,0 +1,62 @@
+"""Router replay for verl 0.9.1: rollout routes without zero padding, and R2 / R3 on verl's FSDP/FSDP2 engine.
+
+Turn it on in a verl run (docs/verl.md): `actor_rollout_ref.model.external_lib=
+routereplay.integrations.verl.fsdp_engine` (imported by verl in every worker, it registers the engine
+for `language_model` / fsdp, fsdp2) and `+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3`
+(or R2); the agent loop puts `compact_blob(trace)` in `AgentLoopOutput.extra_fields[ROUTES_KEY]`.
+
+verl 0.9.1 replays routes on Megatron and VeOmni only, pads the engine's routes with zeros that mean
+"no route" (expert 0 to any trainer that forces them), and merges partial-rollout resumes by slicing.
+This package decodes each engine call's routes with routereplay's decoders, merges turns and resumes
+by token position in a `RouteStore` (provenance kept, duplicated prefixes refused), and puts them on
+verl's batch as compact per-sample blobs (default) or as verl's own `routed_experts` with -1.
+
+Files:
+- `rollout.py`      `RouteGeometry` (MoE layers of the model, from its HF config), `RolloutRoutes` (decode
+                    vLLM / SGLang routes per engine call, `add_call` / `add_tokens` into a `RouteStore`)
+- `batch.py`        routes on verl's batch: `compact_blob` / `compact_routes` / `put_output_routes` (the
+                    non-tensor column `ROUTES_KEY`, via `AgentLoopOutput.extra_fields`), `padded_routes` /
+                    `dense_routed_experts` (verl's `routed_experts`, -1 for no route), `jagged_routed_experts`,
+                    `routes_for_batch` (either form back for a micro-batch), `put_routes`
+- `micro_batch.py`  the trainer side: a micro-batch's routes in the layout verl's FSDP engine feeds the model
+- `fsdp_engine.py`  verl's FSDP/FSDP2 engine with routereplay R2 / R3
+
+Importing this package imports no verl: `rollout` / `batch` take verl's objects (`DataProto`, `TensorDict`,
+`AgentLoopOutput`) duck-typed, and `fsdp_engine` imports verl inside the functions that need it (it is not
+re-exported here: importing it inside a verl process registers the engine, which is what `external_lib` does).
+Tests: `make test-verl` (verl 0.9.1 in its own .venv-verl: it pins transformers<5.11, tensordict<=0.10).
+"""
+
+from routereplay.integrations.verl.batch import (
+    ROUTES_KEY,
+    VERL_ROUTES_KEY,
+    BatchForm,
+    compact_blob,
+    compact_routes,
+    dense_routed_experts,
+    jagged_routed_experts,
+    padded_routes,
+    put_output_routes,
+    put_routes,
+    routes_for_batch,
+    traces_of,
+)
+from routereplay.integrations.verl.rollout import Engine, RolloutRoutes, RouteGeometry
+
+__all__ = [
+    "ROUTES_KEY",
+    "VERL_ROUTES_KEY",
+    "BatchForm",
+    "Engine",
+    "RolloutRoutes",
+    "RouteGeometry",
+    "compact_blob",
+    "compact_routes",
+    "dense_routed_experts",
+    "jagged_routed_experts",
+    "padded_routes",
+    "put_output_routes",
+    "put_routes",
+    "routes_for_batch",
+    "traces_of",
+]

@@ -1,0 +1,275 @@
+"""Router replay for verl's FSDP / FSDP2 training engine: a subclass of verl's `FSDPEngineWithLMHead`.
+
+verl 0.9.1 replays routes on its Megatron and VeOmni engines only; for `strategy: fsdp|fsdp2`
+`engine_workers.py` leaves router replay disabled. This engine wraps each micro-batch of
+`forward_backward_batch` in routereplay's `attach(model)` contexts, reading the mode from the field
+verl's Megatron engine reads too, `engine_config.router_replay.mode`:
+
+- `R3`: every pass (old-log-prob and each update) replays the rollout's `routed_experts`;
+- `R2`: `compute_log_prob` (forward only, no `routed_experts` in the batch) records the trainer's
+  own routing and returns it as `routed_experts`, which verl's trainer merges into the batch
+  (`ray_trainer.py` `_compute_old_log_prob`), and every update replays it;
+- `disabled`: exactly verl's engine.
+
+Routes are laid out as verl lays out the micro-batch (packed THD, Ulysses SP shard, pad_to_length,
+or right padding; `micro_batch.py`), and every forward checks that verl fed the model the tokens
+the routes were placed for. A replay context spans a micro-batch's forward and its backward
+(activation-checkpoint recomputes replay too): it opens in `forward_step` and closes when the next
+micro-batch starts or `forward_backward_batch` ends.
+
+Routes come from routereplay's compact column (`batch.ROUTES_KEY`: codec blobs whose token ids are
+checked against the micro-batch) when the rollout side put one on the batch, else from verl's own
+`routed_experts` tensor (-1, or verl's zero padding, which only the final token carries after
+`left_right_2_no_padding`).
+
+Turning it on (every Ray worker imports the module through verl's `external_lib`; importing it with
+verl loaded registers the engine for this platform's vendor, which `EngineRegistry` prefers; a
+`VERL_ENGINE_VENDOR` override naming another vendor bypasses it):
+
+    actor_rollout_ref.model.external_lib=routereplay.integrations.verl.fsdp_engine
+    +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3      # or R2
+    actor_rollout_ref.rollout.enable_rollout_routing_replay=True     # R3: the rollout returns routes
+
+Nothing here imports verl until verl is already loaded or `engine_class()` / `register_engine()` is
+called. Legend: B = sequences, N = tokens of a micro-batch, P = payload layers, L = bound MoE
+layers, K = top-k, S = positions of a model input row.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from routereplay.errors import ConfigError, MissingRoutesError, RouteReplayError
+from routereplay.integrations.verl.batch import VERL_ROUTES_KEY
+from routereplay.integrations.verl.micro_batch import (
+    MicroBatchLayout,
+    bound_layers,
+    offsets_of,
+    recorded_batch_routes,
+    rollout_routes,
+    routes_of,
+)
+
+MODES = ("disabled", "R2", "R3")
+ENGINE_NAME = "RouteReplayFSDPEngine"
+
+
+class Action(Enum):
+    OFF = "off"
+    RECORD = "record"
+    REPLAY = "replay"
+
+
+def action_for(mode: str, has_routes: bool, forward_only: bool) -> Action:
+    """What one `forward_backward_batch` does with the routers, from the mode and the batch."""
+    if mode not in MODES:
+        raise ConfigError(f"router_replay.mode={mode!r}; use one of {list(MODES)}")
+    if mode == "disabled":
+        return Action.OFF
+    if has_routes:
+        return Action.REPLAY
+    if mode == "R2" and forward_only:
+        return Action.RECORD
+    what = (
+        "the rollout's routes (set actor_rollout_ref.rollout.enable_rollout_routing_replay=True)"
+        if mode == "R3"
+        else "the routes compute_log_prob recorded (run compute_log_prob before the update, without R3 routes)"
+    )
+    raise MissingRoutesError(
+        f"router_replay.mode={mode}: a {'forward-only' if forward_only else 'training'} micro-batch has no "
+        f"'{VERL_ROUTES_KEY}'; it needs {what}"
+    )
+
+
+@dataclass(slots=True)
+class EngineRouting:
+    """Per-engine replay state: the Replayer bound to the engine's module and the open context."""
+
+    replayer: Any = None
+    module: nn.Module | None = None
+    contexts: ExitStack = field(default_factory=ExitStack)
+    layout: MicroBatchLayout | None = None
+
+    def replayer_for(self, module: nn.Module) -> Any:
+        if self.module is not module:
+            import routereplay
+
+            if self.replayer is not None:
+                self.replayer.detach()
+            self.replayer, self.module = routereplay.attach(module), module
+        return self.replayer
+
+    def close(self) -> None:
+        """Leave the open record/replay context (its micro-batch's backward has run)."""
+        self.layout = None
+        self.contexts.close()
+
+    def close_and_detach(self) -> None:
+        """Leave any context and unbind the routers: the module is exactly as verl built it."""
+        self.close()
+        if self.replayer is not None:
+            self.replayer.detach()
+        self.replayer, self.module = None, None
+
+
+class RouteReplayEngineMixin:
+    """The routereplay part of the engine, mixed in before verl's `FSDPEngineWithLMHead`.
+
+    Uses only what verl's engine sets up: `module`, `engine_config`, `use_ulysses_sp`,
+    `ulysses_sequence_parallel_size`, `ulysses_parallel_group`, `_get_packed_pad_size`."""
+
+    def routing(self) -> EngineRouting:
+        state = getattr(self, "_routereplay_routing", None)
+        if state is None:
+            state = EngineRouting()
+            self._routereplay_routing = state
+        return state
+
+    def router_replay_mode(self) -> str:
+        config = getattr(getattr(self, "engine_config", None), "router_replay", None)
+        mode = config.get("mode") if isinstance(config, Mapping) else getattr(config, "mode", None)
+        return str(mode or "disabled")  # a dict when set with hydra's `+...router_replay.mode=R3`
+
+    def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
+        state = self.routing()
+        state.close()
+        try:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)  # type: ignore[misc]
+        finally:
+            state.close()
+
+    def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
+        state = self.routing()
+        state.close()  # the previous micro-batch's backward has run: its context is done
+        routes, mode = routes_of(micro_batch), self.router_replay_mode()
+        action = action_for(mode, routes is not None, forward_only)
+        if action is Action.OFF:
+            return super().forward_step(micro_batch, loss_function, forward_only)  # type: ignore[misc]
+        replayer = state.replayer_for(self.module)  # type: ignore[attr-defined]
+        layout = self.micro_batch_layout(micro_batch)
+        device = next(self.module.parameters()).device  # type: ignore[attr-defined]
+        if action is Action.REPLAY:
+            assert routes is not None
+            routes_NPK = rollout_routes(routes, micro_batch["input_ids"], final_token_live=mode == "R3")
+            config = getattr(self.module, "config", None)  # type: ignore[attr-defined]
+            num_layers = int(getattr(config, "num_hidden_layers", max(replayer.layers) + 1))
+            routes_NLK = bound_layers(routes_NPK, num_layers, replayer.layers)
+            placed = layout.place(routes_NLK.to(device), fill=-1)
+            context = replayer.replay(placed, attention_mask=layout.attention_mask(device))
+        else:
+            context = replayer.record()
+        try:
+            recording = state.contexts.enter_context(context)
+            state.layout = layout
+            loss, output = super().forward_step(micro_batch, loss_function, forward_only)  # type: ignore[misc]
+            if action is Action.RECORD:
+                routes_NLK = layout.recorded(recording.routes, getattr(self, "ulysses_parallel_group", None))
+                output.setdefault("model_output", {})[VERL_ROUTES_KEY] = recorded_batch_routes(
+                    routes_NLK, layout.cu_seqlens, replayer.num_experts
+                )
+                state.close()
+        except BaseException:
+            state.close()
+            raise
+        return loss, output
+
+    def prepare_model_inputs(self, micro_batch: Any) -> Any:
+        model_inputs, output_args = super().prepare_model_inputs(micro_batch)  # type: ignore[misc]
+        layout = self.routing().layout
+        if layout is not None:
+            layout.check_tokens(micro_batch["input_ids"], model_inputs["input_ids"])
+        return model_inputs, output_args
+
+    def micro_batch_layout(self, micro_batch: Any) -> MicroBatchLayout:
+        """How verl's `prepare_model_inputs` will lay this micro-batch out on this rank."""
+        from verl.utils import tensordict_utils as tu
+
+        input_ids = micro_batch["input_ids"]
+        if not getattr(input_ids, "is_nested", False):
+            raise ConfigError(
+                "micro-batch input_ids is not a jagged NestedTensor; the routereplay FSDP engine reads verl's "
+                "no-padding batches (verl.workers.utils.padding.left_right_2_no_padding)"
+            )
+        cu_B1 = offsets_of(input_ids)
+        remove_padding = bool(tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True))
+        sp_size = int(getattr(self, "ulysses_sequence_parallel_size", 1) or 1) if remove_padding else 1
+        sp_rank = 0
+        if sp_size > 1:
+            sp_rank = torch.distributed.get_rank(getattr(self, "ulysses_parallel_group", None))
+        tail = 0
+        pad_size = getattr(self, "_get_packed_pad_size", None)
+        if remove_padding and pad_size is not None and getattr(self, "pad_to_length", False):
+            tail = int(pad_size(int(cu_B1[-1])))
+        return MicroBatchLayout(
+            remove_padding=remove_padding, cu_seqlens=cu_B1, tail_pad=tail, sp_size=sp_size, sp_rank=sp_rank
+        )
+
+
+@functools.cache
+def engine_class() -> type:
+    """verl's `FSDPEngineWithLMHead` with router replay (imports verl)."""
+    try:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    except ImportError as err:
+        from routereplay.errors import MissingDependencyError
+
+        raise MissingDependencyError(
+            f"the routereplay FSDP engine subclasses verl's FSDPEngineWithLMHead, which did not import ({err}); "
+            "install verl 0.9.x beside routereplay (make venv-verl)"
+        ) from err
+    return type(
+        ENGINE_NAME,
+        (RouteReplayEngineMixin, FSDPEngineWithLMHead),
+        {"__doc__": "verl's FSDP/FSDP2 language-model engine with routereplay R2/R3 (routereplay.integrations.verl)."},
+    )
+
+
+def register_engine(vendor: str | None = None, devices: tuple[str, ...] = ("cuda", "npu")) -> type:
+    """Register the engine in verl's `EngineRegistry` (language_model, fsdp and fsdp2) under `vendor`
+    (default: this platform's, e.g. "nvidia"), which `EngineRegistry.get_engine_cls` looks up before
+    the device-only default. Idempotent; returns the engine class."""
+    from verl.utils.device import get_vendor
+    from verl.workers.engine.base import EngineRegistry
+
+    cls = engine_class()
+    vendor = vendor or get_vendor()
+    table = EngineRegistry._engines.get("language_model", {})
+    free = []
+    for backend in ("fsdp", "fsdp2"):
+        for device in devices:
+            held = table.get(backend, {}).get((device, vendor))
+            if held is None:
+                free.append(device)
+            elif held is not cls:
+                raise ConfigError(
+                    f"verl's EngineRegistry already maps language_model/{backend} on ({device}, {vendor}) to "
+                    f"{held.__name__}; routereplay's engine would replace it: unregister that engine first"
+                )
+    if free:
+        EngineRegistry.register(
+            model_type="language_model", backend=["fsdp", "fsdp2"], device=sorted(set(free)), vendor=vendor
+        )(cls)
+    return cls
+
+
+def _register_if_verl_loaded() -> None:
+    """verl's `external_lib` imports this module inside a verl process: register there, and only there."""
+    if "verl.workers.engine" in sys.modules or "verl.workers.config" in sys.modules:
+        try:
+            register_engine()
+        except RouteReplayError:
+            raise
+        except Exception as err:  # verl too old or too new for this engine: say so at import
+            raise ConfigError(f"registering routereplay's FSDP engine with verl failed: {err}") from err
+
+
+_register_if_verl_loaded()
