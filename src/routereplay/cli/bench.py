@@ -18,14 +18,14 @@ from routereplay.cli.threads import add_threads_argument
 SUITES = ("codec", "layout", "store", "delivery", "indexer", "replay", "engine")  # what `bench all` runs
 # run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm];
 # `async` trains the demo model (cached) and runs nine GRPO runs
-SEPARATE_SUITES = ("load", "vllm", "async")
+SEPARATE_SUITES = ("load", "vllm", "async", "verl")
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run a benchmark suite (codec, layout, store, delivery, indexer, replay, engine, load, vllm, async, "
-        "all) and print medians",
+        "verl, all) and print medians",
         description=(
             "Run a benchmark suite; every ratio is measured side by side in the same run. "
             "`codec`: bytes per (token, layer) row and encode/decode speed of routereplay's codec against JSON lists, "
@@ -47,6 +47,8 @@ def add_parser(subparsers: Any) -> None:
             "its colocated sync_weights time (needs routereplay[vllm]; not part of `all`). "
             "`async`: fully-async GRPO's resume-route policies (latest, first, prefix-replay) under off, R2 and R3 "
             "on one seeded schedule, and async vs sync samples per second (not part of `all`). "
+            "`verl`: bytes per sample of a verl batch's routes, routereplay's compact blobs against verl 0.9.1's dense "
+            "and jagged int16 (Qwen3-30B-A3B shape; no verl needed; not part of `all`). "
             "`all`: every suite, then BENCHMARKS.md (--output) and the README table (--readme). "
             "Progress goes to stderr."
         ),
@@ -198,6 +200,10 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
         )
     if name == "engine":
         return engine, engine.EngineBenchConfig(prompts=8 if quick else 256, repeats=repeats or 11, seed=args.seed)
+    if name == "verl":
+        from routereplay.bench import verl_routes
+
+        return verl_routes, verl_routes.VerlRoutesBenchConfig(samples=4 if quick else 64, seed=args.seed)
     if name == "vllm":
         import os
 
