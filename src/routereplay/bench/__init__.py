@@ -28,6 +28,8 @@ Files:
                           holders
 - `timing.py`             Repeated timing with median and spread: the only way figures in BENCHMARKS.md are
                           measured
-- `vllm.py`               vLLM benchmark: what route capture costs a real vLLM, and how long a colocated
-                          weight sync takes
+- `verl_routes.py`        verl benchmark: bytes per sample of a batch's routes, compact blobs against verl's
+                          dense and jagged int16
+- `vllm.py`               vLLM benchmark: what route capture costs a real vLLM, what forcing a resumed
+                          prefix costs, and how long a colocated weight sync takes
 """
