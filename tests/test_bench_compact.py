@@ -43,12 +43,24 @@ def test_quick_delivery_json_has_every_record_and_target(capsys: pytest.CaptureF
     assert set(end["seconds"]) == {"decode", "store", "plan", "bundles", "ranks", "total"}
     assert set(end["share"]) == {"decode", "store", "plan", "bundles", "ranks"}
     assert sum(end["share"].values()) == pytest.approx(1.0) and end["rows_per_s"] > 0
+    scale = result["scale"]  # issue 26 item 4: the same run's rates at cluster scale, checked against its own job
+    assert [(r["model"], r["gpus"]) for r in scale["runs"]] == [
+        (model, gpus) for model in ("Qwen3-30B-A3B", "DeepSeek-V3") for gpus in (64, 512, 4096)
+    ]
+    qwen64 = scale["runs"][0]
+    assert qwen64["rows"] == 64 * 8 * 8192 * 48 and qwen64["bytes_per_rank"] == qwen64["rows"] / 64 * 41 / 8
+    assert scale["runs"][3]["bytes_per_rank"] > scale["runs"][0]["bytes_per_rank"]  # 58 layers, 50 bits per row
+    check = scale["check"]
+    assert check["rows_per_rank"] == max(dp["rows_per_rank"]) * config["layers"]
+    assert check["bytes_per_rank"]["measured"] == max(compact)
+    assert 0.9 < check["bytes_per_rank"]["measured_over_predicted"] < 1.2  # the bundle framing on top of the bits
     targets = result["targets"]
     assert set(targets) == {"compact_bytes_per_rank_over_dense", "sp_slice_decode_cost_over_row_share"}
     assert all(set(goal) == TARGET_FIELDS and goal["met"] is None for goal in targets.values())
     assert targets["compact_bytes_per_rank_over_dense"]["target"] == pytest.approx(0.35 / 4)
     text = delivery.markdown(result)
     assert "`scatter_bundles`" in text and "`broadcast_dense`" in text and "decode_vllm" in text
+    assert "| DeepSeek-V3 | 4,096 |" in text and "Checked against the 4-rank gloo job" in text
 
 
 def test_quick_store_json_has_every_record_and_target(capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from routereplay.bench import scale_model
 from routereplay.bench.delivery_job import DeliveryJob
 from routereplay.bench.delivery_pipeline import STAGES, ResponsePipeline, expected_rank_rows, response_body
 from routereplay.bench.environment import collect
@@ -206,7 +207,7 @@ def run(config: DeliveryBenchConfig, progress: Callable[[str], None] | None = No
     dp = data_parallel(config, source, report)
     end_to_end = pipeline(config, source, report)
     worst_access = max(a["cost_over_share"]["sp_slice"] for a in access)
-    return {
+    record = {
         "suite": "delivery",
         "machine": collect(),
         "config": {k: getattr(config, k) for k in DeliveryBenchConfig.__dataclass_fields__},
@@ -221,6 +222,8 @@ def run(config: DeliveryBenchConfig, progress: Callable[[str], None] | None = No
             "sp_slice_decode_cost_over_row_share": target(worst_access, ACCESS_TARGET),
         },
     }
+    record["scale"] = scale_model.predict(record)  # the same run's rates at cluster scale, checked against its job
+    return record
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -287,6 +290,8 @@ def markdown(result: dict[str, Any]) -> str:
     }
     for stage in STAGES:
         lines.append(f"| {stage_names[stage]} | {end['seconds'][stage]['median']:.4f} | {end['share'][stage]:.1%} |")
+    if "scale" in result:
+        lines += ["", scale_model.markdown(result["scale"])]
     return "\n".join(lines)
 
 
