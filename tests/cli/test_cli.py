@@ -155,6 +155,7 @@ def test_bench_codec_small_json(capsys: pytest.CaptureFixture[str]) -> None:
         "set_smaller_than_sglang_int32",
         "set_decode_seconds",
         "set_decode_rows_per_s",
+        "set_encode_rows_per_s",
     }
 
 

@@ -103,8 +103,11 @@ def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, st
     if trace.token_ids is not None:
         parts.append(trace.token_ids.astype("<i4").tobytes())  # ids are in [-1, 2^31): RouteTrace checked them
     parts += [_LENGTHS.pack(raw_bytes, len(stored)), stored]
-    body = b"".join(parts)
-    return body + _U32.pack(zlib.crc32(body))
+    crc = 0
+    for part in parts:  # the CRC of the joined body, without joining it twice
+        crc = zlib.crc32(part, crc)
+    parts.append(_U32.pack(crc))
+    return b"".join(parts)
 
 
 def token_ids_offset(payload_offset: int, num_tokens: int) -> int:

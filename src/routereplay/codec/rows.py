@@ -5,6 +5,9 @@ Raw payload (see `routereplay.codec` for the whole layout): an optional validity
 SET mode: one stream of N ranks of b bits (b > 64: one stream per 64-bit word of the ranks, low
 word first). ORDERED mode: one stream of N * K ids of ceil(log2 E) bits.
 
+Encoding ranks and packs `RANK_CHUNK_ROWS` rows at a time (`set_ranker.SubsetRanker`, then
+`bitpack.pack_lanes_into` at the chunk's byte offset: a multiple of 8 rows ends on a byte), so its
+working set is one chunk's columns and ranks; ordered ids are packed in the same chunks.
 Decoding writes straight into the one output array. The bitmap, the streams and the ids are
 walked `chunk_entries` ids at a time (`CodecLimits.chunk_entries`): each step unpacks, checks and
 unranks a few uint64 arrays of one step's length, so the working set is fixed (about
@@ -20,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bitpack import pack_bits, unpack_bits
+from routereplay.bitpack import MAX_VIEW_BITS, MIN_LANE_PACK_BITS, pack_bits, pack_lanes_into, unpack_bits
 from routereplay.codec.limits import CodecLimits
-from routereplay.codec.subsets import U64_MAX, SubsetUnranker, binomial_table, rank_subsets
+from routereplay.codec.set_ranker import RANK_CHUNK_ROWS, SubsetRanker
+from routereplay.codec.subsets import U64_MAX, SubsetUnranker, binomial_table
 from routereplay.enums import CodecMode
 from routereplay.errors import CodecFormatError
 from routereplay.trace.validation import canonical_dtype
@@ -63,14 +67,34 @@ def encode_rows(
     experts_NK: np.ndarray, num_experts: int, top_k: int, mode: CodecMode, streams: list[tuple[int, int]]
 ) -> bytes:
     """Pack routed rows into the streams of `payload_streams`: ordered ids, or set ranks."""
-    if mode is CodecMode.ORDERED:
-        return pack_bits(experts_NK.astype(np.uint64), streams[0][1])
+    if mode is CodecMode.ORDERED:  # chunks of a multiple of 8 ids end on a byte: packed apart, joined
+        return b"".join(
+            pack_bits(experts_NK[r0 : r0 + RANK_CHUNK_ROWS].astype(np.uint64), streams[0][1])
+            for r0 in range(0, len(experts_NK), RANK_CHUNK_ROWS)
+        )
     count = math.comb(num_experts, top_k)
     if len(experts_NK) == 0 or rank_bits(count) == 0:
         return b""
-    ranks_N = rank_subsets(experts_NK, binomial_table(num_experts, top_k, count))
+    ranker = SubsetRanker(binomial_table(num_experts, top_k, count))
+    bits = streams[0][1]
+    if ranker.fast and len(streams) == 1 and MIN_LANE_PACK_BITS <= bits <= MAX_VIEW_BITS:
+        return _encode_ranks_chunked(experts_NK, ranker, bits)
+    ranks_N = ranker.rank(experts_NK)
     words = [ranks_N] if len(streams) == 1 else [((ranks_N >> (64 * q)) & U64_MAX) for q in range(len(streams))]
     return b"".join(pack_bits(word.astype(np.uint64), bits) for word, (_, bits) in zip(words, streams, strict=True))
+
+
+def _encode_ranks_chunked(experts_NK: np.ndarray, ranker: SubsetRanker, bits: int) -> bytes:
+    """Rank and pack `RANK_CHUNK_ROWS` rows at a time into one stream (working set: one chunk)."""
+    num_rows = len(experts_NK)
+    size = -(-num_rows * bits // 8)
+    out_B = np.zeros(-(-num_rows // 8) * bits + 8, np.uint8)  # 8 bytes past the last group's window
+    ranks_C = np.empty(min(num_rows, RANK_CHUNK_ROWS), np.uint64)
+    for r0 in range(0, num_rows, RANK_CHUNK_ROWS):  # a multiple of 8 rows: chunks start on a byte
+        chunk_C = ranks_C[: min(RANK_CHUNK_ROWS, num_rows - r0)]
+        ranker.rank_into(experts_NK[r0 : r0 + RANK_CHUNK_ROWS], chunk_C)
+        pack_lanes_into(chunk_C, bits, out_B, r0 * bits // 8)
+    return out_B[:size].tobytes()
 
 
 class PayloadDecoder:

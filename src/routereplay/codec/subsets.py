@@ -13,9 +13,12 @@ no compare loop), fewer for the lowest columns when a `LowIdTable` reads them at
 in fixed-size batches keeps the work linear in the ids decoded.
 Memory: the table (8 bytes an entry; about 40 + 4 * ceil(bits / 64) bytes for a Python int), the
 column searches (at most `SEARCH_BUDGET_BYTES` together), the low-id table (at most
-`LOW_TABLE_BUDGET_BYTES`, under twice that while it is built) and, per `unrank` call, six work
-arrays of N (under 50 bytes a rank).
-Legend: N = rows, K = top-k, E = experts, J = K + 1 table rows.
+`LOW_TABLE_BUDGET_BYTES`, under twice that while it is built) and, per `unrank` call, seven work
+arrays of N (under 60 bytes a rank).
+Output: int16 rows of K % 4 == 0 ids (little-endian, 8-byte aligned rows) get ids 0 .. 3 as one
+uint64 word (the low-id table's word, with id 3 OR-ed in when the table holds three), not four
+strided int16 column writes; `rank_subsets` is the plain reference of `set_ranker.SubsetRanker`.
+Legend: N = rows, K = top-k, E = experts, J = K + 1 table rows, W = uint64 words of 4 int16 ids.
 """
 
 from __future__ import annotations
@@ -140,6 +143,8 @@ class SubsetUnranker:
             self._unrank_wide(ranks_N, out_NK)
             return
         n = len(ranks_N) if self.needs_work else 0  # no work arrays when all is uint64 (K = 1)
+        words_NW = self._word_view(out_NK)
+        low_lane_N: np.ndarray | None = None  # id 3 shifted into lane 3 of the low table's word
         ids_N = np.empty(n, np.intp)
         work = (np.empty(n, np.intp), np.empty(n, np.float64), np.empty(n, bool))
         r_N = np.empty(n, np.float64)  # remainder + 1, while the walk is in float64
@@ -151,7 +156,10 @@ class SubsetUnranker:
                     np.add(remainder_N, 1.0, out=r_N)  # exact: every remainder here is below 2**53
                     in_float = True
                 search.step(r_N, ids_N, work)
-                out_NK[:, i] = ids_N
+                if words_NW is not None and i == LOW_TABLE_WORD_IDS - 1:  # the low table holds ids 0 .. 2
+                    low_lane_N = np.left_shift(ids_N.view(np.uint64), 16 * i)  # written with the low word
+                else:
+                    out_NK[:, i] = ids_N
                 continue
             if in_float:
                 np.subtract(r_N, 1.0, out=remainder_N, casting="unsafe")
@@ -169,7 +177,26 @@ class SubsetUnranker:
             np.subtract(r_N, 1.0, out=ids_N, casting="unsafe")
         else:
             np.copyto(ids_N, remainder_N, casting="unsafe")
+        if words_NW is not None and self.low_table.depth == LOW_TABLE_WORD_IDS:  # the word is ids 0 .. 3
+            self.low_table.words_R.take(ids_N, out=words_NW[:, 0], mode="clip")
+            return
+        if words_NW is not None and low_lane_N is not None:  # one 8-byte write of ids 0 .. 3 a row
+            self.low_table.words_R.take(ids_N, out=work[1].view(np.uint64), mode="clip")
+            np.bitwise_or(work[1].view(np.uint64), low_lane_N, out=words_NW[:, 0])
+            return
         self.low_table.ids_into(ids_N, out_NK, work[1].view(np.uint64))
+
+    def _word_view(self, out_NK: np.ndarray) -> np.ndarray | None:
+        """`out_NK` as (N, K / 4) little-endian uint64 words of 4 int16 ids, when the low table's
+        word can be written whole (ids 0 .. 3 from it, or ids 0 .. 2 and id 3 OR-ed in); else None."""
+        low = self.low_table
+        if low is None or low.depth < LOW_TABLE_WORD_IDS - 1 or self.top_k % LOW_TABLE_WORD_IDS:
+            return None
+        if out_NK.dtype != np.dtype("<i2") or out_NK.strides[1] != 2 or out_NK.strides[0] % 8 or len(out_NK) == 0:
+            return None
+        if out_NK.ctypes.data % 8:
+            return None
+        return out_NK.view("<u8")
 
     def _unrank_wide(self, ranks_N: np.ndarray, out_NK: np.ndarray) -> None:
         remainder_N = ranks_N.copy()
