@@ -176,7 +176,7 @@ def test_bench_replay_small_json(capsys: pytest.CaptureFixture[str]) -> None:
     result = json.loads(capsys.readouterr().out)
     assert set(result["seconds"]) == {"off", "record", "replay", "replay_engine"}  # order set and engine side by side
     assert all(s["median"] > 0 for s in result["seconds"].values())
-    assert set(result["targets"]) == {"record_over_off", "replay_over_off"}
+    assert set(result["targets"]) == {"record_over_off", "replay_over_off", "set_over_engine"}
     assert result["config"]["batch"] == 1 and result["config"]["seq"] == 16
     assert result["model"]["hidden"] == 256 and result["config"]["dtype"] == "float32"
 

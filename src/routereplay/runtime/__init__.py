@@ -31,6 +31,7 @@ Files:
 - `replayer.py`             `attach(model) -> Replayer`: record and replay the routing of an HF transformers
                             MoE model
 - `routes.py`               Batch routes <-> per-sequence traces, and the checks a replay batch must pass
+- `set_order.py`            Set order in replay: a forced set in the live router's order, and its fast path
 - `session.py`              One record or replay context of a `Replayer`: its state, what it captured, and
                             the counters
 """

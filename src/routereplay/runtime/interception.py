@@ -18,17 +18,20 @@ experts' combine, so it changes bf16 (even fp32) results. `RouterSlot.keep_order
   it. The live top-k runs (no autograd, the op's own arguments, `sorted=False` included); a row whose
   forced set is the live set takes the live ids exactly, so a natural set replays bit-exact to the
   natural run even from a set codec (ids sorted ascending); any other row takes its forced ids by
-  live score descending (a stable sort: ties keep the given order). The cost is one live top-k, one
-  gather and two K-wide sorts per router call.
+  live score descending (a stable sort: ties keep the given order). `runtime/set_order.py` has the
+  rule and its fast path: on CPU, when no row's forced scores tie, the same order comes from one
+  gather of K scores per row (and a K-wide sort unless the rows are already in live order), with no
+  live top-k.
 A record's recompute forces its forward's own choice, in its order.
 
 No host sync per router call. Whether a layer's routes hold -1 rows is decided on the host once,
 when the context takes its routes (`RouterSlot.fallback`): a layer without them uses the forced ids
 as they are; a layer with them runs the live top-k and `torch.where`s it in, unconditionally (set order
 `torch.where`s the live order in the same way). No
-`.item()`, `.tolist()` or branch on a tensor's value runs here, so on GPU the router never waits for
-the device, and under `torch.compile` the interception traces into the graph without a break
-(dynamo traces a `TorchFunctionMode` entered inside the compiled region).
+`.item()`, `.tolist()` or branch on a tensor's value runs here off the CPU, so on GPU the router never
+waits for the device, and under `torch.compile` the interception traces into the graph without a break
+(dynamo traces a `TorchFunctionMode` entered inside the compiled region). The one branch on a value,
+set order's fast path, runs only on CPU tensors outside dynamo, where reading a flag waits for nothing.
 
 Compiled models. Compile the decoder or MoE blocks, not the model: its forward pre-hook starts the
 steps on the host, and the context folds the choices compiled routers leave in their slots (see
@@ -53,6 +56,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from routereplay.runtime.discovery import RouterSite
+from routereplay.runtime.set_order import in_live_order, untied_live_order, untied_order_applies
 
 TOPK_FUNCTIONS = frozenset({torch.topk, torch.Tensor.topk})
 
@@ -153,16 +157,8 @@ class TopKInterceptor(TorchFunctionMode):
                 chosen_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
         else:
             forced_TK, fallback = forced
-            chosen_TK = forced_TK if forced_TK.device == scores.device else forced_TK.to(scores.device)
-            keep_order = self.keeps_order()
-            if fallback or not keep_order:
-                with torch.no_grad():
-                    live_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
-                    if fallback:  # -1 rows (known on the host): the live router decides for those tokens only
-                        chosen_TK = torch.where(chosen_TK[:, :1] < 0, live_TK, chosen_TK)
-                    if not keep_order:
-                        values_TK = _rows_last(scores, dim, scores.shape[dim]).gather(-1, self.positions_of(chosen_TK))
-                        chosen_TK = in_live_order(chosen_TK, live_TK, values_TK)
+            forced_TK = forced_TK if forced_TK.device == scores.device else forced_TK.to(scores.device)
+            chosen_TK = self.forced_choice(func, args, kwargs, scores, k, dim, forced_TK, fallback)
         # one code path for every mode: selection without autograd, values by gather. A checkpoint
         # recompute (which replays) then saves exactly the tensors its forward (maybe a record) saved.
         lead = scores.shape[:dim] + scores.shape[dim + 1 :]
@@ -174,6 +170,41 @@ class TopKInterceptor(TorchFunctionMode):
         self.last = chosen_TK  # when several calls match (a one-group group score), the last selects
         return torch.return_types.topk((values, indices))
 
+    def forced_choice(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        scores: torch.Tensor,
+        k: int,
+        dim: int,
+        forced_TK: torch.Tensor,
+        fallback: bool,
+    ) -> torch.Tensor:
+        """The ids (T, K) a replayed call forces, in the order it forces them (see "Top-k order")."""
+        keep_order = self.keeps_order()
+        if keep_order and not fallback:
+            return forced_TK
+        with torch.no_grad():
+            values_TK: torch.Tensor | None = None
+            if not fallback and untied_order_applies(scores, args, kwargs):  # set order, no top-k if untied
+                values_TK = self.values_at(scores, dim, forced_TK)
+                ordered_TK = untied_live_order(forced_TK, values_TK)
+                if ordered_TK is not None:
+                    return ordered_TK
+            live_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
+            if fallback:  # -1 rows (known on the host): the live router decides for those tokens only
+                forced_TK = torch.where(forced_TK[:, :1] < 0, live_TK, forced_TK)
+            if keep_order:
+                return forced_TK
+            if values_TK is None:
+                values_TK = self.values_at(scores, dim, forced_TK)
+            return in_live_order(forced_TK, live_TK, values_TK)
+
+    def values_at(self, scores: torch.Tensor, dim: int, ids_TK: torch.Tensor) -> torch.Tensor:
+        """The selection input's scores (T, K) at expert ids `ids_TK`, rows last."""
+        return _rows_last(scores, dim, scores.shape[dim]).gather(-1, self.positions_of(ids_TK))
+
 
 def topk_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, int]:
     """(input, k, non-negative dim) of a `torch.topk` / `Tensor.topk` call."""
@@ -181,16 +212,6 @@ def topk_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch
     k = args[1] if len(args) > 1 else kwargs.get("k")
     dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
     return scores, k, dim % scores.dim()
-
-
-def in_live_order(forced_TK: torch.Tensor, live_TK: torch.Tensor, values_TK: torch.Tensor) -> torch.Tensor:
-    """Each row's forced ids in the live router's order: the live row where the sets agree, else by value.
-
-    `values_TK` are the live scores at the forced ids; the sort is stable, so equal scores keep the
-    given order. Ids within a row are distinct (`check_routes`), so equal sorted rows are equal sets."""
-    same_T1 = (forced_TK.sort(dim=-1).values == live_TK.sort(dim=-1).values).all(dim=-1, keepdim=True)
-    by_value_TK = torch.sort(values_TK, dim=-1, descending=True, stable=True).indices
-    return torch.where(same_T1, live_TK, forced_TK.gather(-1, by_value_TK))
 
 
 def _rows_last(indices: torch.Tensor, dim: int, k: int) -> torch.Tensor:
