@@ -113,6 +113,26 @@ def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
         raise ConfigError("generate needs at least one prompt, and every prompt at least one token")
 
 
+def checked_prefix_routes(
+    prefix_routes: Sequence[RouteTrace | None] | None, prompts: Sequence[Sequence[int]]
+) -> list[RouteTrace | None]:
+    """`generate(prefix_routes=)` of any engine: a list of one `RouteTrace` (or None) per prompt, else `ConfigError`."""
+    if prefix_routes is None:
+        return [None] * len(prompts)
+    if not isinstance(prefix_routes, (list, tuple)):
+        raise ConfigError(
+            f"prefix_routes is a {type(prefix_routes).__name__}; give a list of one RouteTrace (or None) per prompt"
+        )
+    if len(prefix_routes) != len(prompts):
+        raise ConfigError(
+            f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one (or None) each"
+        )
+    for i, trace in enumerate(prefix_routes):
+        if trace is not None and not isinstance(trace, RouteTrace):
+            raise ConfigError(f"prefix_routes[{i}] is a {type(trace).__name__}; give a RouteTrace or None")
+    return list(prefix_routes)
+
+
 @dataclass(slots=True)
 class Rollout:
     """One sampled sequence: prompt, response (up to and including EOS), engine log-probs, routes."""

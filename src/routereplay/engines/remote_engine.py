@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from routereplay.engines.hf import Rollout, SamplingParams, check_prompts
+from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_prefix_routes
 from routereplay.engines.http import BoundedHTTP, HTTPPolicy
 from routereplay.engines.vllm.forced_routes import check_forced
 from routereplay.errors import (
@@ -98,26 +98,14 @@ class RemoteEngine(ABC):
         self, prompts: Sequence[Sequence[int]], prefix_routes: Sequence[RouteTrace | None] | None
     ) -> list[RouteTrace | None]:
         """Each prompt's routes to force (None: route live); refused where the server cannot force."""
-        if prefix_routes is None:
-            return [None] * len(prompts)
-        if not isinstance(prefix_routes, (list, tuple)):
-            raise ConfigError(
-                f"prefix_routes is a {type(prefix_routes).__name__}; give a list of one RouteTrace (or None) per prompt"
-            )
-        if len(prefix_routes) != len(prompts):
-            raise ConfigError(
-                f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one (or None) each"
-            )
-        given = [i for i, trace in enumerate(prefix_routes) if trace is not None]
+        routes = checked_prefix_routes(prefix_routes, prompts)
+        given = [i for i, trace in enumerate(routes) if trace is not None]
         if given and not self.supports_prefix_replay:
             raise UnsupportedByEngineError(
                 f"prefix_routes given for prompt(s) {given[:8]}: {self.name} servers cannot be told which experts to "
                 "use; use VLLMClient against a vLLM with the routereplay plugin, or pass prefix_routes=None"
             )
-        for i in given:
-            if not isinstance(prefix_routes[i], RouteTrace):
-                raise ConfigError(f"prefix_routes[{i}] is a {type(prefix_routes[i]).__name__}; give a RouteTrace")
-        return list(prefix_routes)
+        return routes
 
     def _rollout(
         self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams, forced: RouteTrace | None

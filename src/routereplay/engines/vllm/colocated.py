@@ -61,7 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_params
+from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_params, checked_prefix_routes
 from routereplay.engines.vllm.checkpoint import CheckpointLayout, check_servable, write_checkpoint
 from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, check_forced, encode_forced
 from routereplay.engines.vllm.plugin import register
@@ -309,23 +309,11 @@ class VLLMEngine:
         self, prompts: list[list[int]], prefix_routes: Sequence[RouteTrace | None] | None
     ) -> list[tuple[str, ForcedRoutes] | None]:
         """Each prompt's forced routes as the text its request carries, checked (`ForcedRoutesError`) first."""
-        if prefix_routes is None:
-            return [None] * len(prompts)
-        if not isinstance(prefix_routes, (list, tuple)):
-            raise ConfigError(
-                f"prefix_routes is a {type(prefix_routes).__name__}; give a list of one RouteTrace (or None) per prompt"
-            )
-        if len(prefix_routes) != len(prompts):
-            raise ConfigError(
-                f"prefix_routes has {len(prefix_routes)} entries for {len(prompts)} prompts; give one (or None) each"
-            )
         forced: list[tuple[str, ForcedRoutes] | None] = []
-        for i, (prompt, trace) in enumerate(zip(prompts, prefix_routes, strict=True)):
+        for i, (prompt, trace) in enumerate(zip(prompts, checked_prefix_routes(prefix_routes, prompts), strict=True)):
             if trace is None:
                 forced.append(None)
                 continue
-            if not isinstance(trace, RouteTrace):
-                raise ConfigError(f"prefix_routes[{i}] is a {type(trace).__name__}; give a RouteTrace or None")
             plan = ForcedRoutes.check(trace, self.served, prompt, where=f"prefix_routes[{i}]")
             forced.append((encode_forced(trace), plan))
         return forced
