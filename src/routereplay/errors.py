@@ -73,6 +73,12 @@ class RowCountError(TraceShapeError):
     """Row count != num_tokens - 1 - start (duplicated prefix, truncated capture, wrong offset)."""
 
 
+class DuplicatedPrefixError(RowCountError):
+    """The routes hold a prefix twice (the verl #6029 partial-rollout concatenation bug): an exact
+    repeat, or an excess of rows equal to the rows the store already holds for the sample (the
+    prefix re-sent after a weight update routes differently), or token ids that repeat the prefix."""
+
+
 class LayerCountError(TraceShapeError):
     """Layer axis length != the expected number of (MoE or all) layers."""
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.errors import ConfigError, LayerCountError, RowCountError, TopKMismatchError
+from routereplay.errors import ConfigError, DuplicatedPrefixError, LayerCountError, RowCountError, TopKMismatchError
 from routereplay.indexer.trace import IndexerTrace, merged_indexer
 from routereplay.store.pieces import SampleRoutes
 from routereplay.trace.provenance import MergePolicy
@@ -32,12 +32,6 @@ SampleId = str | int
 
 class MisalignedRoutesError(RowCountError):
     """A sample's new token ids do not extend the stored ones: the trajectory was rewritten."""
-
-
-class DuplicatedPrefixError(RowCountError):
-    """The routes hold a prefix twice (the verl #6029 partial-rollout concatenation bug): an exact
-    repeat, or an excess of rows equal to the rows the store already holds for the sample (the
-    prefix re-sent after a weight update routes differently), or token ids that repeat the prefix."""
 
 
 @dataclass(slots=True)

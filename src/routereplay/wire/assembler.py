@@ -19,6 +19,7 @@ from routereplay.enums import Source
 from routereplay.errors import (
     ConfigError,
     DtypeError,
+    DuplicatedPrefixError,
     ExpertIdRangeError,
     LayerCountError,
     RouteValueError,
@@ -104,6 +105,13 @@ def assemble(
     """
     if experts_TLK.dtype.kind not in "iu":
         raise DtypeError(f"{location(sequence)}: routes have dtype {experts_TLK.dtype}; expected integers")
+    if np.iinfo(experts_TLK.dtype).max < expect.num_experts - 1:  # e.g. uint8 ids of a 300-expert model: wrapped
+        raise DtypeError(
+            f"{location(sequence)}: routes have dtype {experts_TLK.dtype}, whose largest value "
+            f"{np.iinfo(experts_TLK.dtype).max} cannot hold expert ids up to {expect.num_experts - 1}: the ids were "
+            "narrowed (and may have wrapped) on the way, or num_experts is not this model's (vLLM sends uint16 "
+            "when E > 256)"
+        )
     expect.limits.check_shape(experts_TLK.shape, f"{location(sequence)}: routes")
     rows, payload_layers, top_k = experts_TLK.shape
     if expect.num_layers is not None and payload_layers != expect.num_layers:
@@ -180,7 +188,7 @@ def _check_rows(experts_TLK: np.ndarray, expect: Expectation, sequence: str | in
             f"the first {extra} rows repeat exactly: a duplicated prefix (a resumed or multi-turn "
             "rollout whose prompt routes were concatenated twice, verl #6029). Keep one copy"
         )
-        raise RowCountError(f"{head}: {cause}")
+        raise DuplicatedPrefixError(f"{head}: {cause}")
     if expect.flat_layout:
         raise_wrong_split(experts_TLK.size, expect, experts_TLK.shape[1], experts_TLK.shape[2], sequence, head)
     if extra == 1:

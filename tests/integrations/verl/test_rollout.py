@@ -145,3 +145,51 @@ def test_put_routes_compact_and_dense_give_the_same_routes() -> None:
         put_routes(batch, traces[:1])
     with pytest.raises(ConfigError, match="the batch has no 'routereplay_routes' column"):
         routes_for_batch(Batch(batch.batch))
+
+
+def test_geometry_of_the_other_interleaved_families_and_bad_layer_lists() -> None:
+    """Found by the issue 25 acceptance tester: Llama 4 (its own `moe_layers`), Jamba (expert period and offset)
+    and ERNIE 4.5 (start index) were read as all-MoE, so a dense layer's zeros became routes to expert 0."""
+    from transformers import JambaConfig, Llama4TextConfig
+
+    llama4 = Llama4TextConfig(
+        num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2
+    )
+    jamba = JambaConfig(
+        num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1
+    )
+    ernie = SimpleNamespace(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_layer_start_index=1)
+    assert RouteGeometry.from_hf_config(llama4).moe_layers == (1, 3)
+    assert RouteGeometry.from_hf_config(jamba).moe_layers == (1, 3)
+    assert RouteGeometry.from_hf_config(ernie).moe_layers == (1, 2)
+    for bad in (None, ("a",), (1.7, 2.2), "12"):
+        with pytest.raises(ConfigError, match="must be a sequence of int global layer numbers"):
+            RouteGeometry(num_experts=16, num_layers=3, top_k=2, moe_layers=bad)  # type: ignore[arg-type]
+
+
+def test_a_prefix_appended_twice_is_a_duplicated_prefix_error() -> None:
+    """verl #6029 through the public API: the resumed call's routes hold the first call's rows twice. An exact
+    repeat is named `DuplicatedPrefixError`; a re-routed repeat is still a `RowCountError` (its parent class)."""
+    from routereplay.errors import DuplicatedPrefixError
+
+    rollout = RolloutRoutes(GEOMETRY)
+    ids = list(range(100, 107))
+    first = payload(6)
+    rollout.add_call("s", ids, first)
+    resumed = [*ids, 200, 201, 202]
+    full = np.concatenate([first, payload(3, seed=1)])  # the resumed call's own 9 rows, prefix as first sampled
+    with pytest.raises(DuplicatedPrefixError, match="verl #6029"):
+        rollout.add_call("s", resumed, np.concatenate([first, full]))
+    with pytest.raises(RowCountError, match="15 route rows, expected 9"):
+        rollout.add_call("s", resumed, np.concatenate([first, payload(9, seed=2)]))
+    assert issubclass(DuplicatedPrefixError, RowCountError)
+    assert rollout.add_call("s", resumed, full).num_tokens == 9
+
+
+def test_a_payload_dtype_too_narrow_for_the_experts_is_refused() -> None:
+    """A uint8 payload for a 300-expert model: ids above 255 would have wrapped on the way."""
+    from routereplay.errors import DtypeError
+
+    wide = RolloutRoutes(RouteGeometry(num_experts=300, num_layers=3, top_k=2, moe_layers=(1, 2)))
+    with pytest.raises(DtypeError, match="uint8, whose largest value 255 cannot hold expert ids up to 299"):
+        wide.add_call("s", list(range(7)), payload(6))

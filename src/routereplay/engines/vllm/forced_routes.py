@@ -62,12 +62,21 @@ class ServedRouting:
 def moe_layers_of(text_config: Any, num_layers: int) -> tuple[int, ...]:
     """The hidden layers with a router, by the fields MoE configs use (all layers when none is set).
 
-    `mlp_only_layers` / `decoder_sparse_step` (Qwen2/3-MoE), `first_k_dense_replace` / `moe_layer_freq`
-    (DeepSeek-V2/V3, Kimi, GLM-4.5). The worker checks the same against the loaded model's routers."""
+    An explicit `moe_layers` list (Llama 4) wins; otherwise `mlp_only_layers` / `decoder_sparse_step`
+    (Qwen2/3-MoE), `first_k_dense_replace` / `moe_layer_freq` (DeepSeek-V2/V3, Kimi, GLM-4.5),
+    `expert_layer_period` / `expert_layer_offset` (Jamba), `moe_layer_start_index` / `moe_layer_end_index`
+    / `moe_layer_interval` (ERNIE 4.5). The worker checks the same against the loaded model's routers."""
+    explicit = getattr(text_config, "moe_layers", None)
+    if isinstance(explicit, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in explicit):
+        return tuple(sorted(i for i in set(explicit) if 0 <= i < num_layers))
     dense = {int(i) for i in (getattr(text_config, "mlp_only_layers", None) or [])}
     step = getattr(text_config, "decoder_sparse_step", None)
     first = getattr(text_config, "first_k_dense_replace", None)
     freq = getattr(text_config, "moe_layer_freq", None)
+    period, offset = getattr(text_config, "expert_layer_period", None), getattr(text_config, "expert_layer_offset", 0)
+    begin = getattr(text_config, "moe_layer_start_index", None)
+    end = getattr(text_config, "moe_layer_end_index", None)
+    interval = getattr(text_config, "moe_layer_interval", None)
     layers = []
     for i in range(num_layers):
         if i in dense:
@@ -77,6 +86,14 @@ def moe_layers_of(text_config: Any, num_layers: int) -> tuple[int, ...]:
         if isinstance(first, int) and i < first:
             continue
         if isinstance(freq, int) and freq > 1 and i % freq != 0:
+            continue
+        if isinstance(period, int) and period > 0 and i % period != (offset or 0) % period:
+            continue
+        if isinstance(begin, int) and i < begin:
+            continue
+        if isinstance(end, int) and end >= 0 and i > end:
+            continue
+        if isinstance(interval, int) and interval > 1 and (i + 1) % interval != 0:
             continue
         layers.append(i)
     return tuple(layers)

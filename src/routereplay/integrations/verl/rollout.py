@@ -66,7 +66,17 @@ class RouteGeometry:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"RouteGeometry.{name}={value!r} must be a positive int (from the model's config)")
-        layers = tuple(int(x) for x in self.moe_layers)
+        given = self.moe_layers
+        if (
+            isinstance(given, (str, bytes))
+            or not isinstance(given, (list, tuple, range))
+            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in given)
+        ):
+            raise ConfigError(
+                f"RouteGeometry.moe_layers={given!r} must be a sequence of int global layer numbers; take them from "
+                "the config (RouteGeometry.from_hf_config)"
+            )
+        layers = tuple(int(x) for x in given)
         if not layers or sorted(set(layers)) != list(layers) or not 0 <= layers[0] <= layers[-1] < self.num_layers:
             raise ConfigError(
                 f"RouteGeometry.moe_layers={list(self.moe_layers)} must be distinct, ascending global layer numbers in "
