@@ -193,3 +193,21 @@ def test_a_payload_dtype_too_narrow_for_the_experts_is_refused() -> None:
     wide = RolloutRoutes(RouteGeometry(num_experts=300, num_layers=3, top_k=2, moe_layers=(1, 2)))
     with pytest.raises(DtypeError, match="uint8, whose largest value 255 cannot hold expert ids up to 299"):
         wide.add_call("s", list(range(7)), payload(6))
+
+
+def test_bad_token_ids_and_objects_are_named_errors() -> None:
+    """Found by the issue 25 acceptance tester: text or out-of-range token ids were taken (a -5 then read as
+    'unknown', switching the token check off), and None for a trace or a batch raised AttributeError."""
+    from routereplay.integrations.verl import padded_routes, routes_for_batch
+
+    rollout = RolloutRoutes(GEOMETRY)
+    for bad, message in ((["a", "b", "c", "d"], "sequence of ints"), ([1, 2, 3, 2**40], r"\[0, 2\*\*31\)")):
+        with pytest.raises(ConfigError, match=message):
+            rollout.add_call("a", bad, payload(3))
+    rollout.add_call("b", [1, 2, 3, 4], payload(3))
+    with pytest.raises(ConfigError, match=r"token ids must lie in \[0, 2\*\*31\)"):
+        rollout.add_tokens("b", [1, 2, 3, 4, -5])
+    with pytest.raises(ConfigError, match="padded_routes takes a RouteTrace"):
+        padded_routes(None, prompt_len=4, response_len=6, prompt_length=6, response_length=6)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="routes_for_batch takes verl's DataProto or TensorDict"):
+        routes_for_batch(None)

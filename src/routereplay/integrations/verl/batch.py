@@ -100,6 +100,8 @@ def padded_routes(
     hidden layer (dense layers' columns -1), as verl's Megatron path indexes when the axis has all layers.
     With `input_ids_S` (the sample's padded input ids) every routed row's token id is checked.
     """
+    if not isinstance(trace, RouteTrace):
+        raise ConfigError(f"padded_routes takes a RouteTrace (RolloutRoutes.trace), got {type(trace).__name__}")
     import torch
 
     _check_lengths(prompt_len, response_len, prompt_length, response_length, sample)
@@ -184,6 +186,8 @@ def jagged_routed_experts(traces: Sequence[RouteTrace], input_ids_BJ: torch.Tens
 def routes_for_batch(batch: Any, *, num_hidden_layers: int | None = None) -> torch.Tensor:
     """The routes of a verl (micro-)batch from its compact column: a `DataProto`, or a `TensorDict` (padded, or
     after `left_right_2_no_padding`: then jagged like its `input_ids`). Token ids are checked."""
+    if batch is None or not (hasattr(batch, "non_tensor_batch") or hasattr(batch, "get")):
+        raise ConfigError(f"routes_for_batch takes verl's DataProto or TensorDict, got {type(batch).__name__}")
     tensors, column = _parts(batch)
     traces = traces_of(column)
     input_ids = tensors["input_ids"]

@@ -40,6 +40,26 @@ from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.sglang import decode_sglang
 from routereplay.wire.vllm import decode_vllm
 
+MAX_TOKEN_ID = 2**31  # token ids are ints in [0, 2**31): what a trainer's int32 / int64 input ids hold
+
+
+def checked_token_ids(token_ids: Sequence[int] | np.ndarray, sample_id: SampleId | None) -> np.ndarray:
+    """A sample's token ids as int64 (N,): a non-empty 1-D sequence of ints in [0, 2**31), else `ConfigError`."""
+    try:
+        ids_N = np.asarray(token_ids)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"sample {sample_id!r}: token_ids are not a sequence of ints ({error})") from None
+    if ids_N.ndim != 1 or ids_N.size == 0 or ids_N.dtype.kind not in "iu":
+        raise ConfigError(
+            f"sample {sample_id!r}: token_ids must be a non-empty 1-D sequence of ints, got {ids_N.dtype} of shape "
+            f"{ids_N.shape}"
+        )
+    if int(ids_N.min()) < 0 or int(ids_N.max()) >= MAX_TOKEN_ID:
+        raise ConfigError(
+            f"sample {sample_id!r}: token ids must lie in [0, 2**31), got {int(ids_N.min())}..{int(ids_N.max())}"
+        )
+    return ids_N.astype(np.int64, copy=False)
+
 
 class Engine(StrEnum):
     """Which rollout engine produced a call's routes (verl 0.9.1 serves both)."""
@@ -144,11 +164,7 @@ class RolloutRoutes:
             engine = Engine(engine)
         except ValueError:
             raise ConfigError(f"engine={engine!r} is not one verl serves; use 'vllm' or 'sglang'") from None
-        ids_N = np.asarray(token_ids, dtype=np.int64)
-        if ids_N.ndim != 1 or ids_N.size == 0:
-            raise ConfigError(
-                f"sample {sample_id!r}: token_ids must be the call's non-empty 1-D token ids, got shape {ids_N.shape}"
-            )
+        ids_N = checked_token_ids(token_ids, sample_id)
         g = self.geometry
         common: dict[str, Any] = {
             "num_experts": g.num_experts,
@@ -188,7 +204,7 @@ class RolloutRoutes:
     def add_tokens(self, sample_id: SampleId, token_ids: Sequence[int] | np.ndarray) -> None:
         """Tokens no engine routed joined the sample (a tool response): `token_ids` is its full sequence now.
         Their rows stay -1, so replay falls back to the live router there (counted)."""
-        self.store.add_turn(sample_id, token_ids, None)
+        self.store.add_turn(sample_id, checked_token_ids(token_ids, sample_id), None)
 
     def trace(self, sample_id: SampleId) -> RouteTrace:
         """The sample's merged routes over rows [0, N - 1), -1 where no call routed the token, token ids named."""
