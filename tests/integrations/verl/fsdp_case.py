@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +29,7 @@ from torch import nn
 
 import routereplay
 from routereplay.testing import tiny_vllm_model
+from tests.runtime.models import experts_inputs
 
 FAMILY = "qwen3_moe_dense_first"
 MOE_LAYERS = (1, 2)
@@ -205,28 +206,9 @@ def set_mode(engine: Any, router_replay: Any) -> None:
     engine.engine_config = dataclasses.replace(engine.engine_config, router_replay=router_replay)
 
 
-@contextmanager
-def dispatched(model: nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
-    """Expert ids each MoE layer's experts module receives, per call: (T, K) each (the probe)."""
-    seen: dict[int, list[torch.Tensor]] = {}
-    handles = []
-    for name, module in model.named_modules():
-        if not type(module).__name__.endswith("Experts"):
-            continue
-        layer = int(name.split("layers.")[1].split(".")[0])
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict, layer: int = layer) -> None:
-            for value in list(args) + list(kwargs.values()):
-                if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 2:
-                    seen.setdefault(layer, []).append(value.detach().clone())
-                    return
-
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
+def dispatched(model: nn.Module) -> AbstractContextManager[dict[int, list[torch.Tensor]]]:
+    """Expert ids each MoE layer's experts module receives, per call: (T, K) each (the probe of tests/runtime)."""
+    return experts_inputs(model)
 
 
 def token_rows(data: Any, remove_padding: bool) -> Callable[[torch.Tensor], torch.Tensor]:
