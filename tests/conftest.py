@@ -1,7 +1,7 @@
 """Shared fixtures, and the one place where optional-dependency markers turn into skips.
 
 Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a test marked `hf`,
-`megatron`, `zstd`, `vllm`, `trl`, `ray`, `verl` or `gpu` is skipped with a reason only when that dependency
+`megatron`, `zstd`, `vllm`, `trl`, `ray`, `verl`, `native` or `gpu` is skipped with a reason only when that dependency
 is missing here (verl runs in its own .venv-verl: `make test-verl`).
 
 Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
@@ -73,6 +73,7 @@ OPTIONAL = {
     "trl": ("trl", "pip install 'routereplay[trl]'"),
     "ray": ("ray", "pip install 'routereplay[ray]'"),
     "verl": ("verl", "make test-verl: verl 0.9.1 runs in its own .venv-verl"),
+    "native": ("routereplay.codec._set_kernel", "reinstall routereplay where a C compiler is: pip install -e ."),
 }
 
 

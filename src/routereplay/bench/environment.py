@@ -57,9 +57,12 @@ def collect() -> dict[str, Any]:
             info[name] = None
     import torch
 
+    from routereplay.codec.native import KERNEL_STATUS
+
     info["torch_threads"] = torch.get_num_threads()
     info["thread_variables"] = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)
     info["load_average"] = ", ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else None
+    info["set_codec_kernel"] = KERNEL_STATUS
     info["cuda_available"] = bool(torch.cuda.is_available())
     if info["cuda_available"]:
         info["cuda_device"] = torch.cuda.get_device_name(0)

@@ -50,7 +50,9 @@ from routereplay.codec.header import (
     token_ids_offset,
 )
 from routereplay.codec.limits import DEFAULT_LIMITS, CodecLimits, checked_limits
+from routereplay.codec.native import PackedRows, can_pack, pack_set_rows
 from routereplay.codec.rows import PayloadDecoder, encode_rows, id_bits, payload_streams, rank_bits
+from routereplay.codec.subsets import binomial_table
 from routereplay.enums import CodecMode
 from routereplay.errors import (
     CodecFormatError,
@@ -68,9 +70,17 @@ _INFLATE_PIECE = 1 << 20  # bytes inflated per step while a zstd frame proves it
 
 
 def encode(
-    trace: RouteTrace, *, mode: CodecMode | str = CodecMode.SET, compress: bool = False, level: int = 3
+    trace: RouteTrace,
+    *,
+    mode: CodecMode | str = CodecMode.SET,
+    compress: bool = False,
+    level: int = 3,
+    native: bool = True,
 ) -> bytes:
-    """Serialise a trace to a blob. `trace.validate()` runs first (its named errors propagate).
+    """Serialise a trace to a blob. The trace is validated first (`trace.validate()`'s named errors
+    propagate; with the C kernel, set mode checks each row while it ranks it, and runs `validate()`
+    to name a fault). `native=False` keeps to the numpy path (the reference the C kernel is tested
+    against; `routereplay.codec.native` says when the kernel applies); the bytes are the same.
 
     SET mode stores route sets (decode returns each row sorted); ORDERED keeps the id order.
     `compress=True` zstd-compresses the payload (needs `routereplay[zstd]`); random routes are already
@@ -83,22 +93,31 @@ def encode(
     mode = _as_mode(mode)
     if not isinstance(compress, (bool, int, np.bool_, np.integer)) or compress not in (0, 1):
         raise ConfigError(f"compress must be True or False, got {type(compress).__name__} {compress!r}")
-    trace.validate()
     T, L, K, E = trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts
     _check_encodable(trace)
     try:
         streams = payload_streams(E, K, mode, DEFAULT_LIMITS, "encode")
     except CodecLimitError:
+        trace.validate()  # a bad trace is named first, as on every other path
         raise ConfigError(
             f"set mode with E={E}, K={K} needs a binomial table above CodecLimits.max_set_table="
             f"{DEFAULT_LIMITS.max_set_table} words, which decode() refuses by default; use mode='ordered'"
         ) from None
     experts_RK = trace.experts.reshape(T * L, K)
-    valid_R = experts_RK[:, 0] >= 0
-    has_missing = not bool(valid_R.all())
-    bitmap = np.packbits(valid_R, bitorder="little").tobytes() if has_missing else b""
-    experts_NK = experts_RK[valid_R] if has_missing else experts_RK
-    raw = bitmap + encode_rows(experts_NK, E, K, mode, streams)
+    packed = _packed_natively(experts_RK, E, K, mode, streams) if native else None
+    if packed is not None:  # validated while ranked; a bad row is named by the full catalogue
+        if packed.bad_row >= 0:
+            trace.validate()
+            raise ConfigError(f"row {packed.bad_row} of the trace failed the codec's checks but passed validate()")
+        raw: bytes | memoryview = packed.payload
+        has_missing = packed.has_missing
+    else:
+        trace.validate()
+        valid_R = experts_RK[:, 0] >= 0
+        has_missing = not bool(valid_R.all())
+        bitmap = np.packbits(valid_R, bitorder="little").tobytes() if has_missing else b""
+        experts_NK = experts_RK[valid_R] if has_missing else experts_RK
+        raw = bitmap + encode_rows(experts_NK, E, K, mode, streams)
     stored = _zstd_compress(raw, level) if compress else raw
     flags = (FLAG_ZSTD if compress else 0) | (FLAG_MISSING_ROWS if has_missing else 0)
     flags |= FLAG_TOKEN_IDS if trace.token_ids is not None else 0
@@ -106,7 +125,11 @@ def encode(
 
 
 def decode(
-    blob: bytes | bytearray | memoryview, *, limits: CodecLimits | None = None, max_entries: int | None = None
+    blob: bytes | bytearray | memoryview,
+    *,
+    limits: CodecLimits | None = None,
+    max_entries: int | None = None,
+    native: bool = True,
 ) -> RouteTrace:
     """Parse a blob from `encode` back into a `RouteTrace` (content checks: call `.validate()`).
 
@@ -117,7 +140,7 @@ def decode(
     decompressed payload (zstd only) + `WORKING_BYTES_PER_ENTRY * limits.chunk_entries` + the
     set-mode table (8 * limits.max_set_table bytes); CPU linear in the same sizes
     (`CodecLimits.memory_bound` gives the number). `max_entries=` is short for
-    `limits=CodecLimits(max_entries=...)`.
+    `limits=CodecLimits(max_entries=...)`. `native=False` keeps to the numpy path (see `encode`).
     """
     limits = checked_limits(limits)
     if max_entries is not None:
@@ -129,7 +152,7 @@ def decode(
     stored = data[offset : offset + head.stored_payload_bytes]
     raw = _zstd_decompress(stored, head.raw_payload_bytes, offset) if head.compressed else stored
     streams = payload_streams(E, K, head.mode, limits, "blob")
-    decoder = PayloadDecoder(memoryview(raw), E, K, head.mode, streams)
+    decoder = PayloadDecoder(memoryview(raw), E, K, head.mode, streams, native=native)
     experts_TLK = decoder.decode(T * L, head.has_missing_rows, limits.chunk_entries).reshape(T, L, K)
     token_ids = None
     if head.has_token_ids:  # bounds checked by parse_header: they sit just before the payload lengths
@@ -203,6 +226,18 @@ def _as_buffer(blob: bytes | bytearray | memoryview) -> memoryview:
     )
 
 
+def _packed_natively(
+    experts_RK: np.ndarray, num_experts: int, top_k: int, mode: CodecMode, streams: list[tuple[int, int]]
+) -> PackedRows | None:
+    """The payload from the C kernel (validation fused with ranking), or None where it does not apply."""
+    if mode is not CodecMode.SET or len(streams) != 1:
+        return None
+    if not can_pack(num_experts, top_k, streams[0][1]):
+        return None
+    count = math.comb(num_experts, top_k)
+    return pack_set_rows(experts_RK, num_experts, binomial_table(num_experts, top_k, count), streams[0][1])
+
+
 def _check_encodable(trace: RouteTrace) -> None:
     """Refuse values that the fixed-width header fields cannot hold."""
     limits = {
@@ -219,7 +254,7 @@ def _check_encodable(trace: RouteTrace) -> None:
             raise ConfigError(f"cannot encode: {name} = {value} does not fit its header field (at most {limit - 1})")
 
 
-def _zstd_compress(raw: bytes, level: int) -> bytes:
+def _zstd_compress(raw: bytes | memoryview, level: int) -> bytes:
     if not isinstance(level, int) or isinstance(level, bool) or not -(1 << 17) <= level <= 22:
         raise ConfigError(f"level={level!r} must be a zstd level, an int in -131072..22 (3 is the default)")
     try:

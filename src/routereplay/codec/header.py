@@ -83,11 +83,11 @@ class CodecHeader:
     indexer: IndexerTrace | None = None  # flag bit 4: the DSA indexer's choices of the same rows
 
 
-def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, stored: bytes) -> bytes:
+def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, stored: bytes | memoryview) -> bytes:
     """The whole blob: header (with `flags`), the stored payload and the CRC32 of everything before it."""
     T, L, K, E = trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts
     flags |= (FLAG_SLOTS if trace.slots is not None else 0) | (FLAG_INDEXER if trace.indexer is not None else 0)
-    parts = [_FIXED.pack(MAGIC, VERSION, _MODE_CODES[mode], flags, 0, T, L, K, E, trace.start)]
+    parts: list[bytes | memoryview] = [_FIXED.pack(MAGIC, VERSION, _MODE_CODES[mode], flags, 0, T, L, K, E, trace.start)]
     parts.append(np.asarray(trace.layers, dtype="<u4").tobytes())
     for slot in trace.slots or ():
         name = slot.encode("utf-8")  # <= MAX_SLOT_NAME printable characters: RouteTrace checked them

@@ -25,6 +25,7 @@ import numpy as np
 
 from routereplay.bitpack import MAX_VIEW_BITS, MIN_LANE_PACK_BITS, pack_bits, pack_lanes_into, unpack_bits
 from routereplay.codec.limits import CodecLimits
+from routereplay.codec.native import UnrankPlan, can_unrank_into, unrank_plan, unrank_set_rows
 from routereplay.codec.set_ranker import RANK_CHUNK_ROWS, SubsetRanker
 from routereplay.codec.subsets import U64_MAX, SubsetUnranker, binomial_table
 from routereplay.enums import CodecMode
@@ -100,16 +101,38 @@ def _encode_ranks_chunked(experts_NK: np.ndarray, ranker: SubsetRanker, bits: in
 class PayloadDecoder:
     """Decodes one raw payload into a (R, K) id array, `chunk_entries` ids per step."""
 
-    __slots__ = ("count", "dtype", "mode", "num_experts", "raw", "starts", "streams", "top_k", "unranker")
+    __slots__ = (
+        "_plan",
+        "count",
+        "dtype",
+        "mode",
+        "native",
+        "num_experts",
+        "raw",
+        "starts",
+        "streams",
+        "top_k",
+        "unranker",
+    )
 
     def __init__(
-        self, raw: memoryview, num_experts: int, top_k: int, mode: CodecMode, streams: list[tuple[int, int]]
+        self,
+        raw: memoryview,
+        num_experts: int,
+        top_k: int,
+        mode: CodecMode,
+        streams: list[tuple[int, int]],
+        *,
+        native: bool = True,
     ) -> None:
+        """`native=False` keeps to the numpy paths (the reference the C kernel is tested against)."""
         self.raw, self.num_experts, self.top_k, self.mode, self.streams = raw, num_experts, top_k, mode, streams
         self.dtype = canonical_dtype(num_experts)
         self.count = math.comb(num_experts, top_k) if mode is CodecMode.SET else 0
         self.starts: list[int] = []
         self.unranker: SubsetUnranker | None = None
+        self.native = native
+        self._plan: tuple[SubsetUnranker, UnrankPlan | None] | None = None  # the kernel's plan, per unranker
 
     def decode(self, num_rows: int, has_missing: bool, chunk_entries: int) -> np.ndarray:
         """All R = `num_rows` rows; unrouted rows (bitmap bit 0) are -1."""
@@ -131,6 +154,13 @@ class PayloadDecoder:
         if num_valid and self.mode is CodecMode.SET and rank_bits(self.count) > 0:
             table_JE = binomial_table(self.num_experts, K, self.count)
             self.unranker = SubsetUnranker(table_JE, self.count, rows=num_valid)
+        plan = self._kernel_plan()
+        if plan is not None:  # one pass over the bitmap and the ranks, straight into the output
+            out_RK = np.empty((num_rows, K), self.dtype)
+            bad = unrank_set_rows(plan, raw, out_RK, self.streams[0][1], stream_offset=self.starts[0], bitmap_bytes=pos)
+            if bad != -1:
+                self._refuse_rank(0, bad)
+            return out_RK
         out_RK = np.full((num_rows, K), -1, self.dtype) if has_missing else np.empty((num_rows, K), self.dtype)
         step = max(1, chunk_entries // K)  # rows per step: <= max(chunk_entries, K) ids
         routed = 0
@@ -168,7 +198,27 @@ class PayloadDecoder:
 
     def _values(self, stream: int, first: int, count: int) -> np.ndarray:
         bits = self.streams[stream][1]
-        return unpack_bits(self.raw[self.starts[stream] :], count, bits, first)
+        return unpack_bits(self.raw[self.starts[stream] :], count, bits, self._position(stream, first))
+
+    def _position(self, stream: int, first: int) -> int:
+        """Where routed row `first` sits in `stream`, in values from `starts[stream]`."""
+        return first
+
+    def _kernel_plan(self) -> UnrankPlan | None:
+        """The C kernel's plan for the current unranker, or None (numpy path: see `codec.native`)."""
+        if not self.native or self.unranker is None or len(self.streams) != 1 or self.mode is not CodecMode.SET:
+            return None
+        if self._plan is None or self._plan[0] is not self.unranker:
+            self._plan = (self.unranker, unrank_plan(self.unranker, self.count))
+        return self._plan[1]
+
+    def _refuse_rank(self, first: int, bad: int) -> None:
+        """Raise for the kernel's verdict `bad` on routed rows from `first` (see `unrank_set_rows`)."""
+        if bad == -2:
+            raise CodecFormatError("payload stream ends before its routed rows do: corrupt payload")
+        rank = int(self._values(0, first + bad, 1)[0])
+        E, K = self.num_experts, self.top_k
+        raise CodecFormatError(f"routed row {first + bad} has set rank {rank} >= C({E}, {K}): corrupt")
 
     def _rows_into(self, first: int, out_nK: np.ndarray) -> None:
         """Routed rows first .. first + n - 1 into `out_nK` (n, K), checked."""
@@ -184,6 +234,13 @@ class PayloadDecoder:
             raise CodecFormatError(f"blob has routed rows but top_k={K} > num_experts={E}: corrupt header")
         if self.unranker is None:  # C(E, K) = 1 (K == E): every routed row is all the experts
             out_nK[...] = np.arange(K, dtype=self.dtype)
+            return
+        plan = self._kernel_plan()
+        if plan is not None and can_unrank_into(out_nK):
+            bits, position = self.streams[0][1], self._position(0, first)
+            bad = unrank_set_rows(plan, self.raw, out_nK, bits, stream_offset=self.starts[0], first=position)
+            if bad != -1:
+                self._refuse_rank(first, bad)
             return
         ranks_n: Any = self._values(0, first, n)
         if len(self.streams) > 1:

@@ -94,7 +94,7 @@ class SubsetUnranker:
     must be below C(E, K): callers check (an out-of-range rank gives a wrong row, not an error).
     """
 
-    __slots__ = ("in_uint64", "low_table", "nbytes", "needs_work", "searches", "table_JE", "top_k")
+    __slots__ = ("in_uint64", "kernel_plan", "low_table", "nbytes", "needs_work", "searches", "table_JE", "top_k")
 
     def __init__(
         self, table_JE: np.ndarray, count: int, *, rows: int = 0, search_budget_bytes: int = SEARCH_BUDGET_BYTES
@@ -108,6 +108,7 @@ class SubsetUnranker:
         self.searches: dict[int, FloatColumn | BucketSearch] = {}  # column -> search, K - 1 first
         self.low_table: LowIdTable | None = None
         self.in_uint64, self.needs_work, self.nbytes = False, False, 0
+        self.kernel_plan: Any = None  # `codec.native.unrank_plan`'s tables for this unranker, made on first use
         if table_JE.dtype == object:
             return
         for depth in range(min(K, LOW_TABLE_WORD_IDS), LOW_TABLE_MIN_DEPTH - 1, -1):

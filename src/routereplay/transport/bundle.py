@@ -281,8 +281,8 @@ class _SpanDecoder(PayloadDecoder):
         self.starts = [offset for offset, _, _ in entry.cuts]
         self.skips = [skip for _, _, skip in entry.cuts]
 
-    def _values(self, stream: int, first: int, count: int) -> np.ndarray:
-        return super()._values(stream, first + self.skips[stream], count)
+    def _position(self, stream: int, first: int) -> int:
+        return first + self.skips[stream]
 
 
 def _bits(view: memoryview, at: int, first: int, count: int) -> np.ndarray:
