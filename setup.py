@@ -1,8 +1,9 @@
-"""The optional C kernel of the set codec (src/routereplay/codec/set_kernel.c), built at install.
+"""The optional C kernels, built at install: the set codec's row loops (src/routereplay/codec/set_kernel.c)
+and strict base64 for engine payloads (src/routereplay/wire/base64_kernel.c).
 
-Everything else is declared in pyproject.toml. The extension is optional: where no C compiler or
-Python headers exist, pip installs the package without it and the codec runs its numpy paths
-(`routereplay env` says which one is in use).
+Everything else is declared in pyproject.toml. Both extensions are optional: where no C compiler or
+Python headers exist, pip installs the package without them and the numpy / binascii paths run
+(`routereplay env` says which are in use).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +15,12 @@ setup(
             sources=["src/routereplay/codec/set_kernel.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "routereplay.wire._base64_kernel",
+            sources=["src/routereplay/wire/base64_kernel.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

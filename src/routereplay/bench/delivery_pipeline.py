@@ -5,8 +5,8 @@ with `--enable-return-routed-experts`: JSON whose `choices[0]` holds `prompt_tok
 and `routed_experts`, base64 of the `.npy` bytes of a uint8 (N - 1, L, K) array. They are built in
 memory; one pass runs, in order:
 
-1. `decode`: `json.loads` of each body and `decode_vllm` (validated `RouteTrace`) and its token ids;
-2. `store`: `RouteStore.add_turn` of each sample (encoded, set codec);
+1. `decode`: `json.loads` of each body and `decode_vllm(..., validate=False)` and its token ids;
+2. `store`: `RouteStore.add_turn` of each sample (validated while encoded, set codec);
 3. `plan`: every rank's layout plan over the batch: `pack` the samples into one row, `ulysses_shard`
    it over `sp` ranks (run on token numbers, `layout.plan`);
 4. `bundles`: `bundles_for` cuts each rank's spans from the store without decoding;
@@ -89,7 +89,9 @@ class ResponsePipeline:
         for body in self.bodies:
             choice = json.loads(body)["choices"][0]
             tokens_N = np.array(choice["prompt_token_ids"] + choice["token_ids"], np.int64)
-            samples.append((tokens_N, decode_vllm(choice["routed_experts"], num_experts=self.num_experts)))
+            # validate=False: add_turn validates each row while it encodes it (one pass over the rows)
+            routes = decode_vllm(choice["routed_experts"], num_experts=self.num_experts, validate=False)
+            samples.append((tokens_N, routes))
         lap("decode")
         store = RouteStore(num_experts=self.num_experts, layers=self.layers, top_k=self.top_k)
         for i, (tokens_N, trace) in enumerate(samples):

@@ -178,6 +178,11 @@ def header_info(blob: bytes | bytearray | memoryview, *, limits: CodecLimits | N
     return parse_header(_as_buffer(blob), checked_limits(limits))[0]
 
 
+def fresh_header(blob: bytes) -> CodecHeader:
+    """`header_info` of a blob `encode` returned in this process (no CRC pass: nothing has touched it)."""
+    return parse_header(memoryview(blob), CodecLimits(max_set_table=1 << 62), verify_crc=False)[0]
+
+
 def bits_per_row(num_experts: int, top_k: int, mode: CodecMode | str = CodecMode.SET) -> int:
     """Payload bits of one routed (token, layer) row: ceil(log2 C(E, K)) in SET mode, K * ceil(log2 E)."""
     _check_shape_args(num_experts, top_k)

@@ -76,15 +76,22 @@ class EncodedRoutes:
     __slots__ = ("_decoder", "_index_B", "_raw", "_unrankers", "blob", "header", "routed_by_segment", "routed_tokens")
 
     def __init__(
-        self, blob: bytes, *, limits: CodecLimits | None = None, unrankers: UnrankerCache | None = None
+        self,
+        blob: bytes,
+        *,
+        limits: CodecLimits | None = None,
+        unrankers: UnrankerCache | None = None,
+        verify_crc: bool = True,
     ) -> None:
         """Check `blob` (a `codec.encode` output) once; `limits` bound its declared shape as in `decode`.
-        `unrankers` shares the set-mode unranker (about 100 KB for top-8 of 128) between the pieces of a store."""
+        `unrankers` shares the set-mode unranker (about 100 KB for top-8 of 128) between the pieces of a store.
+        `verify_crc=False` is for a blob `codec.encode` returned in this process (`EncodedRoutes.encode`):
+        every check but the CRC pass runs."""
         if not isinstance(blob, bytes):
             raise ConfigError(f"EncodedRoutes needs the blob as bytes, got {type(blob).__name__}")
         limits = checked_limits(limits)
         view = memoryview(blob)
-        head, offset = parse_header(view, limits)
+        head, offset = parse_header(view, limits, verify_crc=verify_crc)
         T, L, K, E = head.num_tokens, head.num_layers, head.top_k, head.num_experts
         limits.check_shape(T, L, K, canonical_dtype(E).itemsize, len(blob))
         self.blob, self.header = blob, head
@@ -117,7 +124,7 @@ class EncodedRoutes:
             trace = RouteTrace(
                 trace.experts, trace.num_experts, trace.layers, trace.start, trace.segments, slots=trace.slots
             )
-        return trusted(codec.encode(trace, mode=mode), unrankers=unrankers)
+        return trusted(codec.encode(trace, mode=mode), unrankers=unrankers, fresh=True)
 
     # --- what it holds ------------------------------------------------------------------------
     @property
@@ -308,12 +315,17 @@ class UnrankerCache:
         return self._unranker
 
 
-def trusted(blob: bytes, *, unrankers: UnrankerCache | None = None) -> EncodedRoutes:
-    """`EncodedRoutes` of a blob this process (or a pickle of it) wrote: checked, with limits sized to it."""
-    head = codec.header_info(blob, limits=CodecLimits(max_set_table=1 << 62))
+def trusted(blob: bytes, *, unrankers: UnrankerCache | None = None, fresh: bool = False) -> EncodedRoutes:
+    """`EncodedRoutes` of a blob this process (or a pickle of it) wrote: checked, with limits sized to it.
+
+    `fresh`: `codec.encode` returned it in this process just now, so its CRC is not recomputed."""
+    if fresh:
+        head = codec.fresh_header(blob)
+    else:
+        head = codec.header_info(blob, limits=CodecLimits(max_set_table=1 << 62))
     entries = max(head.num_tokens * head.num_layers * head.top_k, 1)
     limits = CodecLimits(max_entries=entries, max_expansion=1 << 62, max_set_table=1 << 62)
-    return EncodedRoutes(blob, limits=limits, unrankers=unrankers)
+    return EncodedRoutes(blob, limits=limits, unrankers=unrankers, verify_crc=not fresh)
 
 
 __all__ = ["BLOCK_ROWS", "EncodedRoutes", "EncodedSpan", "StreamCut", "UnrankerCache", "trusted"]

@@ -87,7 +87,9 @@ def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, st
     """The whole blob: header (with `flags`), the stored payload and the CRC32 of everything before it."""
     T, L, K, E = trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts
     flags |= (FLAG_SLOTS if trace.slots is not None else 0) | (FLAG_INDEXER if trace.indexer is not None else 0)
-    parts: list[bytes | memoryview] = [_FIXED.pack(MAGIC, VERSION, _MODE_CODES[mode], flags, 0, T, L, K, E, trace.start)]
+    parts: list[bytes | memoryview] = [
+        _FIXED.pack(MAGIC, VERSION, _MODE_CODES[mode], flags, 0, T, L, K, E, trace.start)
+    ]
     parts.append(np.asarray(trace.layers, dtype="<u4").tobytes())
     for slot in trace.slots or ():
         name = slot.encode("utf-8")  # <= MAX_SLOT_NAME printable characters: RouteTrace checked them
@@ -136,7 +138,7 @@ class _Reader:
         return fmt.unpack_from(self.data, self.take(fmt.size, field))
 
 
-def _check_envelope(data: memoryview) -> None:
+def _check_envelope(data: memoryview, verify_crc: bool = True) -> None:
     """Magic, version, minimum length, then the CRC32 - before any other field is trusted."""
     size = len(data)
     truncated = f"truncated blob: {size} bytes, a codec blob has at least {MIN_BLOB_BYTES}; re-export it"
@@ -156,6 +158,8 @@ def _check_envelope(data: memoryview) -> None:
         )
     if size < MIN_BLOB_BYTES:
         raise CodecFormatError(truncated)
+    if not verify_crc:
+        return
     (stored_crc,) = _U32.unpack_from(data, size - 4)
     actual_crc = zlib.crc32(data[: size - 4])
     if stored_crc == actual_crc:
@@ -196,12 +200,13 @@ def _declared_size(data: memoryview) -> int | None:
     return int(reader.pos + stored_bytes + _U32.size)
 
 
-def parse_header(data: memoryview, limits: CodecLimits) -> tuple[CodecHeader, int]:
+def parse_header(data: memoryview, limits: CodecLimits, *, verify_crc: bool = True) -> tuple[CodecHeader, int]:
     """Check the envelope and every header field; return the header and the payload's offset.
 
     Work and memory are linear in the blob's length (layers, segments) plus, for set mode, C(E, K)
-    once `limits.max_set_table` has bounded E and K."""
-    _check_envelope(data)
+    once `limits.max_set_table` has bounded E and K. `verify_crc=False` skips the CRC pass, for a
+    blob `pack_blob` made in this process a moment ago (every other check still runs)."""
+    _check_envelope(data, verify_crc)
     reader = _Reader(data, len(data) - _U32.size)
     _, version, mode_code, flags, reserved, T, L, K, E, start = reader.unpack(_FIXED, "fixed header")
     if mode_code not in (0, 1):

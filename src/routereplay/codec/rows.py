@@ -25,7 +25,7 @@ import numpy as np
 
 from routereplay.bitpack import MAX_VIEW_BITS, MIN_LANE_PACK_BITS, pack_bits, pack_lanes_into, unpack_bits
 from routereplay.codec.limits import CodecLimits
-from routereplay.codec.native import UnrankPlan, can_unrank_into, unrank_plan, unrank_set_rows
+from routereplay.codec.native import KERNEL, UnrankPlan, can_unrank_into, unrank_plan, unrank_set_rows
 from routereplay.codec.set_ranker import RANK_CHUNK_ROWS, SubsetRanker
 from routereplay.codec.subsets import U64_MAX, SubsetUnranker, binomial_table
 from routereplay.enums import CodecMode
@@ -153,7 +153,9 @@ class PayloadDecoder:
         self._check_streams(pos, num_valid)
         if num_valid and self.mode is CodecMode.SET and rank_bits(self.count) > 0:
             table_JE = binomial_table(self.num_experts, K, self.count)
-            self.unranker = SubsetUnranker(table_JE, self.count, rows=num_valid)
+            # the low-id table pays only on the numpy path: the kernel walks float columns instead
+            low_table_rows = 0 if self.native and KERNEL is not None and len(self.streams) == 1 else num_valid
+            self.unranker = SubsetUnranker(table_JE, self.count, rows=low_table_rows)
         plan = self._kernel_plan()
         if plan is not None:  # one pass over the bitmap and the ranks, straight into the output
             out_RK = np.empty((num_rows, K), self.dtype)

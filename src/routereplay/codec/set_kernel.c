@@ -64,6 +64,48 @@ LOAD_BLOCK(load_u64, uint64_t, (v >= (uint64_t)E))
 
 typedef void (*load_fn)(const void *, Py_ssize_t, int, int, int64_t, int16_t *, uint8_t *);
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* int16 rows of K = 8 (one 16-byte vector a row): 8 x 8 blocks transposed with unpacks, then the range
+ * check as a vector loop over the columns. The common case (top-8 routes in a trace's int16). */
+static void load_i16_k8(const void *base, Py_ssize_t first, int m, int K, int64_t E, int16_t *cols, uint8_t *bad) {
+    const int16_t *src = (const int16_t *)base + first * 8;
+    int j = 0;
+    (void)K;
+    for (; j + 8 <= m; j += 8) {
+        const __m128i *row = (const __m128i *)(src + (Py_ssize_t)j * 8);
+        __m128i r0 = _mm_loadu_si128(row), r1 = _mm_loadu_si128(row + 1), r2 = _mm_loadu_si128(row + 2);
+        __m128i r3 = _mm_loadu_si128(row + 3), r4 = _mm_loadu_si128(row + 4), r5 = _mm_loadu_si128(row + 5);
+        __m128i r6 = _mm_loadu_si128(row + 6), r7 = _mm_loadu_si128(row + 7);
+        __m128i t0 = _mm_unpacklo_epi16(r0, r1), t1 = _mm_unpackhi_epi16(r0, r1);
+        __m128i t2 = _mm_unpacklo_epi16(r2, r3), t3 = _mm_unpackhi_epi16(r2, r3);
+        __m128i t4 = _mm_unpacklo_epi16(r4, r5), t5 = _mm_unpackhi_epi16(r4, r5);
+        __m128i t6 = _mm_unpacklo_epi16(r6, r7), t7 = _mm_unpackhi_epi16(r6, r7);
+        __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+        __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+        __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+        __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+        _mm_storeu_si128((__m128i *)(cols + 0 * BLOCK_ROWS + j), _mm_unpacklo_epi64(u0, u4));
+        _mm_storeu_si128((__m128i *)(cols + 1 * BLOCK_ROWS + j), _mm_unpackhi_epi64(u0, u4));
+        _mm_storeu_si128((__m128i *)(cols + 2 * BLOCK_ROWS + j), _mm_unpacklo_epi64(u1, u5));
+        _mm_storeu_si128((__m128i *)(cols + 3 * BLOCK_ROWS + j), _mm_unpackhi_epi64(u1, u5));
+        _mm_storeu_si128((__m128i *)(cols + 4 * BLOCK_ROWS + j), _mm_unpacklo_epi64(u2, u6));
+        _mm_storeu_si128((__m128i *)(cols + 5 * BLOCK_ROWS + j), _mm_unpackhi_epi64(u2, u6));
+        _mm_storeu_si128((__m128i *)(cols + 6 * BLOCK_ROWS + j), _mm_unpacklo_epi64(u3, u7));
+        _mm_storeu_si128((__m128i *)(cols + 7 * BLOCK_ROWS + j), _mm_unpackhi_epi64(u3, u7));
+    }
+    for (; j < m; j++)
+        for (int i = 0; i < 8; i++) cols[i * BLOCK_ROWS + j] = src[(Py_ssize_t)j * 8 + i];
+    for (j = 0; j < m; j++) bad[j] = 0;
+    int16_t top = (int16_t)(E - 1);
+    for (int i = 0; i < 8; i++) {
+        const int16_t *column = cols + i * BLOCK_ROWS;
+        for (j = 0; j < m; j++) bad[j] |= (uint8_t)((column[j] < -1) | (column[j] > top));
+    }
+}
+#define HAVE_LOAD_I16_K8 1
+#endif
+
 /* The loader for a buffer's struct format and item size (native byte order only), or NULL. */
 static load_fn loader_for(const char *format, Py_ssize_t itemsize) {
     char code = format ? format[0] : 'B';
@@ -165,6 +207,9 @@ static PyObject *rank_pack_entry(PyObject *self, PyObject *args) {
     }
     Py_ssize_t R = experts.shape[0], K = experts.shape[1];
     load_fn load = loader_for(experts.format, experts.itemsize);
+#ifdef HAVE_LOAD_I16_K8
+    if (load == load_i16 && K == 8) load = load_i16_k8;
+#endif
     if (!load) {
         PyErr_Format(PyExc_TypeError, "experts must hold integers, got format %s", experts.format);
         goto done;
@@ -236,7 +281,7 @@ static inline uint64_t get_bits(const uint8_t *stream, Py_ssize_t length, Py_ssi
                            uint64_t count, const Column *columns, int ncolumns, const uint64_t *low_words, \
                            Py_ssize_t low_rows, int low_depth, OUT_T *out) {                                \
         double r[BLOCK_ROWS];                                                                              \
-        Py_ssize_t where[BLOCK_ROWS];                                                                      \
+        Py_ssize_t where[BLOCK_ROWS]; /* each routed row's offset in out */                                \
         const uint8_t *stream = payload + stream_offset;                                                   \
         Py_ssize_t stream_len = payload_len - stream_offset, routed = first;                               \
         Py_ssize_t routed_max = bits ? (stream_len * 8) / bits : R;                                        \

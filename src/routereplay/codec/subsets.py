@@ -118,7 +118,7 @@ class SubsetUnranker:
                 break
         budget = search_budget_bytes
         for i in range(K - 1, self.low_table.depth - 1 if self.low_table else 0, -1):
-            self.searches[i] = self._search(i, count, budget)
+            self.searches[i] = self.column_search(i, count, budget)
             budget -= self.searches[i].nbytes
         self.in_uint64 = any(isinstance(search, BucketSearch) for search in self.searches.values())
         self.needs_work = self.low_table is not None or not all(
@@ -126,7 +126,9 @@ class SubsetUnranker:
         )
         self.nbytes = search_budget_bytes - budget + (self.low_table.nbytes if self.low_table else 0)
 
-    def _search(self, i: int, count: int, budget: int) -> FloatColumn | BucketSearch:
+    def column_search(self, i: int, count: int, budget: int) -> FloatColumn | BucketSearch:
+        """The search of column i: a `FloatColumn` where its remainders fit float64 and its index fits
+        `budget` bytes, else a `BucketSearch`."""
         K, E = self.top_k, self.table_JE.shape[1]
         column_E = self.table_JE[i + 1]
         bound = math.comb(E - K + i + 1, i + 1)  # remainder < C(c_{i+1}, i + 1), c_{i+1} <= E - K + i + 1

@@ -47,7 +47,7 @@ from routereplay.atomicfile import atomic_write
 from routereplay.codec.encoded import EncodedRoutes, UnrankerCache
 from routereplay.codec.limits import CodecLimits, checked_limits
 from routereplay.enums import CodecMode
-from routereplay.errors import CodecError, ConfigError, RowCountError, StoreHeaderError
+from routereplay.errors import CodecError, ConfigError, RouteValueError, RowCountError, StoreHeaderError
 from routereplay.indexer.limits import IndexerLimits, checked_indexer_limits
 from routereplay.jsondocument import JsonLimits
 from routereplay.store.file import check_envelope, pack_envelope, sample_entries, sample_record
@@ -170,26 +170,32 @@ class RouteStore:
             policy = MergePolicy(policy)
         except ValueError:
             raise ConfigError(f"policy={policy!r} is not a merge policy; use 'keep' or 'replace'") from None
+        encoded: EncodedRoutes | None = None
         if trace is not None:
             check_geometry(self._geometry, trace, sample_id, self._slots)
             stored = (None, None) if sample is None else (sample.tokens, sample.routes.stop)
             check_rows(trace, len(tokens), sample_id, *stored)
             check_token_ids(trace, tokens, sample_id)
-            if validate:
-                trace.validate(sample_id)
             segments = trace.segments
             if policy_version is not None:
                 segments = tuple(replace(s, policy_version=int(policy_version)) for s in trace.segments)
             # the sample holds the tokens: stored rows carry none (`trace()` names them from the tokens)
             indexer = trace.indexer  # kept by the sample beside its routes (`sample.add_indexer`)
+            given = trace
             trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments, slots=trace.slots)
+            if validate and trace.num_tokens:  # validated while encoded: each row is read once (codec.encode)
+                try:
+                    encoded = SampleRoutes(self._mode, self._unrankers).encoded(trace)
+                except RouteValueError:
+                    given.validate(sample_id)  # the same fault, named with the sample
+                    raise
             if self._geometry is None:
                 self._geometry, self._slots = (trace.num_experts, trace.layers, trace.top_k), trace.slots
         if sample is None:
             sample = self._samples[sample_id] = Sample(tokens, SampleRoutes(self._mode, self._unrankers))
         sample.tokens = tokens
         if trace is not None and trace.num_tokens:
-            sample.conflicting_rows += sample.routes.add(trace, policy)
+            sample.conflicting_rows += sample.routes.add(trace, policy, encoded)
             add_indexer(sample, indexer, policy)
         if metadata:
             sample.metadata.update(metadata)
