@@ -294,3 +294,26 @@ def test_two_threads_encode_and_decode_at_once() -> None:
 
 def test_status_names_the_kernel() -> None:
     assert native.KERNEL_STATUS.startswith("built")
+
+
+@pytest.mark.parametrize("mode", ["set", "ordered"])
+@pytest.mark.parametrize(
+    ("row", "error", "match"),
+    [([3, 3, 5, 6], DuplicateExpertError, "names an expert twice"), ([3, 4, 5, 200], ExpertIdRangeError, "outside")],
+)
+def test_the_store_names_the_sample_of_an_invalid_row_and_keeps_nothing(
+    mode: str, row: list[int], error: type[Exception], match: str
+) -> None:
+    """`add_turn` validates while it encodes (set mode: one pass in the kernel); the fault is named with
+    the sample id, as when it validated first, and neither the sample nor the geometry is kept."""
+    from routereplay.store.route_store import RouteStore
+
+    rows_RK = distinct_rows(np.random.default_rng(4), 600, 128, 4)
+    rows_RK[333] = row
+    store = RouteStore(codec_mode=mode)
+    with pytest.raises(error, match=f"sequence 'bad', token 166, layer 1: .*{match}"):
+        store.add_turn("bad", np.arange(301), RouteTrace(rows_RK.reshape(300, 2, 4), 128))
+    assert len(store) == 0 and store.geometry is None
+    good = distinct_rows(np.random.default_rng(5), 600, 128, 4).reshape(300, 2, 4)
+    store.add_turn("good", np.arange(301), RouteTrace(good, 128))
+    assert np.array_equal(np.sort(store.trace("good").experts, axis=2), np.sort(good, axis=2))
