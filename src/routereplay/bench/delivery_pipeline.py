@@ -6,7 +6,8 @@ and `routed_experts`, base64 of the `.npy` bytes of a uint8 (N - 1, L, K) array.
 memory; one pass runs, in order:
 
 1. `decode`: `json.loads` of each body and `decode_vllm(..., validate=False)` and its token ids;
-2. `store`: `RouteStore.add_turn` of each sample (validated while encoded, set codec);
+2. `store`: `RouteStore.add_turn` of each sample (validated while encoded, set codec); the two run
+   response by response, as a driver receives them, and each is timed on its own;
 3. `plan`: every rank's layout plan over the batch: `pack` the samples into one row, `ulysses_shard`
    it over `sp` ranks (run on token numbers, `layout.plan`);
 4. `bundles`: `bundles_for` cuts each rank's spans from the store without decoding;
@@ -31,7 +32,6 @@ import torch
 from routereplay.layout import pack, ulysses_shard, unpad
 from routereplay.layout.plan import token_index
 from routereplay.store.route_store import RouteStore
-from routereplay.trace.route_trace import RouteTrace
 from routereplay.transport.bundle import RankBundle
 from routereplay.transport.spans import bundles_for
 from routereplay.wire.payload import npy_bytes
@@ -85,20 +85,25 @@ class ResponsePipeline:
             now = time.perf_counter()
             seconds[stage], clock = now - clock, now
 
-        samples: list[tuple[np.ndarray, RouteTrace]] = []
-        for body in self.bodies:
+        # one response at a time, as a driver receives them: decoded, then stored (validated while
+        # encoded), so each sample's decoded ids are dropped before the next response is read
+        store = RouteStore(num_experts=self.num_experts, layers=self.layers, top_k=self.top_k)
+        lengths: list[int] = []
+        decode_s = store_s = 0.0
+        for i, body in enumerate(self.bodies):
+            t0 = time.perf_counter()
             choice = json.loads(body)["choices"][0]
             tokens_N = np.array(choice["prompt_token_ids"] + choice["token_ids"], np.int64)
             # validate=False: add_turn validates each row while it encodes it (one pass over the rows)
             routes = decode_vllm(choice["routed_experts"], num_experts=self.num_experts, validate=False)
-            samples.append((tokens_N, routes))
-        lap("decode")
-        store = RouteStore(num_experts=self.num_experts, layers=self.layers, top_k=self.top_k)
-        for i, (tokens_N, trace) in enumerate(samples):
-            store.add_turn(i, tokens_N, trace)
-        lengths = [len(tokens_N) for tokens_N, _ in samples]
-        del samples
-        lap("store")
+            t1 = time.perf_counter()
+            store.add_turn(i, tokens_N, routes)
+            lengths.append(len(tokens_N))
+            del choice, routes
+            t2 = time.perf_counter()
+            decode_s, store_s = decode_s + t1 - t0, store_s + t2 - t1
+        seconds["decode"], seconds["store"] = decode_s, store_s
+        clock = time.perf_counter()
         positions = max(lengths)
         plans = rank_plans(lengths, positions, self.sp)
         lap("plan")

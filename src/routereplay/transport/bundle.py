@@ -88,8 +88,10 @@ def pack_bundle(rows: int, placed: Sequence[Placed], like: EncodedRoutes) -> byt
         parts.append(_SPAN.pack(p.dest, s.end - s.begin, s.num_routed, s.bitmap is not None, s.bitmap_skip))
         parts += [_CUT.pack(cut.skip, len(cut.data)) for cut in s.streams]
         data += [s.bitmap or b"", *(cut.data for cut in s.streams)]
-    body = b"".join(parts + data)
-    return body + _CRC.pack(zlib.crc32(body))
+    crc = 0
+    for part in parts + data:  # the CRC of the joined body, so the body is joined once, with its CRC
+        crc = zlib.crc32(part, crc)
+    return b"".join([*parts, *data, _CRC.pack(crc)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,13 +232,16 @@ class RankBundle:
 
         Allocates the output, then decodes each span max(chunk_entries, K) ids at a time straight into it."""
         L, K = len(self.layers), self.top_k
-        out_PLK = np.full((self.rows, L, K), -1, canonical_dtype(self.num_experts))
+        out_PLK = np.empty((self.rows, L, K), canonical_dtype(self.num_experts))  # each row written once
         out_RK = out_PLK.reshape(-1, K)
+        covered_P = np.zeros(self.rows, bool)
         routed = sum(entry.routed for entry in self._entries)
         unranker = _unranker(self.num_experts, K, self.mode, routed) if routed else None  # one for every span
         step = self._chunk_rows
         for entry in self._entries:
+            covered_P[entry.dest : entry.dest + entry.length] = True
             if entry.routed == 0:
+                out_PLK[entry.dest : entry.dest + entry.length] = -1
                 continue
             decoder = _SpanDecoder(self._data, entry, self.num_experts, K, self.mode, self.streams)
             decoder.unranker = unranker
@@ -248,12 +253,14 @@ class RankBundle:
                     decoder._rows_into(c0, dest_CK)
                     continue
                 valid_C = _bits(self._data, entry.bitmap_at, entry.bitmap_skip + c0, c1 - c0).view(bool)
+                dest_CK[...] = -1
                 n = int(np.count_nonzero(valid_C))
                 if n:
                     dense_nK = np.empty((n, K), out_PLK.dtype)
                     decoder._rows_into(done, dense_nK)
                     dest_CK[valid_C] = dense_nK
                     done += n
+        out_PLK[~covered_P] = -1  # padding and rows no span names
         return out_PLK
 
     def to_torch(self, device: str | None = None) -> object:
