@@ -317,3 +317,28 @@ def test_the_store_names_the_sample_of_an_invalid_row_and_keeps_nothing(
     good = distinct_rows(np.random.default_rng(5), 600, 128, 4).reshape(300, 2, 4)
     store.add_turn("good", np.arange(301), RouteTrace(good, 128))
     assert np.array_equal(np.sort(store.trace("good").experts, axis=2), np.sort(good, axis=2))
+
+
+def test_the_decode_kernel_refuses_malformed_plans() -> None:
+    """Tables not padded to powers of two, columns out of order or missing: refused before any row."""
+    assert native.KERNEL is not None
+    count = math.comb(128, 8)
+    plan = native.unrank_plan(SubsetUnranker(binomial_table(128, 8, count), count), count)
+    assert plan is not None
+    payload, out = np.zeros(41 * 16, np.uint8), np.empty((16, 8), np.int16)
+
+    def call(columns: list) -> int:
+        return native.KERNEL.unrank(payload, 0, 0, 0, 16, 8, 41, count, columns, out, 2)
+
+    assert call(plan.columns) == -1
+    column, shift, base, candidate, threshold, values = plan.columns[0]
+    with pytest.raises(ValueError, match="column table is malformed"):
+        call([(column, shift, base, candidate[:-1], threshold[:-1], values), *plan.columns[1:]])
+    with pytest.raises(ValueError, match="column table is malformed"):
+        call([(column, shift, base, candidate, threshold, values[:-1]), *plan.columns[1:]])
+    with pytest.raises(ValueError, match="column table is malformed"):
+        call([plan.columns[1], plan.columns[0], *plan.columns[2:]])
+    with pytest.raises(ValueError, match="arguments out of range"):
+        call(plan.columns[1:])
+    with pytest.raises(ValueError, match="arguments out of range"):
+        native.KERNEL.unrank(payload, 0, 0, 0, 16, 8, 41, count, plan.columns, out[:8], 2)

@@ -91,12 +91,10 @@ def pack_set_rows(experts_RK: np.ndarray, num_experts: int, table_JE: np.ndarray
 
 @dataclass(frozen=True, slots=True)
 class UnrankPlan:
-    """The kernel's arguments taken from one `SubsetUnranker`: its float columns and low-id table."""
+    """The kernel's arguments taken from one `SubsetUnranker`: its float columns, K - 1 down to 1."""
 
     count: int
     columns: list[tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray]]
-    low_words: np.ndarray
-    low_depth: int
 
 
 def unrank_plan(unranker: SubsetUnranker | None, count: int) -> UnrankPlan | None:
@@ -118,7 +116,7 @@ def unrank_plan(unranker: SubsetUnranker | None, count: int) -> UnrankPlan | Non
             return None
         searches.append(search)
     columns = [_padded_column(search) for search in searches]
-    unranker.kernel_plan = UnrankPlan(count, columns, np.zeros(0, np.uint64), 0)
+    unranker.kernel_plan = UnrankPlan(count, columns)
     return unranker.kernel_plan
 
 
@@ -164,8 +162,6 @@ def unrank_set_rows(
             bits,
             plan.count,
             plan.columns,
-            plan.low_words,
-            plan.low_depth,
             out_RK,
             out_RK.dtype.itemsize,
         )

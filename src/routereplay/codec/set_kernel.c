@@ -12,9 +12,9 @@
  *     ceil(R / 8) bytes, little-endian bit order) and append their rank of `bits` bits to `stream`
  *     (LSB first). `bad_row` is the first invalid row (-1: none); encoding stops there, and the caller
  *     names the fault with the full validation catalogue.
- * unrank(payload, bitmap_bytes, stream_offset, first, R, K, bits, count, columns, low_words, low_depth, out,
- *        itemsize) -> bad
- *     The inverse, with the numpy unranker's own tables (`FloatColumn` per column, `LowIdTable` words):
+ * unrank(payload, bitmap_bytes, stream_offset, first, R, K, bits, count, columns, out, itemsize) -> bad
+ *     The inverse, with the numpy unranker's `FloatColumn` tables, one per column K - 1 .. 1 in that order
+ *     (padded to powers of two), column 0 being what is left:
  *     rows whose bitmap bit is 0 (when bitmap_bytes > 0) get -1; the other rows take routed rows first,
  *     first + 1, ... of the stream at `stream_offset`: each rank is read, checked below `count` and
  *     unranked into `out` (C-contiguous (R, K) int16 or int32). `bad` is -1, or the routed row (counted
@@ -278,15 +278,36 @@ static inline uint64_t get_bits(const uint8_t *stream, Py_ssize_t length, Py_ssi
 #define UNRANK_ROWS(NAME, OUT_T)                                                                           \
     static Py_ssize_t NAME(const uint8_t *payload, Py_ssize_t payload_len, Py_ssize_t bitmap_bytes,        \
                            Py_ssize_t stream_offset, Py_ssize_t first, Py_ssize_t R, int K, int bits,     \
-                           uint64_t count, const Column *columns, int ncolumns, const uint64_t *low_words, \
-                           Py_ssize_t low_rows, int low_depth, OUT_T *out) {                                \
+                           uint64_t count, const Column *columns, int ncolumns, OUT_T *out) {               \
         double r[BLOCK_ROWS];                                                                              \
-        Py_ssize_t where[BLOCK_ROWS]; /* each routed row's offset in out */                                \
+        Py_ssize_t where[BLOCK_ROWS]; /* each routed row's number */                                       \
         const uint8_t *stream = payload + stream_offset;                                                   \
         Py_ssize_t stream_len = payload_len - stream_offset, routed = first;                               \
         Py_ssize_t routed_max = bits ? (stream_len * 8) / bits : R;                                        \
         for (Py_ssize_t s = 0; s < R; s += BLOCK_ROWS) {                                                   \
             int m = (int)((R - s) < BLOCK_ROWS ? (R - s) : BLOCK_ROWS), n = 0;                             \
+            if (!bitmap_bytes && bits && bits <= 56 && routed + m <= routed_max &&                         \
+                ((routed + m) * bits) / 8 + 8 <= stream_len) {                                             \
+                /* every row routed and the block's words inside the stream: one 8-byte read a rank */    \
+                uint64_t mask = (UINT64_C(1) << bits) - 1, above = 0;                                      \
+                for (int j = 0; j < m; j++) {                                                              \
+                    Py_ssize_t position = (routed + j) * bits;                                             \
+                    uint64_t word;                                                                         \
+                    memcpy(&word, stream + (position >> 3), 8);                                            \
+                    uint64_t rank = (word >> (position & 7)) & mask;                                       \
+                    above |= (uint64_t)(rank >= count);                                                    \
+                    r[j] = (double)rank + 1.0;                                                             \
+                    where[j] = s + j;                                                                      \
+                }                                                                                          \
+                if (above) {                                                                               \
+                    for (int j = 0; j < m; j++)                                                            \
+                        if (get_bits(stream, stream_len, (routed + j) * bits, bits) >= count)              \
+                            return routed + j - first;                                                     \
+                }                                                                                          \
+                n = m;                                                                                     \
+                routed += m;                                                                               \
+                m = 0; /* the general loop below has nothing left to read */                               \
+            }                                                                                              \
             for (int j = 0; j < m; j++) {                                                                  \
                 Py_ssize_t row = s + j;                                                                    \
                 if (bitmap_bytes && !((payload[row >> 3] >> (row & 7)) & 1)) {                             \
@@ -316,21 +337,8 @@ static inline uint64_t get_bits(const uint8_t *stream, Py_ssize_t length, Py_ssi
                     column[where[j] * K] = (OUT_T)id;                                                      \
                 }                                                                                          \
             }                                                                                              \
-            for (int j = 0; j < n; j++) {                                                                  \
-                int64_t rest = (int64_t)(r[j] - 1.0);                                                      \
-                OUT_T *row = out + where[j] * K;                                                           \
-                if (!low_words) {                                                                          \
-                    row[0] = (OUT_T)rest;                                                                  \
-                    continue;                                                                              \
-                }                                                                                          \
-                rest = rest < 0 ? 0 : (rest >= low_rows ? low_rows - 1 : rest);                            \
-                uint64_t word = low_words[rest];                                                           \
-                if (sizeof(OUT_T) == 2 && low_depth == 4) {                                                \
-                    memcpy(row, &word, 8);                                                                 \
-                } else {                                                                                   \
-                    for (int i = 0; i < low_depth; i++) row[i] = (OUT_T)(int16_t)(word >> (16 * i));       \
-                }                                                                                          \
-            }                                                                                              \
+            for (int j = 0; j < n; j++) /* C(c, 1) = c: what is left is id 0 */                            \
+                out[where[j] * K] = (OUT_T)(int64_t)(r[j] - 1.0);                                          \
         }                                                                                                  \
         return -1;                                                                                         \
     }
@@ -344,21 +352,20 @@ static void release_columns(Column *columns, int n) {
 }
 
 static PyObject *unrank_entry(PyObject *self, PyObject *args) {
-    Py_buffer payload = {0}, low = {0}, out = {0};
+    Py_buffer payload = {0}, out = {0};
     Py_ssize_t bitmap_bytes, stream_offset, first, R;
-    int K, bits, low_depth, itemsize, ncolumns = 0;
+    int K, bits, itemsize, ncolumns = 0;
     unsigned long long count;
     PyObject *column_list, *result = NULL;
     Column columns[MAX_COLUMNS];
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*nnnniiKO!y*iw*i", &payload, &bitmap_bytes, &stream_offset, &first, &R, &K, &bits, &count,
-                          &PyList_Type, &column_list, &low, &low_depth, &out, &itemsize))
+    if (!PyArg_ParseTuple(args, "y*nnnniiKO!w*i", &payload, &bitmap_bytes, &stream_offset, &first, &R, &K, &bits,
+                          &count, &PyList_Type, &column_list, &out, &itemsize))
         return NULL;
     if (K < 1 || K > MAX_K || bits < 0 || bits > 64 || (itemsize != 2 && itemsize != 4) || R < 0 ||
-        out.len != R * K * itemsize || bitmap_bytes < 0 || bitmap_bytes > payload.len || stream_offset < 0 || first < 0 ||
-        stream_offset > payload.len || (bitmap_bytes && bitmap_bytes < (R + 7) / 8) || low_depth < 0 ||
-        low_depth > 4 || (low_depth == 0 && low.len) || low.len % 8 || count > (UINT64_C(1) << 53) ||
-        PyList_GET_SIZE(column_list) > MAX_COLUMNS) {
+        out.len != R * K * itemsize || bitmap_bytes < 0 || bitmap_bytes > payload.len || stream_offset < 0 ||
+        first < 0 || stream_offset > payload.len || (bitmap_bytes && bitmap_bytes < (R + 7) / 8) ||
+        count > (UINT64_C(1) << 53) || PyList_GET_SIZE(column_list) != K - 1) {
         PyErr_SetString(PyExc_ValueError, "unrank: arguments out of range");
         goto done;
     }
@@ -374,29 +381,25 @@ static PyObject *unrank_entry(PyObject *self, PyObject *args) {
         c->threshold = (const double *)c->views[1].buf;
         c->values = (const double *)c->views[2].buf;
         c->ids = c->views[2].len / 8;
-        if (c->column < 0 || c->column >= K || c->views[1].len != c->views[0].len || c->buckets < 1 || c->ids < 1 ||
-            c->shift < 0 || c->shift > 63) {
+        if (c->column != K - 1 - q || c->views[1].len != c->views[0].len || c->buckets < 1 || c->ids < 1 ||
+            (c->buckets & (c->buckets - 1)) || (c->ids & (c->ids - 1)) || c->shift < 0 || c->shift > 63) {
             PyErr_SetString(PyExc_ValueError, "unrank: a column table is malformed");
             goto done;
         }
     }
     Py_ssize_t bad;
-    const uint64_t *low_words = low.len ? (const uint64_t *)low.buf : NULL;
     Py_BEGIN_ALLOW_THREADS
     if (itemsize == 2)
         bad = unrank_rows_int16((const uint8_t *)payload.buf, payload.len, bitmap_bytes, stream_offset, first, R, K, bits,
-                                (uint64_t)count, columns, ncolumns, low_words, low.len / 8, low_depth,
-                                (int16_t *)out.buf);
+                                (uint64_t)count, columns, ncolumns, (int16_t *)out.buf);
     else
         bad = unrank_rows_int32((const uint8_t *)payload.buf, payload.len, bitmap_bytes, stream_offset, first, R, K, bits,
-                                (uint64_t)count, columns, ncolumns, low_words, low.len / 8, low_depth,
-                                (int32_t *)out.buf);
+                                (uint64_t)count, columns, ncolumns, (int32_t *)out.buf);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(bad);
 done:
     release_columns(columns, ncolumns);
     PyBuffer_Release(&payload);
-    PyBuffer_Release(&low);
     PyBuffer_Release(&out);
     return result;
 }
