@@ -12,7 +12,8 @@ memory; one pass runs, in order:
    it over `sp` ranks (run on token numbers, `layout.plan`);
 4. `bundles`: `bundles_for` cuts each rank's spans from the store without decoding;
 5. `ranks`: each rank parses and decodes its bundle into a torch tensor (`RankBundle(...).to_torch()`),
-   all ranks in turn in this process.
+   all ranks in turn in this process; with `buffers`, into the host buffer each rank keeps from step
+   to step (`to_torch(out=...)`: no fresh pages to fault in and zero every step).
 
 Legend: B = samples, S = padded positions (the longest sample), N = tokens of a sample, L = layers,
 K = top-k, P = rows of one rank's layout.
@@ -75,8 +76,9 @@ class ResponsePipeline:
     top_k: int
     sp: int
 
-    def run(self) -> tuple[dict[str, float], list[torch.Tensor]]:
-        """Seconds of every stage and each rank's (P, L, K) tensor."""
+    def run(self, buffers: Sequence[torch.Tensor] | None = None) -> tuple[dict[str, float], list[torch.Tensor]]:
+        """Seconds of every stage and each rank's (P, L, K) tensor; `buffers` (one per rank, at least its
+        rows) are decoded into, as a trainer decodes into the host buffer it keeps from step to step."""
         seconds: dict[str, float] = {}
         clock = time.perf_counter()
 
@@ -110,8 +112,10 @@ class ResponsePipeline:
         bundles = bundles_for(store, list(range(len(lengths))), plans, positions)
         lap("bundles")
         tensors = [
-            RankBundle(data, expected_rows=int(plan.numel())).to_torch()
-            for data, plan in zip(bundles, plans, strict=True)
+            RankBundle(data, expected_rows=int(plan.numel())).to_torch(
+                out=None if buffers is None else buffers[rank][: int(plan.numel())]
+            )
+            for rank, (data, plan) in enumerate(zip(bundles, plans, strict=True))
         ]
         lap("ranks")
         return seconds, tensors  # type: ignore[return-value]

@@ -227,12 +227,14 @@ class RankBundle:
         """Layout rows some span fills (the rest decode to -1)."""
         return sum(e.length for e in self._entries)
 
-    def decode(self) -> np.ndarray:
+    def decode(self, out: np.ndarray | None = None) -> np.ndarray:
         """(P, L, K) ids in the canonical dtype, -1 where no route (padding, last tokens, unrouted).
 
-        Allocates the output, then decodes each span max(chunk_entries, K) ids at a time straight into it."""
+        Decodes each span max(chunk_entries, K) ids at a time straight into the output: a new array, or
+        `out` (a C-contiguous (P, L, K) array of the canonical dtype, e.g. a slice of a buffer the
+        trainer keeps from step to step, pinned for the copy to its GPU), every row of which is written."""
         L, K = len(self.layers), self.top_k
-        out_PLK = np.empty((self.rows, L, K), canonical_dtype(self.num_experts))  # each row written once
+        out_PLK = self._output(out)  # each row written once
         out_RK = out_PLK.reshape(-1, K)
         covered_P = np.zeros(self.rows, bool)
         routed = sum(entry.routed for entry in self._entries)
@@ -263,11 +265,33 @@ class RankBundle:
         out_PLK[~covered_P] = -1  # padding and rows no span names
         return out_PLK
 
-    def to_torch(self, device: str | None = None) -> object:
-        """`decode()` as a torch tensor (int16 or int32), moved to `device`."""
+    def _output(self, out: np.ndarray | None) -> np.ndarray:
+        shape, dtype = (self.rows, len(self.layers), self.top_k), canonical_dtype(self.num_experts)
+        if out is None:
+            return np.empty(shape, dtype)
+        if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            got = f"{type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}".strip()
+            raise ConfigError(
+                f"out= must be a C-contiguous {dtype} array of shape {shape} (this bundle's rows, layers, top-k), "
+                f"got {got}; slice a larger buffer with buffer[:{self.rows}] or pass no out="
+            )
+        if not out.flags.writeable:
+            raise ConfigError("out= is read-only; pass a writable array (or no out=)")
+        return out
+
+    def to_torch(self, device: str | None = None, out: object = None) -> object:
+        """`decode()` as a torch tensor (int16 or int32), moved to `device`. `out`: a CPU tensor to decode
+        into (C-contiguous, this bundle's shape and dtype; e.g. a slice of a pinned buffer reused every
+        step), returned as it is (then moved to `device` when one is given)."""
         import torch
 
-        tensor = torch.from_numpy(self.decode())
+        if out is None:
+            tensor = torch.from_numpy(self.decode())
+        else:
+            if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+                raise ConfigError(f"out= must be a CPU torch tensor, got {type(out).__name__}")
+            self.decode(out.numpy())
+            tensor = out
         return tensor if device is None else tensor.to(device)
 
 
