@@ -55,12 +55,18 @@ def test_quick_delivery_json_has_every_record_and_target(capsys: pytest.CaptureF
     assert check["bytes_per_rank"]["measured"] == max(compact)
     assert 0.9 < check["bytes_per_rank"]["measured_over_predicted"] < 1.2  # the bundle framing on top of the bits
     targets = result["targets"]
-    assert set(targets) == {"compact_bytes_per_rank_over_dense", "sp_slice_decode_cost_over_row_share"}
+    assert set(targets) == {
+        "compact_bytes_per_rank_over_dense",
+        "sp_slice_decode_cost_over_row_share",
+        "pipeline_rows_per_s",  # issue 26 item 2: vLLM JSON to rank tensors, one thread
+    }
+    assert targets["pipeline_rows_per_s"]["target"] == 20e6 and targets["pipeline_rows_per_s"]["direction"] == ">="
     assert all(set(goal) == TARGET_FIELDS and goal["met"] is None for goal in targets.values())
     assert targets["compact_bytes_per_rank_over_dense"]["target"] == pytest.approx(0.35 / 4)
     text = delivery.markdown(result)
     assert "`scatter_bundles`" in text and "`broadcast_dense`" in text and "decode_vllm" in text
     assert "| DeepSeek-V3 | 4,096 |" in text and "Checked against the 4-rank gloo job" in text
+    assert "target >= 20M: not graded" in text  # --quick sizes are never graded
 
 
 def test_quick_store_json_has_every_record_and_target(capsys: pytest.CaptureFixture[str]) -> None:

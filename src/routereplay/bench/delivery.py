@@ -302,7 +302,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def _met(graded: dict[str, Any]) -> str:
-    return "met" if graded["met"] else "NOT met"
+    return "not graded" if graded.get("met") is None else "met" if graded["met"] else "NOT met"
 
 
 __all__ = ["DeliveryBenchConfig", "data_parallel", "dp_batch", "markdown", "pipeline", "random_access", "run"]
