@@ -50,6 +50,47 @@ def test_round_trip_places_each_span_and_leaves_the_rest_unrouted() -> None:
         assert bundle.to_torch().shape == (40, 3, 2)
 
 
+def test_decode_into_a_reused_buffer_writes_every_row() -> None:
+    """A trainer's buffer holds the last step's rows: decoding into it must overwrite every one, padding
+    and unrouted rows included, and give exactly the fresh decode (both modes, numpy and torch)."""
+    import torch
+
+    for mode in ("set", "ordered"):
+        data, _ = _bundle(mode)
+        bundle = RankBundle(data, expected_rows=40)
+        fresh = bundle.decode()
+        buffer = np.full((64, 3, 2), 7, fresh.dtype)  # stale ids everywhere, and more rows than needed
+        assert bundle.decode(out=buffer[:40]) is not None
+        assert np.array_equal(buffer[:40], fresh) and (buffer[40:] == 7).all()
+        pinned = torch.full((64, 3, 2), 7, dtype=torch.int16)
+        tensor = bundle.to_torch(out=pinned[:40])
+        assert tensor.data_ptr() == pinned.data_ptr() and torch.equal(pinned[:40], torch.from_numpy(fresh))
+        assert (pinned[40:] == 7).all()
+
+
+def test_a_wrong_buffer_is_refused_by_name() -> None:
+    import torch
+
+    data, _ = _bundle()
+    bundle = RankBundle(data, expected_rows=40)
+    with pytest.raises(ConfigError, match="shape \\(40, 3, 2\\).*buffer\\[:40\\]"):
+        bundle.decode(out=np.empty((41, 3, 2), np.int16))
+    with pytest.raises(ConfigError, match="C-contiguous int16"):
+        bundle.decode(out=np.empty((40, 3, 2), np.int32))
+    with pytest.raises(ConfigError, match="C-contiguous"):
+        bundle.decode(out=np.empty((40, 3, 4), np.int16)[:, :, ::2])
+    read_only = np.empty((40, 3, 2), np.int16)
+    read_only.flags.writeable = False
+    with pytest.raises(ConfigError, match="read-only"):
+        bundle.decode(out=read_only)
+    with pytest.raises(ConfigError, match="C-contiguous int16 array"):
+        bundle.decode(out=[[0]])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="CPU torch tensor"):
+        bundle.to_torch(out=np.empty((40, 3, 2), np.int16))
+    with pytest.raises(ConfigError, match="C-contiguous"):
+        bundle.to_torch(out=torch.empty((40, 3, 4), dtype=torch.int16)[:, :, ::2])
+
+
 def test_envelope_errors_name_the_cause() -> None:
     """Not a bundle, a newer version, a flipped bit, a cut-short transfer: each is refused by name."""
     data, _ = _bundle()

@@ -68,6 +68,11 @@ def _cases(trace: RouteTrace) -> list[FormatCase]:
     cases = [
         FormatCase("routereplay set", lambda: codec.encode(trace), codec.decode),
         FormatCase("routereplay ordered", lambda: codec.encode(trace, mode="ordered"), codec.decode),
+        FormatCase(  # what an install without a C compiler runs (and the kernel's test reference)
+            "routereplay set, numpy path",
+            lambda: codec.encode(trace, native=False),
+            lambda blob: codec.decode(blob, native=False),
+        ),
         FormatCase(
             "JSON nested lists",
             lambda: json.dumps(experts_TLK.tolist()).encode(),
@@ -117,6 +122,7 @@ def run(config: CodecBenchConfig, progress: Callable[[str], None] | None = None)
     validated = _validated_decoders(trace, config, report)
     by_name = {f["name"]: f for f in formats}
     set_record, sglang_record = by_name["routereplay set"], by_name["SGLang base64 int32"]
+    numpy_record = by_name["routereplay set, numpy path"]
     targets = {
         "set_vs_entropy": target(set_record["vs_entropy"], SET_VS_ENTROPY_TARGET),
         "set_smaller_than_sglang_int32": target(
@@ -150,6 +156,8 @@ def run(config: CodecBenchConfig, progress: Callable[[str], None] | None = None)
             "name": anchor["name"],
             "set_encode_vs_anchor": set_record["encode_rows_per_s"] / anchor["encode_rows_per_s"],
             "set_decode_vs_anchor": set_record["decode_rows_per_s"] / anchor["decode_rows_per_s"],
+            "kernel_over_numpy_encode": set_record["encode_rows_per_s"] / numpy_record["encode_rows_per_s"],
+            "kernel_over_numpy_decode": set_record["decode_rows_per_s"] / numpy_record["decode_rows_per_s"],
         },
         "targets": targets,
     }
@@ -228,6 +236,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"Set codec against the {anchor['name']} anchor of the same run: encode "
             f"{anchor['set_encode_vs_anchor']:.3f}x, decode {anchor['set_decode_vs_anchor']:.3f}x its rows/s.",
         ]
+        if "kernel_over_numpy_encode" in anchor:
+            lines.append(
+                f"The set codec's C kernel ({result['machine'].get('set_codec_kernel', '?')}) against its numpy "
+                f"path in the same run: encode {anchor['kernel_over_numpy_encode']:.2f}x, decode "
+                f"{anchor['kernel_over_numpy_decode']:.2f}x."
+            )
     graded = [(name, t) for name, t in result["targets"].items() if name.endswith("rows_per_s")]
     if graded:
         lines += ["", "| target (one core) | rows/s | goal | met |", "|---|---:|---:|---|"]
