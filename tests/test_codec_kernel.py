@@ -342,3 +342,32 @@ def test_the_decode_kernel_refuses_malformed_plans() -> None:
         call(plan.columns[1:])
     with pytest.raises(ValueError, match="arguments out of range"):
         native.KERNEL.unrank(payload, 0, 0, 0, 16, 8, 41, count, plan.columns, out[:8], 2)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "kernel_encodes"),
+    [
+        (2, 1, False),
+        (200, 199, False),
+        (1024, 8, False),
+        (40000, 3, False),
+        (2, 2, False),
+        (65, 64, True),
+    ],
+)
+def test_geometries_beyond_the_kernel_fall_back_to_the_same_bytes(
+    num_experts: int, top_k: int, kernel_encodes: bool
+) -> None:
+    """K = 1 (no network), C(E, K) = 1 (no bits), K beyond the network, C(E, K) >= 2**64 (Python-int
+    ranks), E beyond int16: the kernel does not apply, or applies only to decode; either way the bytes
+    and rows are the numpy path's and the reference's."""
+    rng = np.random.default_rng(num_experts + top_k)
+    bits = rank_bits(math.comb(num_experts, top_k))
+    assert native.can_pack(num_experts, top_k, bits) is kernel_encodes
+    rows_RK = distinct_rows(rng, 300, num_experts, top_k)
+    rows_RK[::7] = -1
+    trace = trace_of(rows_RK, num_experts)
+    blob = codec.encode(trace)
+    assert blob == codec.encode(trace, native=False)
+    assert np.array_equal(codec.decode(blob).experts, np.sort(trace.experts, axis=2))
+    assert np.array_equal(codec.decode(blob).experts, codec.decode(blob, native=False).experts)
