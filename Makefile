@@ -51,6 +51,10 @@ EXAMPLES_OUT := build/examples
 # On a busy machine: make test TEST_WORKERS=1
 TEST_WORKERS ?= auto
 
+# the C kernels (setup.py) are built in place by the editable install; a changed source rebuilds them
+KERNELS := setup.py src/routereplay/codec/set_kernel.c src/routereplay/wire/base64_kernel.c
+KERNEL_STAMP := $(VENV)/.kernels
+
 .PHONY: demo examples test test-megatron016 test-verl lint bench clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
@@ -58,7 +62,7 @@ $(DEMO_STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet $(TRANSFORMERS) -e ".[demo]"
-	touch $(DEMO_STAMP)
+	touch $(DEMO_STAMP) $(KERNEL_STAMP)
 
 $(STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python $(MEGATRON)
@@ -74,9 +78,13 @@ $(VERL_STAMP): pyproject.toml Makefile
 	$(VERL_BIN)/python -m pip install --quiet $(TORCH) $(VERL_TRANSFORMERS) $(VERL_DEPS) -e ".[dev,hf]"
 	touch $(VERL_STAMP)
 
+$(KERNEL_STAMP): $(DEMO_STAMP) $(KERNELS)
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(KERNEL_STAMP)
+
 EXAMPLES := src/routereplay/examples
 
-demo: $(DEMO_STAMP)
+demo: $(DEMO_STAMP) $(KERNEL_STAMP)
 	$(BIN)/routereplay demo --report routereplay-report --force
 
 examples: $(DEMO_STAMP)
@@ -93,7 +101,7 @@ examples: $(DEMO_STAMP)
 	$(BIN)/routereplay convert $(EXAMPLES)/qwen3_30b_a3b_sglang.json $(EXAMPLES_OUT)/qwen3_30b_a3b.rrt --force \
 		--num-layers 48 --top-k 8 --num-experts 128
 
-test: $(STAMP) $(VERL_STAMP)
+test: $(STAMP) $(VERL_STAMP) $(KERNEL_STAMP)
 	$(MAKE) --no-print-directory test-megatron016
 	$(MAKE) --no-print-directory test-verl
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
@@ -112,7 +120,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 
-bench: $(STAMP)
+bench: $(STAMP) $(KERNEL_STAMP)
 	$(BIN)/routereplay bench all --output BENCHMARKS.md --readme README.md
 
 clean:
