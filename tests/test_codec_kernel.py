@@ -193,6 +193,37 @@ def test_an_invalid_row_anywhere_is_named_as_without_the_kernel(
     assert str(fused.value) == str(plain.value)
 
 
+@pytest.mark.parametrize("validate", [True, False])
+def test_an_invalid_turn_stores_nothing_whatever_validate_says(validate: bool) -> None:
+    """`validate=False` (kept for compatibility) must not let a bad trace half into the store: the rows
+    are checked while they are encoded, before the sample exists."""
+    from routereplay.store.route_store import RouteStore
+
+    rows_RK = np.tile(np.arange(8, dtype=np.int16), (30, 1))
+    rows_RK[16, 1] = 0
+    store = RouteStore()
+    with pytest.raises(DuplicateExpertError, match="sequence 'x', token 5, layer 1: .*names an expert twice"):
+        store.add_turn("x", list(range(11)), RouteTrace(rows_RK.reshape(10, 3, 8), 128), validate=validate)
+    assert len(store) == 0 and "x" not in store and store.geometry is None
+
+
+def test_native_must_be_a_bool() -> None:
+    from routereplay.errors import ConfigError
+
+    trace = trace_of(distinct_rows(np.random.default_rng(0), 10, 16, 3), 16)
+    with pytest.raises(ConfigError, match="native must be True or False, got str 'no'"):
+        codec.encode(trace, native="no")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="native must be True or False"):
+        codec.decode(codec.encode(trace), native=None)  # type: ignore[arg-type]
+
+
+def test_a_foreign_byte_order_takes_the_numpy_path() -> None:
+    trace = trace_of(distinct_rows(np.random.default_rng(0), 300, 200, 4), 200)
+    blob = codec.encode(trace)
+    trace.experts = trace.experts.astype(">i2")  # not what RouteTrace makes, but never a raw TypeError
+    assert codec.encode(trace) == blob
+
+
 def test_an_all_zero_layer_is_named_a_capture_failure() -> None:
     rows_RK = distinct_rows(np.random.default_rng(1), 512, 128, 4).reshape(-1, 2, 4)
     rows_RK[:, 1] = 0

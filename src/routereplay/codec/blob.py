@@ -93,6 +93,7 @@ def encode(
     mode = _as_mode(mode)
     if not isinstance(compress, (bool, int, np.bool_, np.integer)) or compress not in (0, 1):
         raise ConfigError(f"compress must be True or False, got {type(compress).__name__} {compress!r}")
+    _check_native(native)
     T, L, K, E = trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts
     _check_encodable(trace)
     try:
@@ -143,6 +144,7 @@ def decode(
     `limits=CodecLimits(max_entries=...)`. `native=False` keeps to the numpy path (see `encode`).
     """
     limits = checked_limits(limits)
+    _check_native(native)
     if max_entries is not None:
         limits = dataclasses.replace(limits, max_entries=max_entries)
     data = _as_buffer(blob)
@@ -231,11 +233,16 @@ def _as_buffer(blob: bytes | bytearray | memoryview) -> memoryview:
     )
 
 
+def _check_native(native: object) -> None:
+    if not isinstance(native, (bool, np.bool_)):
+        raise ConfigError(f"native must be True or False, got {type(native).__name__} {native!r}")
+
+
 def _packed_natively(
     experts_RK: np.ndarray, num_experts: int, top_k: int, mode: CodecMode, streams: list[tuple[int, int]]
 ) -> PackedRows | None:
     """The payload from the C kernel (validation fused with ranking), or None where it does not apply."""
-    if mode is not CodecMode.SET or len(streams) != 1:
+    if mode is not CodecMode.SET or len(streams) != 1 or not experts_RK.dtype.isnative:
         return None
     if not can_pack(num_experts, top_k, streams[0][1]):
         return None

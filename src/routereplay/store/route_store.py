@@ -140,7 +140,10 @@ class RouteStore:
 
         The stored tokens must be a prefix of `token_ids`, and rows stop at len(token_ids) - 1. Rows
         merge by absolute position under `policy`; `policy_version` stamps every row of `trace`.
-        Nothing is stored unless every check passes.
+        Nothing is stored unless every check passes. Every row is validated while it is encoded (one
+        pass; a fault is named with the sample), so a trace decoded with `validate=False` is checked
+        here; `validate` is kept for compatibility and changes nothing (the codec never stores a row
+        it has not checked).
         """
         sample_id = check_id(sample_id)
         tokens = as_tokens(token_ids, sample_id)
@@ -151,7 +154,7 @@ class RouteStore:
         if trace is not None and not isinstance(trace, RouteTrace):
             raise ConfigError(f"sample {sample_id!r}: trace must be a RouteTrace or None, got {type(trace).__name__}")
         with self._lock:
-            self._add_turn(sample_id, tokens, trace, policy, policy_version, metadata, validate)
+            self._add_turn(sample_id, tokens, trace, policy, policy_version, metadata)
 
     def _add_turn(
         self,
@@ -161,7 +164,6 @@ class RouteStore:
         policy: MergePolicy | str,
         policy_version: int | None,
         metadata: Mapping[str, Any] | None,
-        validate: bool,
     ) -> None:
         sample = self._samples.get(sample_id)
         if sample is not None:
@@ -183,7 +185,7 @@ class RouteStore:
             indexer = trace.indexer  # kept by the sample beside its routes (`sample.add_indexer`)
             given = trace
             trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments, slots=trace.slots)
-            if validate and trace.num_tokens:  # validated while encoded: each row is read once (codec.encode)
+            if trace.num_tokens:  # encoded before anything is stored: the codec checks every row as it ranks it
                 try:
                     encoded = SampleRoutes(self._mode, self._unrankers).encoded(trace)
                 except RouteValueError:

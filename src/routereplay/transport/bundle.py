@@ -271,6 +271,8 @@ class RankBundle:
             return np.empty(shape, dtype)
         if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
             got = f"{type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}".strip()
+            if isinstance(out, np.ndarray) and out.shape == shape and out.dtype == dtype:
+                got = f"a {dtype} array of that shape that is not C-contiguous (strides {out.strides})"
             raise ConfigError(
                 f"out= must be a C-contiguous {dtype} array of shape {shape} (this bundle's rows, layers, top-k), "
                 f"got {got}; slice a larger buffer with buffer[:{self.rows}] or pass no out="
@@ -290,6 +292,14 @@ class RankBundle:
         else:
             if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
                 raise ConfigError(f"out= must be a CPU torch tensor, got {type(out).__name__}")
+            want = torch.int16 if canonical_dtype(self.num_experts) == np.int16 else torch.int32
+            shape = (self.rows, len(self.layers), self.top_k)
+            if out.dtype != want or tuple(out.shape) != shape or not out.is_contiguous() or out.requires_grad:
+                raise ConfigError(
+                    f"out= must be a contiguous {want} CPU tensor of shape {shape} without grad, got "
+                    f"{out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()}); slice a larger buffer "
+                    f"with buffer[:{self.rows}] or pass no out="
+                )
             self.decode(out.numpy())
             tensor = out
         return tensor if device is None else tensor.to(device)
