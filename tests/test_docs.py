@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,12 @@ def test_python_blocks_run(page: Path, tmp_path: Path) -> None:
     source = "\n\n".join(blocks(page))
     script = tmp_path / f"{page.stem}_blocks.py"
     script.write_text(source, encoding="utf-8")
-    env = {**os.environ, "ROUTEREPLAY_CACHE": str(tmp_path / "cache")}
+    # a free port of its own: a page that starts a process group (accelerate in trl.md) must not collide
+    # with a distributed test running on the other xdist worker (torch's default port is 29500)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "ROUTEREPLAY_CACHE": str(tmp_path / "cache"), "MASTER_PORT": str(port)}
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
     )

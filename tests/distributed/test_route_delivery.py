@@ -15,15 +15,15 @@ Legend: B = samples, S = positions, P = rows of one rank's layout, L = MoE layer
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from routereplay.errors import ConfigError
 from routereplay.layout.plan import gather
-from routereplay.transport.distributed import scatter_bundles
 from routereplay.transport.spans import bundles_for
 from tests.distributed import delivery_case as case
 from tests.distributed.case import load, save
@@ -118,6 +118,15 @@ def test_refusals_leave_the_group_working(job: list[dict[str, Any]]) -> None:
 
 def test_scatter_outside_a_process_group_is_refused() -> None:
     """Called without torch.distributed initialised, the collective says how to start it instead of
-    failing inside torch."""
-    with pytest.raises(ConfigError, match="not initialised in this process; call torch.distributed.init_process"):
-        scatter_bundles([b""], src=0)
+    failing inside torch. Run in a fresh process: another test in this worker (accelerate, inside TRL)
+    may have left a default process group behind."""
+    code = (
+        "import pytest\n"
+        "from routereplay.errors import ConfigError\n"
+        "from routereplay.transport import scatter_bundles\n"
+        "with pytest.raises(ConfigError, match='not initialised in this process; call torch.distributed'):\n"
+        "    scatter_bundles([b''], src=0)\n"
+        "print('refused')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "refused", done.stderr[-3000:]
