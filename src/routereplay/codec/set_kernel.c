@@ -22,7 +22,8 @@
  *
  * Rows are taken BLOCK_ROWS at a time as K int16 columns (E <= 32767; SSE2 8 x 8 transposes for top-8
  * int16 rows), so the sorting network's min/max and the validity checks run as vector loops over a
- * block; the table reads and the bit writes are per row. No state outlives a call; the GIL is released while rows are walked.
+ * block; the table reads and the bit writes are per row. No state outlives a call; the GIL is
+ * released while rows are walked.
  * Legend: R = rows, K = top-k, E = experts, m = rows of one block.
  */
 #define PY_SSIZE_T_CLEAN
