@@ -8,6 +8,7 @@ Files:
 - `megatron.py`        `decode_megatron`: `moe_topk_indices`, and Megatron-LM 0.20's `["ndarray", {...}]`
 - `sglang_indexer.py`  `decode_sglang_indexer`: SGLang's DSA `meta_info.indexer_topk`
 - `payload.py`         the containers: strict base64, pickle-free `.npy`, raw bytes, lists, tensors
+- `base64_kernel.c`    strict base64 in C (built at install, optional): `payload.py`'s fast path
 - `assembler.py`       the shape rules every decoder ends in: row count, layer selection, top-k
 - `limits.py`          `WireLimits`: rows, layers and top-k accepted, checked before allocating
 - `diagnosis.py`       which (num_layers, top_k) splits a flat payload fits, for the error message
