@@ -13,7 +13,8 @@ as the numpy paths, which stay the reference and the fallback:
 
 The kernel encodes set mode with E <= 32767, 2 <= K <= 64 and 1 <= b <= 64 bits a rank, and decodes
 it with K <= 64 and C(E, K) <= 2**53 where every column fits a `FloatColumn` (int16 or int32 rows;
-E = 128 and 256 with top-8 do). Anything else, or an install without the kernel, runs the numpy path. `KERNEL_STATUS` says which, for `routereplay env`.
+E = 128 and 256 with top-8 do). Anything else, or an install without the kernel, runs the numpy
+path. `KERNEL_STATUS` says which, for `routereplay env`.
 Legend: R = rows, K = top-k, E = experts, J = K + 1 table rows, P = comparators of the network.
 """
 

@@ -59,14 +59,11 @@ class SampleRoutes:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
-    def encoded(self, trace: RouteTrace) -> EncodedRoutes:
-        """`trace` encoded as a piece of this sample (its rows validated while ranked: see `codec.encode`)."""
-        return self._encode(trace)
-
     def add(self, trace: RouteTrace, policy: MergePolicy, encoded: EncodedRoutes | None = None) -> int:
         """Merge `trace` (no token ids, validated) under `policy`; returns the conflicting rows it re-sent.
 
-        `encoded`: `trace` already encoded by `encoded()`, kept as the piece when nothing overlaps it."""
+        `encoded`: `trace` already encoded (`EncodedRoutes.encode`, same mode), kept as the piece when nothing
+        overlaps it."""
         starts = [p.start for p in self.pieces]
         lo = bisect.bisect_right([p.stop for p in self.pieces], trace.start)  # first piece ending after start
         hi = bisect.bisect_left(starts, trace.stop)  # pieces from hi on start at or after the trace's stop

@@ -187,7 +187,7 @@ class RouteStore:
             trace = RouteTrace(trace.experts, trace.num_experts, trace.layers, trace.start, segments, slots=trace.slots)
             if trace.num_tokens:  # encoded before anything is stored: the codec checks every row as it ranks it
                 try:
-                    encoded = SampleRoutes(self._mode, self._unrankers).encoded(trace)
+                    encoded = EncodedRoutes.encode(trace, mode=self._mode, unrankers=self._unrankers)
                 except RouteValueError:
                     given.validate(sample_id)  # the same fault, named with the sample
                     raise
