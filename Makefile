@@ -52,7 +52,7 @@ EXAMPLES_OUT := build/examples
 TEST_WORKERS ?= auto
 
 # the C kernels (setup.py) are built in place by the editable install; a changed source rebuilds them
-KERNELS := setup.py src/routereplay/codec/set_kernel.c src/routereplay/wire/base64_kernel.c
+KERNELS := setup.py src/routereplay/codec/set_kernel.c src/routereplay/wire/base64_kernel.c src/routereplay/json_scan.c
 KERNEL_STAMP := $(VENV)/.kernels
 
 .PHONY: demo examples test test-megatron016 test-verl lint bench clean

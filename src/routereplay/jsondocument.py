@@ -22,6 +22,11 @@ import numpy as np
 
 from routereplay.errors import ConfigError, RouteReplayError
 
+try:  # the optional one-pass pre-check in C (built at install; see setup.py)
+    from routereplay import _json_scan as JSON_SCAN
+except ImportError:
+    JSON_SCAN = None
+
 DEFAULT_MAX_JSON_BYTES = 256 << 20  # 256 MiB of JSON text (json.loads needs several times that in objects)
 DEFAULT_MAX_JSON_DEPTH = 64  # engine responses nest <= 7 deep; store headers <= 4 plus user metadata
 DEFAULT_MAX_NUMBER_DIGITS = 100  # ids and counts have <= 20 digits; floats <= 17 significant digits
@@ -112,7 +117,11 @@ def _finite_float(text: str) -> float:
 
 def _plainly_within(data: bytes, limits: JsonLimits) -> bool:
     """True when the depth and digit limits cannot be passed: fewer [ and { in all than `max_depth` and
-    no digit run longer than `max_number_digits` anywhere (C-speed counts; base64 payloads pass here)."""
+    no digit run longer than `max_number_digits` anywhere (C-speed counts; base64 payloads pass here).
+    With the C pre-check (`json_scan.c`, built at install) both come from one pass over the bytes."""
+    if JSON_SCAN is not None:
+        brackets, longest_digits = JSON_SCAN.counts(data, limits.max_number_digits)
+        return bool(brackets <= limits.max_depth and longest_digits <= limits.max_number_digits)
     if data.count(b"[") + data.count(b"{") > limits.max_depth:
         return False
     if len(data) <= limits.max_number_digits:

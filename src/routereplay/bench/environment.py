@@ -58,11 +58,15 @@ def collect() -> dict[str, Any]:
     import torch
 
     from routereplay.codec.native import KERNEL_STATUS
+    from routereplay.jsondocument import JSON_SCAN
+    from routereplay.wire.payload import BASE64_KERNEL
 
     info["torch_threads"] = torch.get_num_threads()
     info["thread_variables"] = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in THREAD_VARIABLES)
     info["load_average"] = ", ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else None
     info["set_codec_kernel"] = KERNEL_STATUS
+    info["base64_kernel"] = "built" if BASE64_KERNEL is not None else "not built (binascii is used)"
+    info["json_prescan"] = "built" if JSON_SCAN is not None else "not built (Python counts are used)"
     info["cuda_available"] = bool(torch.cuda.is_available())
     if info["cuda_available"]:
         info["cuda_device"] = torch.cuda.get_device_name(0)
