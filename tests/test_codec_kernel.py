@@ -380,6 +380,7 @@ def test_the_decode_kernel_refuses_malformed_plans() -> None:
     [
         (2, 1, False),
         (200, 199, False),
+        (256, 10, True),  # C(256, 10) > 2**53: encoded natively, decoded by numpy (with its low-id table)
         (1024, 8, False),
         (40000, 3, False),
         (2, 2, False),
@@ -402,3 +403,18 @@ def test_geometries_beyond_the_kernel_fall_back_to_the_same_bytes(
     assert blob == codec.encode(trace, native=False)
     assert np.array_equal(codec.decode(blob).experts, np.sort(trace.experts, axis=2))
     assert np.array_equal(codec.decode(blob).experts, codec.decode(blob, native=False).experts)
+
+
+def test_the_kernel_verdict_is_taken_once_per_unranker() -> None:
+    """A geometry the kernel cannot decode keeps the numpy path's low-id table; one it can decode needs
+    none; the verdict (a plan, or none) is kept on the unranker, not recomputed per call."""
+    wide = math.comb(256, 10)
+    assert not native.may_unrank(wide, 10) and native.may_unrank(math.comb(128, 8), 8)
+    unranker = SubsetUnranker(binomial_table(128, 8, math.comb(128, 8)), math.comb(128, 8))
+    plan = native.unrank_plan(unranker, math.comb(128, 8))
+    assert plan is not None and native.unrank_plan(unranker, math.comb(128, 8)) is plan
+    rows_RK = distinct_rows(np.random.default_rng(9), 5000, 256, 10)
+    blob = codec.encode(trace_of(rows_RK, 256))
+    from routereplay.codec.encoded import EncodedRoutes
+
+    assert np.array_equal(EncodedRoutes(blob).rows(0, 5000).reshape(-1, 10), np.sort(rows_RK, axis=1))

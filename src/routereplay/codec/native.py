@@ -98,27 +98,34 @@ class UnrankPlan:
     columns: list[tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray]]
 
 
+def may_unrank(count: int, top_k: int) -> bool:
+    """Whether the kernel can decode ranks of C(E, K) = `count` (its float columns need ranks below
+    2**53). Where it can, an unranker needs no low-id table (`SubsetUnranker(rows=0)`)."""
+    return KERNEL is not None and 2 <= count <= FLOAT_EXACT and top_k <= MAX_NETWORK_K
+
+
 def unrank_plan(unranker: SubsetUnranker | None, count: int) -> UnrankPlan | None:
-    """The plan for `unranker` when the kernel can walk it (every column a `FloatColumn`), else None.
+    """The plan for `unranker` when the kernel can walk it (every column a `FloatColumn`), else None;
+    decided once per unranker (kept on it, `False` when the kernel cannot walk it).
 
     The kernel walks every column down to 1 with float columns and never reads the unranker's low-id
     table: a table of megabytes read at random is slower there than two more float columns of a few
     KB (measured 62 M against 72 M rows/s for top-8 of 128; the numpy path keeps the table)."""
-    if KERNEL is None or unranker is None or unranker.table_JE.dtype != np.uint64 or count > FLOAT_EXACT:
+    if unranker is None or not may_unrank(count, unranker.top_k) or unranker.table_JE.dtype != np.uint64:
         return None
-    if isinstance(unranker.kernel_plan, UnrankPlan):
-        return unranker.kernel_plan
-    if unranker.top_k > MAX_NETWORK_K:
-        return None
+    if unranker.kernel_plan is None:
+        unranker.kernel_plan = _plan_of(unranker, count) or False
+    return unranker.kernel_plan or None
+
+
+def _plan_of(unranker: SubsetUnranker, count: int) -> UnrankPlan | None:
     searches: list[FloatColumn] = []
     for i in range(unranker.top_k - 1, 0, -1):
         search = unranker.searches.get(i) or unranker.column_search(i, count, SEARCH_BUDGET_BYTES)
         if not isinstance(search, FloatColumn):
             return None
         searches.append(search)
-    columns = [_padded_column(search) for search in searches]
-    unranker.kernel_plan = UnrankPlan(count, columns)
-    return unranker.kernel_plan
+    return UnrankPlan(count, [_padded_column(search) for search in searches])
 
 
 def _padded_column(search: FloatColumn) -> tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray]:
@@ -181,6 +188,7 @@ __all__ = [
     "UnrankPlan",
     "can_pack",
     "can_unrank_into",
+    "may_unrank",
     "pack_set_rows",
     "unrank_plan",
     "unrank_set_rows",

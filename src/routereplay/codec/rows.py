@@ -25,7 +25,7 @@ import numpy as np
 
 from routereplay.bitpack import MAX_VIEW_BITS, MIN_LANE_PACK_BITS, pack_bits, pack_lanes_into, unpack_bits
 from routereplay.codec.limits import CodecLimits
-from routereplay.codec.native import KERNEL, UnrankPlan, can_unrank_into, unrank_plan, unrank_set_rows
+from routereplay.codec.native import UnrankPlan, can_unrank_into, may_unrank, unrank_plan, unrank_set_rows
 from routereplay.codec.set_ranker import RANK_CHUNK_ROWS, SubsetRanker
 from routereplay.codec.subsets import U64_MAX, SubsetUnranker, binomial_table
 from routereplay.enums import CodecMode
@@ -102,7 +102,6 @@ class PayloadDecoder:
     """Decodes one raw payload into a (R, K) id array, `chunk_entries` ids per step."""
 
     __slots__ = (
-        "_plan",
         "count",
         "dtype",
         "mode",
@@ -132,7 +131,6 @@ class PayloadDecoder:
         self.starts: list[int] = []
         self.unranker: SubsetUnranker | None = None
         self.native = native
-        self._plan: tuple[SubsetUnranker, UnrankPlan | None] | None = None  # the kernel's plan, per unranker
 
     def decode(self, num_rows: int, has_missing: bool, chunk_entries: int) -> np.ndarray:
         """All R = `num_rows` rows; unrouted rows (bitmap bit 0) are -1."""
@@ -154,7 +152,8 @@ class PayloadDecoder:
         if num_valid and self.mode is CodecMode.SET and rank_bits(self.count) > 0:
             table_JE = binomial_table(self.num_experts, K, self.count)
             # the low-id table pays only on the numpy path: the kernel walks float columns instead
-            low_table_rows = 0 if self.native and KERNEL is not None and len(self.streams) == 1 else num_valid
+            kernel = self.native and len(self.streams) == 1 and may_unrank(self.count, K)
+            low_table_rows = 0 if kernel else num_valid
             self.unranker = SubsetUnranker(table_JE, self.count, rows=low_table_rows)
         plan = self._kernel_plan()
         if plan is not None:  # one pass over the bitmap and the ranks, straight into the output
@@ -210,9 +209,7 @@ class PayloadDecoder:
         """The C kernel's plan for the current unranker, or None (numpy path: see `codec.native`)."""
         if not self.native or self.unranker is None or len(self.streams) != 1 or self.mode is not CodecMode.SET:
             return None
-        if self._plan is None or self._plan[0] is not self.unranker:
-            self._plan = (self.unranker, unrank_plan(self.unranker, self.count))
-        return self._plan[1]
+        return unrank_plan(self.unranker, self.count)
 
     def _refuse_rank(self, first: int, bad: int) -> None:
         """Raise for the kernel's verdict `bad` on routed rows from `first` (see `unrank_set_rows`)."""

@@ -108,7 +108,7 @@ class SubsetUnranker:
         self.searches: dict[int, FloatColumn | BucketSearch] = {}  # column -> search, K - 1 first
         self.low_table: LowIdTable | None = None
         self.in_uint64, self.needs_work, self.nbytes = False, False, 0
-        self.kernel_plan: Any = None  # `codec.native.unrank_plan`'s tables for this unranker, made on first use
+        self.kernel_plan: Any = None  # `codec.native.unrank_plan`'s verdict: None until asked, then a plan or False
         if table_JE.dtype == object:
             return
         for depth in range(min(K, LOW_TABLE_WORD_IDS), LOW_TABLE_MIN_DEPTH - 1, -1):

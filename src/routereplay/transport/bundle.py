@@ -50,7 +50,7 @@ import numpy as np
 from routereplay.codec.encoded import EncodedRoutes, EncodedSpan
 from routereplay.codec.header import MAX_EXPERTS
 from routereplay.codec.limits import CodecLimits, checked_limits
-from routereplay.codec.native import KERNEL
+from routereplay.codec.native import may_unrank
 from routereplay.codec.rows import PayloadDecoder, payload_streams, rank_bits
 from routereplay.codec.subsets import SubsetUnranker, binomial_table
 from routereplay.enums import CodecMode
@@ -360,7 +360,7 @@ def _unranker(num_experts: int, top_k: int, mode: CodecMode, rows: int) -> Subse
     count = math.comb(num_experts, top_k)
     if mode is not CodecMode.SET or rank_bits(count) == 0:
         return None
-    low_table_rows = 0 if KERNEL is not None and rank_bits(count) <= 64 else rows
+    low_table_rows = 0 if may_unrank(count, top_k) else rows
     return SubsetUnranker(binomial_table(num_experts, top_k, count), count, rows=low_table_rows)
 
 
