@@ -80,6 +80,22 @@ def test_plans_must_be_a_list_of_plans() -> None:
         bundles_for(_store(), [0, 1], None, S)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("sample_ids", [None, "01", b"\x00", 7, {0, 1}, np.zeros((1, 2), np.int64)])
+def test_sample_ids_must_list_the_batch_samples(sample_ids: object) -> None:
+    """`bundles_for(store, None, ...)` raised TypeError ('NoneType' object is not iterable)."""
+    with pytest.raises(ConfigError, match="sample_ids must list the batch's samples in row order"):
+        bundles_for(_store(), sample_ids, [torch.arange(4)], S)  # type: ignore[arg-type]
+
+
+def test_sample_ids_may_be_a_tuple_or_an_array_and_the_store_must_be_a_store() -> None:
+    store = _store()
+    expected = bundles_for(store, [0, 1], [torch.arange(8)], S)
+    assert bundles_for(store, (0, 1), [torch.arange(8)], S) == expected
+    assert bundles_for(store, np.array([0, 1]), [torch.arange(8)], S) == expected
+    with pytest.raises(ConfigError, match="store must be the RouteStore that holds the batch's routes, got NoneType"):
+        bundles_for(None, [0, 1], [torch.arange(4)], S)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8])
 def test_every_integer_dtype_and_shape_is_a_plan(dtype: torch.dtype) -> None:
     """Integer plans of any width, flat or (2, 3), numpy or torch or a list, give the same bundle."""

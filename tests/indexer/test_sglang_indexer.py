@@ -173,3 +173,15 @@ def test_bad_layers_argument_is_a_config_error(canonical: np.ndarray, layers: ob
     like the decoder's others (ConfigError naming it), before the payload is decoded."""
     with pytest.raises(ConfigError, match=match):
         decode_sglang_indexer(_response(_engine_rows(canonical)), layers=layers)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("limits", ["x", 5, {"max_tokens": 10}])
+def test_limits_that_are_not_indexer_limits_are_a_config_error(canonical: np.ndarray, limits: object) -> None:
+    """`limits="x"` raised AttributeError ('str' object has no attribute 'check_payload') mid-decode."""
+    with pytest.raises(ConfigError, match="indexer limits must be a routereplay.indexer.IndexerLimits or None"):
+        decode_sglang_indexer(_response(_engine_rows(canonical)), limits=limits)  # type: ignore[arg-type]
+
+
+def test_limits_none_means_the_defaults(canonical: np.ndarray) -> None:
+    payload = _response(_engine_rows(canonical))
+    assert decode_sglang_indexer(payload, limits=None) == decode_sglang_indexer(payload)

@@ -77,6 +77,18 @@ def plan_index(plan: object, where: str = "the plan") -> np.ndarray:
     return flat.astype(np.int64)
 
 
+def _sample_list(sample_ids: object) -> list[SampleId]:
+    """`sample_ids` as a list (a list, tuple or 1-d array of the store's sample ids, row b = sample b)."""
+    if isinstance(sample_ids, np.ndarray) and sample_ids.ndim == 1:
+        return list(sample_ids.tolist())
+    if not isinstance(sample_ids, Sequence) or isinstance(sample_ids, (str, bytes)):
+        raise ConfigError(
+            f"sample_ids must list the batch's samples in row order (a list of the ids given to the store's "
+            f"add_turn), got {type(sample_ids).__name__}"
+        )
+    return list(sample_ids)
+
+
 def _check_positions(positions: object) -> None:
     if not isinstance(positions, (int, np.integer)) or isinstance(positions, (bool, np.bool_)):
         raise ConfigError(f"positions={positions!r} must be the padded batch's positions per row (an int S >= 1)")
@@ -116,7 +128,9 @@ def bundles_for(
     if not isinstance(plans, Sequence) or isinstance(plans, (str, bytes)):
         raise ConfigError(f"plans must be a list with one plan per rank, got {type(plans).__name__}")
     indices = [plan_index(plan, f"rank {rank}'s plan") for rank, plan in enumerate(plans)]  # all, before any cut
-    pieces = [store.encoded(sample_id) for sample_id in sample_ids]
+    if not callable(getattr(store, "encoded", None)):
+        raise ConfigError(f"store must be the RouteStore that holds the batch's routes, got {type(store).__name__}")
+    pieces = [store.encoded(sample_id) for sample_id in _sample_list(sample_ids)]
     like = next((p[0] for p in pieces if p), None)
     if like is None:
         raise ConfigError("no sample of this batch has routes yet; add_turn routes before delivering them")

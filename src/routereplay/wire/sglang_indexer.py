@@ -36,7 +36,7 @@ from routereplay.errors import (
     location,
 )
 from routereplay.indexer.canonical import canonicalise
-from routereplay.indexer.limits import DEFAULT_INDEXER_LIMITS, MAX_POSITION, IndexerLimits
+from routereplay.indexer.limits import DEFAULT_INDEXER_LIMITS, MAX_POSITION, IndexerLimits, checked_indexer_limits
 from routereplay.indexer.trace import DEFAULT_BLOCK_ROWS, IndexerTrace, checked_layers
 from routereplay.wire.limits import checked_int, checked_optional_int, checked_sequence_name, is_int
 from routereplay.wire.payload import (
@@ -68,7 +68,7 @@ def decode_sglang_indexer(
     choice: int = 0,
     sequence: str | int | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
-    limits: IndexerLimits = DEFAULT_INDEXER_LIMITS,
+    limits: IndexerLimits | None = DEFAULT_INDEXER_LIMITS,
     block_rows: int = DEFAULT_BLOCK_ROWS,
 ) -> IndexerTrace:
     """One SGLang request's indexer choices as a canonical `IndexerTrace` (row 0 = token 0).
@@ -79,8 +79,10 @@ def decode_sglang_indexer(
     `index_topk` (the config's `index_topk`) is recovered from the byte length when the row count is
     known. `num_tokens` (prompt + output) defaults to `meta_info` prompt_tokens + completion_tokens;
     the payload must hold num_tokens - 1 rows. `layers` are the global numbers of the indexer layers
-    (default 0 .. L - 1). Shapes beyond `limits` are refused before anything is allocated.
+    (default 0 .. L - 1). Shapes beyond `limits` (an `IndexerLimits`; None = the defaults) are refused
+    before anything is allocated.
     """
+    limits = checked_indexer_limits(limits)  # ConfigError for anything but IndexerLimits / None
     num_layers = checked_optional_int(num_layers, "num_layers", minimum=1)
     index_topk = checked_optional_int(index_topk, "index_topk", minimum=1)
     num_tokens = checked_optional_int(num_tokens, "num_tokens", minimum=1)
