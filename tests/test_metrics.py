@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,3 +87,34 @@ def test_chi2_is_never_negative_where_the_sampled_ratios_average_below_one() -> 
     for _ in range(200):  # small random samples of near-equal log-probs: never below 0
         d = torch.randn(7, generator=rng, dtype=torch.float64) * 1e-3
         assert logprob_mismatch(d, torch.zeros(7, dtype=torch.float64))["chi2"] >= 0
+
+
+def test_numpy_inputs_give_the_tensor_results() -> None:
+    """numpy log-probs, routes and masks (a reference script's `np.log(p)`) raised AttributeError ('numpy.ndarray'
+    object has no attribute 'numel'); they are read as the same numbers, mixed with tensors freely, never written."""
+    gen = torch.Generator().manual_seed(1)
+    train, infer = torch.log(torch.rand(4, 6, generator=gen)), torch.log(torch.rand(4, 6, generator=gen))
+    mask = torch.rand(4, 6, generator=gen) > 0.3
+    expected = logprob_mismatch(train, infer, mask, tau=1.5)
+    big_endian = infer.numpy().astype(">f8")
+    assert logprob_mismatch(train.numpy(), big_endian, mask.numpy(), tau=np.float64(1.5)) == expected
+    assert logprob_mismatch(train.numpy().astype(np.float32), infer, mask.numpy()) == logprob_mismatch(
+        train.float(), infer, mask
+    )
+    a = torch.randint(0, 8, (5, 3, 2), generator=gen)
+    b = a.flip(-1).clone()
+    b[0, 0] = torch.tensor([6, 7]) if set(a[0, 0].tolist()) != {6, 7} else torch.tensor([0, 1])
+    frozen = a.numpy().astype(np.int16)
+    frozen.flags.writeable = False
+    result = routing_agreement(frozen, b.numpy(), np.ones(5, bool))
+    assert result == routing_agreement(a, b) and result["routing_disagreement"] == pytest.approx(1 / 15)
+
+
+@pytest.mark.parametrize("bad", [[0.1, 0.2, 0.3], "0.1", None, np.array(["a", "b", "c"])])
+def test_inputs_that_are_not_arrays_are_a_config_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="logp_infer must be a torch tensor or a numeric numpy array of log-probs"):
+        logprob_mismatch(torch.zeros(3), bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="mask must be a torch tensor or a numeric numpy array"):
+        logprob_mismatch(torch.zeros(3), torch.zeros(3), [True, True, True])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="tau=.* must be > 1"):
+        logprob_mismatch(torch.zeros(3), torch.zeros(3), tau="2")  # type: ignore[arg-type]

@@ -18,7 +18,9 @@ Routing compares expert SETS per (token, layer) row:
 - jaccard: the mean |A ∩ B| / |A ∪ B|.
 Rows where either side is -1 (no route) are left out and counted in `unrouted_rows`.
 
-Pure functions on tensors; they return plain dicts of floats (lists for per-layer values).
+Pure functions on tensors; they return plain dicts of floats (lists for per-layer values). Every input
+(routes, log-probs, mask) is a torch tensor or a numpy array (read as the same numbers; a numpy array is
+copied, never written); anything else is a `ConfigError` naming the argument.
 Legend: N = tokens (any leading shape, flattened), L = layers, K = top-k.
 """
 
@@ -27,13 +29,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from routereplay.errors import ConfigError, TraceShapeError
 
 
-def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, Any]:
-    """Compare two routings `a`, `b` of shape (..., L, K); `mask` (...) selects tokens (default all)."""
+def routing_agreement(
+    a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray, mask: torch.Tensor | np.ndarray | None = None
+) -> dict[str, Any]:
+    """Compare two routings `a`, `b` of shape (..., L, K); `mask` (...) selects tokens (default all).
+    Tensors or numpy arrays (module docstring)."""
+    a, b = _tensor(a, "a", "routes"), _tensor(b, "b", "routes")
     if a.shape != b.shape or a.dim() < 2:
         raise TraceShapeError(
             f"routings must have the same (..., L, K) shape, got {tuple(a.shape)} and {tuple(b.shape)}"
@@ -63,14 +70,24 @@ def routing_agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | Non
 
 
 def logprob_mismatch(
-    logp_train: torch.Tensor, logp_infer: torch.Tensor, mask: torch.Tensor | None = None, *, tau: float = 2.0
+    logp_train: torch.Tensor | np.ndarray,
+    logp_infer: torch.Tensor | np.ndarray,
+    mask: torch.Tensor | np.ndarray | None = None,
+    *,
+    tau: float = 2.0,
 ) -> dict[str, float]:
-    """Mismatch between the trainer's and the engine's log-probs of the same sampled tokens."""
+    """Mismatch between the trainer's and the engine's log-probs of the same sampled tokens.
+
+    `logp_train`, `logp_infer` (any shape, the same) and `mask` (that shape, nonzero = a token to count)
+    are torch tensors or numpy arrays, mixed freely: `np.log(p)` from a reference script gives the same
+    numbers as the tensor it came from (computed in float64 either way)."""
+    logp_train = _tensor(logp_train, "logp_train", "log-probs")
+    logp_infer = _tensor(logp_infer, "logp_infer", "log-probs")
     if logp_train.shape != logp_infer.shape:
         raise TraceShapeError(
             f"log-prob tensors differ in shape: train {tuple(logp_train.shape)}, infer {tuple(logp_infer.shape)}"
         )
-    if tau <= 1:
+    if isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating)) or not tau > 1:
         raise ConfigError(f"tau={tau} must be > 1 (F(tau) counts tokens whose probability ratio exceeds tau)")
     token_N = _mask(mask, logp_train.shape, logp_train.numel())
     train_N = logp_train.reshape(-1).double()[token_N]
@@ -93,9 +110,20 @@ def logprob_mismatch(
     }
 
 
-def _mask(mask: torch.Tensor | None, shape: torch.Size, count: int) -> torch.Tensor:
+def _tensor(value: object, name: str, what: str) -> torch.Tensor:
+    """`value` as a tensor: a tensor itself, a numeric numpy array copied into one (any byte order)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        return torch.from_numpy(value.astype(value.dtype.newbyteorder("="), copy=True))
+    kind = f"a numpy array of {value.dtype}" if isinstance(value, np.ndarray) else type(value).__name__
+    raise ConfigError(f"{name} must be a torch tensor or a numeric numpy array of {what}, got {kind}")
+
+
+def _mask(mask: object, shape: torch.Size, count: int) -> torch.Tensor:
     if mask is None:
         return torch.ones(count, dtype=torch.bool)
+    mask = _tensor(mask, "mask", "tokens to count")
     if tuple(mask.shape) != tuple(shape):
         raise TraceShapeError(f"mask has shape {tuple(mask.shape)}, expected {tuple(shape)}")
     return mask.reshape(-1).to(torch.bool).cpu()
