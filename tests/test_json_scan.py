@@ -85,3 +85,20 @@ def test_load_json_still_names_long_numbers_and_deep_nesting() -> None:
         load_json(deep, what="body", error=PayloadEncodingError)
     body = json.dumps({"choices": [{"routed_experts": base64.b64encode(os.urandom(3000)).decode()}]}).encode()
     assert load_json(body, what="body", error=PayloadEncodingError) == json.loads(body)
+
+
+@pytest.mark.parametrize("limit", [2**63 - 1, 2**63, 10**20, 10**400])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_limits_past_a_c_ssize_t_parse_as_in_python(limit: int, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`JsonLimits(max_number_digits=10**20)` raised OverflowError from the C pre-check where the Python pre-check
+    parses: the kernel is asked with the limit clamped to sys.maxsize (no digit run is longer)."""
+    if not kernel:
+        monkeypatch.setattr(jsondocument, "JSON_SCAN", None)
+    body = b'{"a": [1, 22, ' + b"3" * 150 + b'], "b": "' + b"4" * 70 + b'"}'
+    for field in ("max_number_digits", "max_depth", "max_bytes", "scan_chunk_bytes"):
+        limits = JsonLimits(**{field: limit})
+        if field == "max_number_digits":
+            assert load_json(body, what="body", error=PayloadEncodingError, limits=limits) == json.loads(body)
+        else:
+            with pytest.raises(PayloadEncodingError, match="more than 100 digits"):
+                load_json(body, what="body", error=PayloadEncodingError, limits=limits)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +121,8 @@ def _plainly_within(data: bytes, limits: JsonLimits) -> bool:
     no digit run longer than `max_number_digits` anywhere (C-speed counts; base64 payloads pass here).
     With the C pre-check (`json_scan.c`, built at install) both come from one pass over the bytes."""
     if JSON_SCAN is not None:
-        brackets, longest_digits = JSON_SCAN.counts(data, limits.max_number_digits)
+        # the kernel takes a C ssize_t: a larger limit (10**20, "no limit") asks the same question as sys.maxsize
+        brackets, longest_digits = JSON_SCAN.counts(data, min(limits.max_number_digits, sys.maxsize))
         return bool(brackets <= limits.max_depth and longest_digits <= limits.max_number_digits)
     if data.count(b"[") + data.count(b"{") > limits.max_depth:
         return False
