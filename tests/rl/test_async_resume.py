@@ -17,12 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay.engines.hf import HFEngine
+from routereplay.engines.hf import HFEngine, Rollout
 from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
 from routereplay.rl.grpo import GRPOConfig
+from routereplay.rl.rollout_pool import CallInputs, RolloutPool
 from routereplay.rl.scoring import score
 from routereplay.rl.tasks import AdditionTask
 from routereplay.runtime import attach
+from routereplay.trace.provenance import Segment
+from routereplay.trace.route_trace import RouteTrace
 from tests.rl.async_log import AsyncLog, row_versions, watch
 
 pytestmark = pytest.mark.hf
@@ -68,13 +71,20 @@ def _run(trained: tuple[torch.nn.Module, object], resume: str, *, steps: int = 4
     return run
 
 
-def _last_chunk(run: Run, sample_id: int) -> tuple[int, int, list[float]]:
-    """(version, first position, engine log-probs) of the last call that sampled tokens for the sample."""
+def _last_chunk(run: AsyncLog, sample_id: int, learnt: Rollout) -> tuple[int, int, list[float]]:
+    """(version, first position, engine log-probs) of the last call that sampled tokens the sample kept.
+
+    A call runs to the largest budget of its batch, so a sample with fewer tokens left gets more from
+    the engine than it keeps: the pool cuts the chunk to the sample's budget (`RolloutPool._receive`).
+    Only the kept tokens are in the learnt rollout, so only their log-probs are the last chunk's."""
     found = None
     for fed, rollout, version in run.fed_by(sample_id):
         if rollout.response_ids:
-            found = (version, len(fed), rollout.logprobs)
+            found = (version, len(fed), rollout.logprobs[: len(learnt.token_ids) - len(fed)])
     assert found is not None
+    version, begin, logprobs = found
+    offset = begin - len(learnt.prompt_ids)
+    assert learnt.logprobs[offset : offset + len(logprobs)] == logprobs, "the learnt log-probs are not the engine's"
     return found
 
 
@@ -97,7 +107,7 @@ def _last_chunk_error(run: Run) -> float:
     for sample_id, rollout in run.learnt():
         if sample_id not in resumed:
             continue
-        version, begin, logprobs = _last_chunk(run, sample_id)
+        version, begin, logprobs = _last_chunk(run, sample_id, rollout)
         model = run.engine.weights[version]
         replayer = attach(model)
         try:
@@ -148,3 +158,42 @@ def test_prefix_replay_is_both_the_sampling_routes_and_the_last_chunks_routing(t
     assert _last_chunk_error(runs["first"]) > 1e-3, "first routes: the last chunk was computed on other routes"
     assert not all(_matches_sampling(runs["latest"])), "latest routes: rows re-routed by a resume replace sampling's"
     assert _last_chunk_error(runs["latest"]) < 1e-4
+
+
+def _chunk(fed: list[int], new: list[int], logprobs: list[float], *, aborted: bool = False) -> Rollout:
+    """An engine's output for one input: `new` sampled after `fed`, rows for every fed token (experts 0, 1)."""
+    tokens = fed + new
+    experts = np.tile(np.array([0, 1], np.int16), (len(tokens) - 1, 1, 1))
+    trace = RouteTrace(experts, 4, (0,), 0, (Segment(0, len(tokens) - 1, "hf"),), tokens[:-1])
+    return Rollout(fed, new, logprobs, trace, aborted=aborted)
+
+
+def test_a_last_chunk_cut_to_the_samples_budget_is_judged_on_the_tokens_kept() -> None:
+    """Issue 30 item 0 (a fresh clone on an AMX Xeon): `_last_chunk_error` compared 3 forward log-probs with
+    5 engine log-probs. A call runs to the largest budget of its batch: a resumed sample with 4 tokens left,
+    sharing a call with a new sample (6 left), gets 6 tokens and the pool keeps 4. Whether that happens
+    depends on where the samples stop (another CPU's numerics sampled past the usual EOS); here it is forced.
+    The last chunk is what the learnt rollout kept; a chunk that ends on EOS is kept whole."""
+    pool = RolloutPool(group_size=1, max_new_tokens=6, resume="first", eos_token_id=1)
+    log = AsyncLog()
+
+    def run(call: CallInputs | None, outputs: list[Rollout], version: int) -> None:
+        assert call is not None
+        log.calls.append((call, copy.deepcopy(outputs), version))
+        pool.receive(call, outputs, version)
+
+    first, second = [5, 6, 7], [8, 9]
+    pool.admit(0, "resumed", first)
+    run(pool.next_call(), [_chunk(first, [10, 11], [-0.1, -0.2], aborted=True)], 0)
+    pool.admit(1, "new", second)
+    call = pool.next_call()
+    assert call is not None and call.max_new_tokens == 6 and call.prompts == [first + [10, 11], second]
+    six = [-1.0, -1.1, -1.2, -1.3, -1.4, -1.5]
+    run(call, [_chunk(call.prompts[0], [12, 13, 14, 15, 16, 17], six), _chunk(second, [20, 1], [-2.0, -2.1])], 1)
+    groups = pool.take(2, current_version=1, max_staleness=3)
+    assert groups is not None
+    resumed, ended = (g.rollouts()[0] for g in groups)
+    assert resumed.response_ids == [10, 11, 12, 13, 14, 15] and resumed.logprobs == [-0.1, -0.2, *six[:4]]
+    assert ended.response_ids == [20, 1] and ended.finished
+    assert _last_chunk(log, 0, resumed) == (1, 5, six[:4]), "only the 4 kept tokens are the last chunk's"
+    assert _last_chunk(log, 1, ended) == (1, 2, [-2.0, -2.1])
