@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import socket
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ TOP_K = 2
 PROMPT_LENGTHS = (5, 3, 7, 2)
 RESPONSE_LENGTHS = (4, 6, 1, 3)
 PROMPT_WIDTH, RESPONSE_WIDTH = 8, 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -107,6 +114,7 @@ def verl_batch(
     dynamic_bsz: bool = False,
     micro_batch_size: int = 2,
     traces: list[Any] | None = None,
+    traces_form: str = "compact",
 ) -> Any:
     """The TensorDict verl's trainer hands `compute_log_prob` / `update_actor`, after `left_right_2_no_padding`."""
     from verl.utils import tensordict_utils as tu
@@ -137,10 +145,14 @@ def verl_batch(
     }
     if routes is not None:
         tensors["routed_experts"] = routed
-    if traces is not None:  # routereplay's compact column: one codec blob per sample, token ids inside
+    if traces is not None and traces_form == "compact":  # routereplay's column: a codec blob per sample, ids inside
         from routereplay.integrations.verl.batch import ROUTES_KEY, compact_blob
 
         tensors[ROUTES_KEY] = [compact_blob(trace) for trace in traces]
+    elif traces is not None:  # BatchForm.DENSE: verl's routed_experts, -1 (never 0) where nothing was routed
+        from routereplay.integrations.verl.batch import dense_routed_experts
+
+        tensors["routed_experts"] = dense_routed_experts(traces, attention_mask, PROMPT_WIDTH, input_ids_BS=input_ids)
     data = left_right_2_no_padding(tu.get_tensordict(tensors))
     tu.assign_non_tensor(
         data,

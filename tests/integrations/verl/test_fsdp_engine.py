@@ -9,40 +9,12 @@ with, not what routereplay says it forced).
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from tests.integrations.verl import fsdp_case as case
 
 pytestmark = pytest.mark.verl
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def world() -> None:
-    pytest.importorskip("verl")
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-
-
-@pytest.fixture
-def cpu_engine_module(world: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """verl's engine module asks the platform for its device; on this CPU machine that is "cpu"."""
-    import verl.utils.seqlen_balancing as balancing
-    import verl.workers.engine.fsdp.transformer_impl as impl
-
-    monkeypatch.setattr(impl, "get_device_id", lambda: "cpu")
-    monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")
-    monkeypatch.setattr(balancing, "get_device_name", lambda: "cpu")  # dynamic batch size's micro-batch count
 
 
 def _disagreement(got_NK: torch.Tensor, want_NK: torch.Tensor) -> float:
@@ -254,7 +226,7 @@ def test_ulysses_sp_two_ranks_replay_and_record_like_one_rank(tmp_path: object) 
     from routereplay import layout
     from tests.integrations.verl import fsdp_ulysses
 
-    mp.spawn(fsdp_ulysses.rank_main, args=(_free_port(), str(tmp_path)), nprocs=fsdp_ulysses.SP_SIZE, join=True)
+    mp.spawn(fsdp_ulysses.rank_main, args=(case.free_port(), str(tmp_path)), nprocs=fsdp_ulysses.SP_SIZE, join=True)
     ranks = [torch.load(f"{tmp_path}/rank{r}.pt") for r in range(fsdp_ulysses.SP_SIZE)]
     cu = ranks[0]["cu_seqlens"]
     used = torch.ones(int(cu[-1]), dtype=torch.bool)
@@ -358,7 +330,7 @@ def test_gpu_engine_built_by_verls_registry_records_and_replays(tmp_path: object
     from routereplay.testing import word_tokenizer
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{case.free_port()}", rank=0, world_size=1)
     torch.cuda.set_device(0)
     path = f"{tmp_path}/model"
     case.tiny_model().save_pretrained(path)

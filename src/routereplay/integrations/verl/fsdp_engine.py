@@ -19,8 +19,14 @@ micro-batch starts or `forward_backward_batch` ends.
 
 Routes come from routereplay's compact column (`batch.ROUTES_KEY`: codec blobs whose token ids are
 checked against the micro-batch) when the rollout side put one on the batch, else from verl's own
-`routed_experts` tensor (-1, or verl's zero padding, which only the final token carries after
-`left_right_2_no_padding`).
+`routed_experts` tensor. There -1 rows route live. verl's agent loop fills every row its engine did not
+route with zeros, which is not only each sequence's final token after `left_right_2_no_padding`: a
+multi-turn sample's tool-response tokens after its last engine call are zero rows too. Zero rows are
+treated by the rule `integrations/verl/batch.py` states for verl's zero-filled form (rows verl's own masks
+say carry no route), not as expert 0.
+
+-1 rows on attended positions (tool tokens) route live in both layouts verl feeds the model: packed
+(`use_remove_padding=True`) and padded with an attention mask (`False`) dispatch the same experts.
 
 Turning it on (every Ray worker imports the module through verl's `external_lib`; importing it with
 verl loaded registers the engine for this platform's vendor, which `EngineRegistry` prefers; a
@@ -164,7 +170,10 @@ class RouteReplayEngineMixin:
             num_layers = int(getattr(config, "num_hidden_layers", max(replayer.layers) + 1))
             routes_NLK = bound_layers(routes_NPK, num_layers, replayer.layers)
             placed = layout.place(routes_NLK.to(device), fill=-1)
-            context = replayer.replay(placed, attention_mask=layout.attention_mask(device))
+            # The routes and the mask are laid out by one `MicroBatchLayout`, so the replayer's padding-side
+            # heuristic has nothing to find, and it would refuse what R3 keeps on purpose: -1 rows on attended
+            # positions (tool-response tokens, no route) route live. `check_tokens` checks the layout instead.
+            context = replayer.replay(placed, attention_mask=layout.attention_mask(device), check_alignment=False)
         else:
             context = replayer.record()
         try:
