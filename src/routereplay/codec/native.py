@@ -15,6 +15,12 @@ The kernel encodes set mode with E <= 32767, 2 <= K <= 64 and 1 <= b <= 64 bits 
 it with K <= 64 and C(E, K) <= 2**53 where every column fits a `FloatColumn` (int16 or int32 rows;
 E = 128 and 256 with top-8 do). Anything else, or an install without the kernel, runs the numpy
 path. `KERNEL_STATUS` says which, for `routereplay env`.
+
+Alignment: the kernel reads and writes typed memory (int16 ... int64 rows, uint64 / float64 tables), so
+every buffer it gets sits at a multiple of its item size (the kernel refuses any other). Inputs here are
+copied to aligned memory when they are not (`np.require(..., "CA")`: a trace on a numpy view at an odd
+byte offset); an output must already be aligned (`can_unrank_into`), and `RankBundle.decode(out=)`
+refuses a misaligned one by name.
 Legend: R = rows, K = top-k, E = experts, J = K + 1 table rows, P = comparators of the network.
 """
 
@@ -73,9 +79,9 @@ def pack_set_rows(experts_RK: np.ndarray, num_experts: int, table_JE: np.ndarray
     bitmap_bytes = -(-rows // 8)
     buffer_B = np.zeros(bitmap_bytes + -(-rows * bits // 8), np.uint8)
     routed, bad_row = KERNEL.rank_pack(
-        np.ascontiguousarray(experts_RK),
+        np.require(experts_RK, requirements="CA"),  # a misaligned view (odd byte offset) is copied
         num_experts,
-        np.ascontiguousarray(table_JE),
+        np.require(table_JE, requirements="CA"),
         network_P2,
         bits,
         buffer_B[:bitmap_bytes],
@@ -151,8 +157,9 @@ def unrank_set_rows(
     first: int = 0,
     bitmap_bytes: int = 0,
 ) -> int:
-    """Decode into `out_RK` (C-contiguous int16/int32): -1 rows where the payload's bitmap (its first
-    `bitmap_bytes`, 0 = none) has 0, else routed rows `first`, `first` + 1, ... of the stream.
+    """Decode into `out_RK` (C-contiguous, aligned int16/int32: `can_unrank_into`): -1 rows where the
+    payload's bitmap (its first `bitmap_bytes`, 0 = none) has 0, else routed rows `first`, `first` + 1, ...
+    of the stream.
 
     Returns -1, or the routed row (from `first`) whose rank is >= C(E, K), or -2 when the stream ends
     first. Callers check lengths and padding bits before (`PayloadDecoder._check_streams`).
@@ -177,8 +184,8 @@ def unrank_set_rows(
 
 
 def can_unrank_into(out_RK: np.ndarray) -> bool:
-    """Whether `out_RK` is an output the kernel writes (C-contiguous native int16 or int32, 2-d)."""
-    return out_RK.ndim == 2 and out_RK.dtype in DECODE_DTYPES and out_RK.flags.c_contiguous
+    """Whether `out_RK` is an output the kernel writes (C-contiguous, aligned, native int16 or int32, 2-d)."""
+    return out_RK.ndim == 2 and out_RK.dtype in DECODE_DTYPES and out_RK.flags.c_contiguous and out_RK.flags.aligned
 
 
 __all__ = [

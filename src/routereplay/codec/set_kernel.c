@@ -20,6 +20,12 @@
  *     unranked into `out` (C-contiguous (R, K) int16 or int32). `bad` is -1, or the routed row (counted
  *     from `first`) whose rank is >= count, or -2 when the stream ends first.
  *
+ * Every typed buffer (experts, table, network, out, the column tables) must sit at an address that is a
+ * multiple of its item size: a misaligned one (a numpy view at an odd byte offset, torch.frombuffer(...,
+ * offset=1)) is refused with ValueError before any row is read, since reading int16 / int64 through a
+ * misaligned pointer is undefined behaviour in C. `routereplay.codec.native` copies misaligned inputs
+ * to aligned memory before they come here, and its callers refuse a misaligned `out=` by name.
+ *
  * Rows are taken BLOCK_ROWS at a time as K int16 columns (E <= 32767; SSE2 8 x 8 transposes for top-8
  * int16 rows), so the sorting network's min/max and the validity checks run as vector loops over a
  * block; the table reads and the bit writes are per row. No state outlives a call; the GIL is
@@ -32,6 +38,7 @@
 #include <string.h>
 
 #define BLOCK_ROWS 256
+#define ALIGNED(BUF, SIZE) ((uintptr_t)(BUF) % (uintptr_t)(SIZE) == 0)
 #define MAX_K 64
 #define MAX_COLUMNS 64
 
@@ -215,6 +222,10 @@ static PyObject *rank_pack_entry(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_TypeError, "experts must hold integers, got format %s", experts.format);
         goto done;
     }
+    if (!ALIGNED(experts.buf, experts.itemsize) || !ALIGNED(table.buf, 8) || !ALIGNED(network.buf, 4)) {
+        PyErr_SetString(PyExc_ValueError, "rank_pack: experts, table or network is not aligned to its item size");
+        goto done;
+    }
     if (K < 1 || K > MAX_K || num_experts < 1 || num_experts > INT16_MAX || bits < 0 || bits > 64) {
         PyErr_SetString(PyExc_ValueError, "rank_pack needs 1 <= K <= 64, 1 <= E <= 32767, 0 <= bits <= 64");
         goto done;
@@ -370,6 +381,10 @@ static PyObject *unrank_entry(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "unrank: arguments out of range");
         goto done;
     }
+    if (!ALIGNED(out.buf, itemsize)) {
+        PyErr_SetString(PyExc_ValueError, "unrank: out is not aligned to its item size");
+        goto done;
+    }
     for (Py_ssize_t q = 0; q < PyList_GET_SIZE(column_list); q++) {
         Column *c = columns + q;
         memset(c, 0, sizeof(*c));
@@ -383,7 +398,8 @@ static PyObject *unrank_entry(PyObject *self, PyObject *args) {
         c->values = (const double *)c->views[2].buf;
         c->ids = c->views[2].len / 8;
         if (c->column != K - 1 - q || c->views[1].len != c->views[0].len || c->buckets < 1 || c->ids < 1 ||
-            (c->buckets & (c->buckets - 1)) || (c->ids & (c->ids - 1)) || c->shift < 0 || c->shift > 63) {
+            (c->buckets & (c->buckets - 1)) || (c->ids & (c->ids - 1)) || c->shift < 0 || c->shift > 63 ||
+            !ALIGNED(c->candidate, 8) || !ALIGNED(c->threshold, 8) || !ALIGNED(c->values, 8)) {
             PyErr_SetString(PyExc_ValueError, "unrank: a column table is malformed");
             goto done;
         }

@@ -33,6 +33,9 @@ stream exactly as long as its values), all before the output is allocated. The b
 
 Values are checked as they are unpacked (ranks < C(E, K), ids < E). A bundle always comes from
 another process, so there is no trusted constructor: raise the named limit for a trusted source.
+What was checked is what is decoded: the bundle keeps `bytes` as they are and copies any buffer the
+caller could refill (a reused bytearray) before checking it; `decode(out=)` / `to_torch(out=)` write
+only an aligned, plain output apart from those bytes (`bundle_buffers`).
 
 Legend: P = rows of the rank's layout, L = layers, K = top-k, E = experts, S = spans, n = routed rows.
 """
@@ -56,6 +59,7 @@ from routereplay.codec.subsets import SubsetUnranker, binomial_table
 from routereplay.enums import CodecMode
 from routereplay.errors import ChecksumError, CodecFormatError, CodecLimitError, CodecVersionError, ConfigError
 from routereplay.trace.validation import canonical_dtype
+from routereplay.transport.bundle_buffers import checked_out, checked_out_tensor, owned_bytes
 
 MAGIC = b"RRRB"
 VERSION = 1
@@ -120,11 +124,10 @@ class RankBundle:
 
         `expected_rows`: the rank's layout rows, which the receiver knows from its own plan; the bundle's P
         must equal it. Pass it on the delivery path: it is what bounds the padding rows, which carry no
-        bytes (without it, all P rows must fit `limits.max_expansion` x the bundle's bytes)."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise ConfigError(f"a rank bundle is bytes, got {type(data).__name__}")
+        bytes (without it, all P rows must fit `limits.max_expansion` x the bundle's bytes). `data` that is
+        not `bytes` (a bytearray, a memoryview of one) is copied first: the bundle decodes what it checked."""
+        view = owned_bytes(data)  # ConfigError for anything but a contiguous bytes-like
         limits = checked_limits(limits)
-        view = memoryview(data).cast("B")
         _check_envelope(view)
         end = len(view) - _CRC.size
         if end < _FIXED.size:
@@ -269,38 +272,19 @@ class RankBundle:
         shape, dtype = (self.rows, len(self.layers), self.top_k), canonical_dtype(self.num_experts)
         if out is None:
             return np.empty(shape, dtype)
-        if not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
-            got = f"{type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}".strip()
-            if isinstance(out, np.ndarray) and out.shape == shape and out.dtype == dtype:
-                got = f"a {dtype} array of that shape that is not C-contiguous (strides {out.strides})"
-            raise ConfigError(
-                f"out= must be a C-contiguous {dtype} array of shape {shape} (this bundle's rows, layers, top-k), "
-                f"got {got}; slice a larger buffer with buffer[:{self.rows}] or pass no out="
-            )
-        if not out.flags.writeable:
-            raise ConfigError("out= is read-only; pass a writable array (or no out=)")
-        return out
+        return checked_out(out, shape, dtype, self._data)  # aligned, writable, apart from the bundle's bytes
 
     def to_torch(self, device: str | None = None, out: object = None) -> object:
         """`decode()` as a torch tensor (int16 or int32), moved to `device`. `out`: a CPU tensor to decode
-        into (C-contiguous, this bundle's shape and dtype; e.g. a slice of a pinned buffer reused every
-        step), returned as it is (then moved to `device` when one is given)."""
+        into (dense, contiguous, aligned, this bundle's shape and dtype; e.g. a slice of a pinned buffer reused
+        every step), returned as it is (then moved to `device` when one is given)."""
         import torch
 
         if out is None:
             tensor = torch.from_numpy(self.decode())
         else:
-            if not isinstance(out, torch.Tensor) or out.device.type != "cpu":
-                raise ConfigError(f"out= must be a CPU torch tensor, got {type(out).__name__}")
-            want = torch.int16 if canonical_dtype(self.num_experts) == np.int16 else torch.int32
             shape = (self.rows, len(self.layers), self.top_k)
-            if out.dtype != want or tuple(out.shape) != shape or not out.is_contiguous() or out.requires_grad:
-                raise ConfigError(
-                    f"out= must be a contiguous {want} CPU tensor of shape {shape} without grad, got "
-                    f"{out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()}); slice a larger buffer "
-                    f"with buffer[:{self.rows}] or pass no out="
-                )
-            self.decode(out.numpy())
+            self.decode(checked_out_tensor(out, shape, canonical_dtype(self.num_experts)))
             tensor = out
         return tensor if device is None else tensor.to(device)
 
