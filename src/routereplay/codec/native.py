@@ -26,6 +26,7 @@ Legend: R = rows, K = top-k, E = experts, J = K + 1 table rows, P = comparators 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -36,13 +37,22 @@ from routereplay.codec.column_search import FLOAT_EXACT, FloatColumn
 from routereplay.codec.set_ranker import MAX_NETWORK_K, merge_network
 from routereplay.codec.subsets import SEARCH_BUDGET_BYTES, SubsetUnranker
 
+KERNEL_MODULE = "routereplay.codec._set_kernel"
+
 
 def _load() -> tuple[ModuleType | None, str]:
+    # import_module, not `from routereplay.codec import _set_kernel`: this runs while routereplay.codec is still
+    # initialising, and the `from` form reports a missing extension as a "partially initialized module" (circular
+    # import) error instead of the missing module it is
     try:
-        from routereplay.codec import _set_kernel  # type: ignore[attr-defined]
-    except ImportError as error:
-        return None, f"not built ({error}); the numpy set codec is used (reinstall with a C compiler to build it)"
-    return _set_kernel, "built (C kernel for set-mode encode/decode)"
+        kernel = importlib.import_module(KERNEL_MODULE)
+    except ModuleNotFoundError as error:
+        if error.name != KERNEL_MODULE:
+            raise
+        return None, "not built (no C compiler at install time); the numpy set codec is used"
+    except ImportError as error:  # built, but does not load (e.g. built against another Python)
+        return None, f"not loadable ({error}); the numpy set codec is used (reinstall with a C compiler to rebuild it)"
+    return kernel, "built (C kernel for set-mode encode/decode)"
 
 
 KERNEL, KERNEL_STATUS = _load()
