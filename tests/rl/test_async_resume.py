@@ -187,7 +187,7 @@ def test_a_last_chunk_cut_to_the_samples_budget_is_judged_on_the_tokens_kept() -
     run(pool.next_call(), [_chunk(first, [10, 11], [-0.1, -0.2], aborted=True)], 0)
     pool.admit(1, "new", second)
     call = pool.next_call()
-    assert call is not None and call.max_new_tokens == 6 and call.prompts == [first + [10, 11], second]
+    assert call is not None and call.max_new_tokens == 6 and call.prompts == [[*first, 10, 11], second]
     six = [-1.0, -1.1, -1.2, -1.3, -1.4, -1.5]
     run(call, [_chunk(call.prompts[0], [12, 13, 14, 15, 16, 17], six), _chunk(second, [20, 1], [-2.0, -2.1])], 1)
     groups = pool.take(2, current_version=1, max_staleness=3)
