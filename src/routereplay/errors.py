@@ -379,3 +379,44 @@ def location(
     if layer is not None:
         parts.append(f"layer {layer}")
     return ", ".join(parts) if parts else "trace"
+
+
+# --- verl batches (routereplay.integrations.verl) ------------------------------------------------
+
+
+class BatchFieldError(ConfigError):
+    """A field of a trainer's batch (verl's `DataProto` / `TensorDict`) is missing, of the wrong type, shape or
+    dtype, or holds impossible values (a NaN or non-0/1 mask, a gap in the padding, a blob that is not bytes)."""
+
+
+class BatchGeometryError(TraceShapeError):
+    """A sample's routes disagree with the other samples of its batch or with the model (layers, experts, top-k),
+    or declare a shape beyond the readers' limits: refused before anything is allocated from them."""
+
+
+class UncheckedRoutesError(AlignmentError):
+    """Dense routes (verl's `routed_experts`) carry nothing that ties them to the batch's tokens (no digest): a
+    shifted, cut or reordered tensor would replay silently, so they are refused unless the caller opts out."""
+
+
+class DenseLayerRouteError(RouteValueError):
+    """A dense (router-less) layer's column of an all-layer payload holds expert ids: the payload's layer axis is
+    not the model's, or another layer's routes sit there."""
+
+
+# --- vLLM on CPU: its processes and kernels (engines/vllm/server.py, engines/vllm/cpu_kernels.py) --------
+
+
+class ServerDiedError(RouteReplayError, RuntimeError):
+    """A vLLM server that was ready stopped serving: its leader exited or one of its processes (engine core,
+    worker) died. The message names the process, its exit code or signal, and the end of the server's log;
+    `exitcode` is the leader's (None while it still runs; negative: the signal that ended it)."""
+
+    def __init__(self, message: str, *, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+
+
+class AmxPermissionError(RouteReplayError, RuntimeError):
+    """The CPU has AMX, so vLLM's CPU backend picks its AMX kernels, but Linux refused this process the AMX tile
+    permission (arch_prctl ARCH_REQ_XCOMP_PERM): the first tile instruction would kill it with SIGILL."""
