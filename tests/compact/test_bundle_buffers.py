@@ -114,7 +114,7 @@ def test_an_out_over_the_bundle_bytes_is_refused() -> None:
         whole = torch.frombuffer(message, dtype=torch.int16)
     bundle = RankBundle(memoryview(message)[: len(data)], expected_rows=P)
     with pytest.raises(ConfigError, match="out= overlaps the bundle's own bytes"):
-        bundle.to_torch(out=whole[:room // 2].view(SHAPE))
+        bundle.to_torch(out=whole[: room // 2].view(SHAPE))
     assert message[: len(data)] == data
     after = whole[-room // 2 :].view(SHAPE)
     assert torch.equal(bundle.to_torch(out=after), torch.from_numpy(RankBundle(data).decode()))

@@ -263,6 +263,29 @@ def parse_header(data: memoryview, limits: CodecLimits, *, verify_crc: bool = Tr
     return header, offset
 
 
+@dataclass(frozen=True, slots=True)
+class BlobGeometry:
+    """What a blob's fixed header says it routes (`peek_geometry`): unchecked beyond its own bounds."""
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    start: int
+    layers: tuple[int, ...]
+
+
+def peek_geometry(data: memoryview, *, verify_crc: bool = False) -> BlobGeometry:
+    """The blob's rows, top-k, experts, start and layer numbers, after its magic and version (and its CRC
+    with `verify_crc`): enough to compare a blob with a model before paying for its set-mode tables or its
+    rows. Work: the fixed header and 4 bytes a layer, bounded by the blob's length; nothing else is checked,
+    so a blob that matches must still pass `parse_header` / `decode`."""
+    _check_envelope(data, verify_crc)
+    reader = _Reader(data, len(data) - _U32.size)
+    _, _, _, _, _, T, L, K, E, start = reader.unpack(_FIXED, "fixed header")
+    layers = tuple(np.frombuffer(data, "<u4", L, reader.take(4 * L, "layer numbers")).tolist())
+    return BlobGeometry(T, K, E, start, layers)
+
+
 def _parse_slots(reader: _Reader, layers: tuple[int, ...]) -> tuple[str, ...]:
     """The router slot names (flag bit 3): one per layer column, distinct within a layer."""
     at = reader.pos

@@ -6,11 +6,14 @@ it travels in the request body's `vllm_xargs`, which vLLM's OpenAI server copies
 The blob is a `RouteTrace`: row i forces the token at position `start + i`; a -1 row routes live; its
 `layers` must be exactly the model's MoE layers, by their global numbers (a dense-first model's start at 1).
 
-`ForcedRoutes.parse` trusts nothing: the text must be base64, the blob passes the codec's own checks
-(magic, version, CRC, lengths) under limits sized from the prompt (at most prompt x MoE layers x K
-ids, so a small blob cannot declare a huge trace), then its expert count, top-k and layers must be
-the served model's, its rows must lie inside the prompt, and token ids, when the blob has them, must
-be the prompt's. Every failure is a `ForcedRoutesError` naming the request and the fix. It runs twice:
+`ForcedRoutes.parse` trusts nothing: the text must be base64; the blob's fixed header (magic, version,
+then its expert count, top-k, layers, start and rows) must be the served model's and lie inside the
+prompt before anything sized by the blob is built (a 100-byte blob of another model's geometry would
+otherwise pay that model's set-mode tables: 13 ms and 16 MiB for E=32767, K=2); then the blob passes
+the codec's own checks (CRC, lengths) under limits sized from the prompt (at most prompt x MoE layers x K
+ids, so a small blob cannot declare a huge trace), and token ids, when the blob has them, must be the
+prompt's. The checked rows stay in the trace's own dtype (int16 for E <= 32767) until the routing step.
+Every failure is a `ForcedRoutesError` naming the request and the fix. It runs twice:
 in vLLM's front end before the request is queued (the request fails with HTTP 400, the server serves
 on) and in the worker before use (`forcing_worker`).
 
@@ -33,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from routereplay import codec
+from routereplay.codec.header import peek_geometry
 from routereplay.codec.limits import CodecLimits
 from routereplay.enums import CodecMode
 from routereplay.errors import ForcedRoutesError, ForcingNotAppliedError, RouteReplayError
@@ -118,7 +122,8 @@ def salted(cache_salt: str | None, text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ForcedRoutes:
-    """A request's checked forced routes; `experts_TLK` columns follow `ServedRouting.moe_layers`, -1 = live."""
+    """A request's checked forced routes; `experts_TLK` (the trace's canonical int16 / int32, owned) columns
+    follow `ServedRouting.moe_layers`, -1 = live."""
 
     start: int
     experts_TLK: np.ndarray
@@ -149,19 +154,25 @@ class ForcedRoutes:
             blob = base64.b64decode(value, validate=True)
         except (binascii.Error, ValueError) as error:
             raise fail(f"the text is not base64 ({error})") from None
+        _refuse_header(blob, served, prompt, fail)  # another model's blob costs a header parse, no tables or rows
         K, L = served.top_k, len(served.moe_layers)
         limits = CodecLimits(max_entries=max(1, len(prompt) * max(L, 1) * K))  # rows beyond the prompt: refused
         try:
             trace = codec.decode(blob, limits=limits)
         except RouteReplayError as error:
-            _refuse_header(blob, served, prompt, fail)  # the header's own mismatch names the problem best
             raise fail(f"the blob does not decode to a valid trace: {error}") from None
-        return cls.check(trace, served, prompt, where=where)
+        return cls._checked(trace, served, prompt, fail, owned=True)
 
     @classmethod
     def check(cls, trace: RouteTrace, served: ServedRouting, prompt: list[int], *, where: str) -> ForcedRoutes:
-        """Check a decoded (or not yet encoded) trace against the model and prompt; `ForcedRoutesError` if not."""
-        fail = _Failure(where)
+        """Check a decoded (or not yet encoded) trace against the model and prompt; `ForcedRoutesError` if not.
+        The plan keeps a copy of the trace's rows (in its dtype), not a view of the caller's array."""
+        return cls._checked(trace, served, prompt, _Failure(where), owned=False)
+
+    @classmethod
+    def _checked(
+        cls, trace: RouteTrace, served: ServedRouting, prompt: list[int], fail: _Failure, *, owned: bool
+    ) -> ForcedRoutes:
         _refuse_shape(
             trace.num_experts, trace.top_k, tuple(trace.layers), trace.start, trace.num_tokens, served, prompt, fail
         )
@@ -179,7 +190,8 @@ class ForcedRoutes:
                     f"the trace's token id at position {at} is {theirs}, the prompt's is "
                     f"{prompt[at]} ({differ.size} position(s) differ): these routes belong to another sequence"
                 )
-        return cls(trace.start, np.asarray(trace.experts, dtype=np.int64), served.moe_layers)
+        experts_TLK = trace.experts if owned else np.array(trace.experts, copy=True)  # int16 / int32, no widening
+        return cls(trace.start, experts_TLK, served.moe_layers)
 
     def rows_at(self, positions_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For a step's token positions: which of them this trace covers (mask N) and their rows (n, L, K)."""
@@ -213,13 +225,23 @@ def check_forced(asked: RouteTrace, got: RouteTrace, *, where: str) -> None:
 
 
 def _refuse_header(blob: bytes, served: ServedRouting, prompt: list[int], fail: _Failure) -> None:
-    """After a failed decode: `ForcedRoutesError` naming what the header says that does not fit, if anything."""
+    """Before decoding: `ForcedRoutesError` when the blob's fixed header does not fit the model and prompt.
+
+    The header is read without the CRC pass (a valid blob pays that once, in `codec.decode`); a header that
+    does not fit is CRC-checked before it is named, so a blob damaged in transit is called damaged."""
+    view = memoryview(blob)
     try:
-        head = codec.header_info(blob)  # envelope, CRC and header only: nothing sized by the blob is allocated
+        head = peek_geometry(view)  # magic, version, fixed header, layer numbers: no tables, no rows
     except RouteReplayError as error:
         raise fail(f"the blob is not a valid codec blob: {error}") from None
-    layers = tuple(head.layers) or tuple(range(head.num_layers))
-    _refuse_shape(head.num_experts, head.top_k, layers, head.start, head.num_tokens, served, prompt, fail)
+    try:
+        _refuse_shape(head.num_experts, head.top_k, head.layers, head.start, head.num_tokens, served, prompt, fail)
+    except ForcedRoutesError:
+        try:
+            peek_geometry(view, verify_crc=True)
+        except RouteReplayError as error:
+            raise fail(f"the blob is not a valid codec blob: {error}") from None
+        raise
 
 
 def _refuse_shape(

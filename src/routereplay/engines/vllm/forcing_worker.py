@@ -20,6 +20,10 @@ layers its config does not describe) is not forced: the error is logged, counted
 `refused_requests`, and the request routes live; its client sees the capture differ from what it
 asked and raises `ForcingNotAppliedError`. Nothing replays silently.
 
+A request's checked rows stay in the trace's own dtype (int16 for E <= 32767, a quarter of int64) from
+`ForcedRoutes.parse` through each step's `StepRows`; the router widens a step's forced ids to int64 only
+for its gather.
+
 Legend: N = token rows of one step, L = MoE layers, K = top-k.
 """
 

@@ -55,7 +55,9 @@ class RoutingRule:
     routed_scaling_factor: float = 1.0
 
     def weights(self, logits_NE: torch.Tensor, experts_NK: torch.Tensor) -> torch.Tensor:
-        """The gate weights (float32, N x K) of rows routed to `experts_NK`, from the live logits."""
+        """The gate weights (float32, N x K) of rows routed to `experts_NK` (any integer dtype: the worker keeps
+        forced ids in the trace's int16), from the live logits."""
+        experts_NK = experts_NK.long()  # gather's index dtype; a no-op for int64 ids
         if self.method is RoutingMethod.SOFTMAX_TOPK:
             chosen_NK = logits_NE.gather(1, experts_NK)
             if self.renormalize:
@@ -97,7 +99,8 @@ def rule_of(router: Any) -> tuple[RoutingRule | None, str]:
 
 @dataclass(slots=True)
 class StepRows:
-    """One layer's forced rows in the current step: batch row indices (N) and their experts (N x K)."""
+    """One layer's forced rows in the current step: batch row indices (N) and their experts (N x K, in the
+    forced trace's own dtype, int16 for E <= 32767; widened only where the routing step needs it)."""
 
     rows_N: torch.Tensor
     experts_NK: torch.Tensor
