@@ -43,8 +43,14 @@ request with its own seed whose prompt is prefilled in chunks crashes vLLM 0.30'
 Generator does not use offset"; each request gets seed `params.seed + index`, as `VLLMClient`).
 vLLM seeds Python's, NumPy's and torch's global generators when it starts; their states are put
 back, so starting an engine does not change the trainer's random stream (`workarounds`).
+CPU kernels (`cpu_kernels`, issue 30 item 0): an MLA model (DeepSeek-V3) gets vLLM's reference `CPU_MLA`
+attention backend on every CPU (on an AMX CPU vLLM would pick AMX_MLA, which empties `kv_b_proj.weight`
+after packing it, so the first `sync_weights` failed); and this process asks Linux for the AMX tile
+permission before vLLM runs, where the CPU has AMX (vLLM's own AMX kernels never ask; without it the first
+tile instruction is a SIGILL). Both choices are kept in `VLLMEngine.cpu_kernels`.
 Refused before anything starts: vLLM absent (`MissingDependencyError`), an architecture vLLM's
-`ModelRegistry` does not implement, and shapes its CPU kernels refuse (`UnservableModelError`).
+`ModelRegistry` does not implement, shapes its CPU kernels refuse (`UnservableModelError`), and an AMX CPU
+whose Linux refuses the tile permission (`AmxPermissionError`).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from torch import nn
 
 from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_params, checked_prefix_routes
 from routereplay.engines.vllm.checkpoint import CheckpointLayout, check_servable, write_checkpoint
+from routereplay.engines.vllm.cpu_kernels import CpuKernels, choose
 from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, check_forced, encode_forced
 from routereplay.engines.vllm.plugin import register
 from routereplay.engines.vllm.requests import StoppableRun
@@ -240,6 +247,8 @@ class VLLMEngine:
         vllm = import_vllm(verbose=config.verbose)
         self.architecture = check_architecture(model, set(vllm.ModelRegistry.get_supported_archs()))
         check_servable(model.config, where=type(model).__name__)
+        # AMX tile permission for this process, the MLA backend a reload can load into (`cpu_kernels`)
+        self.cpu_kernels: CpuKernels = choose(model.config, where=f"VLLMEngine for {type(model).__name__}")
         self.config = config.for_model(model)
         self._owned = folder is None
         self.folder = Path(tempfile.mkdtemp(prefix="routereplay-vllm-")) if folder is None else Path(folder)
@@ -252,7 +261,8 @@ class VLLMEngine:
             register()  # the forcing plugin, whether or not vLLM found its entry point
             began = time.monotonic()
             with kept_random_state(), kept_thread_settings(), file_stdout(), in_process(), self._logs():
-                self.llm = vllm.LLM(model=str(self.folder), **self.config.llm_kwargs())
+                kwargs = {**self.config.llm_kwargs(), **self.cpu_kernels.llm_kwargs()}
+                self.llm = vllm.LLM(model=str(self.folder), **kwargs)
             self.started_in = time.monotonic() - began
         except BaseException:
             self._remove_folder()

