@@ -28,9 +28,11 @@ Tests: `make test-verl` (verl 0.9.1 in its own .venv-verl: it pins transformers<
 """
 
 from routereplay.integrations.verl.batch import (
+    DIGEST_KEY,
     ROUTES_KEY,
     VERL_ROUTES_KEY,
     BatchForm,
+    BatchLimits,
     compact_blob,
     compact_routes,
     dense_routed_experts,
@@ -38,15 +40,18 @@ from routereplay.integrations.verl.batch import (
     padded_routes,
     put_output_routes,
     put_routes,
+    routed_experts_for_batch,
     routes_for_batch,
     traces_of,
 )
 from routereplay.integrations.verl.rollout import Engine, RolloutRoutes, RouteGeometry
 
 __all__ = [
+    "DIGEST_KEY",
     "ROUTES_KEY",
     "VERL_ROUTES_KEY",
     "BatchForm",
+    "BatchLimits",
     "Engine",
     "RolloutRoutes",
     "RouteGeometry",
@@ -57,6 +62,7 @@ __all__ = [
     "padded_routes",
     "put_output_routes",
     "put_routes",
+    "routed_experts_for_batch",
     "routes_for_batch",
     "traces_of",
 ]

@@ -130,7 +130,7 @@ def checked_prompt_width(prompts: Any, width: int, batch_size: int, reader: str)
     import torch
 
     if not isinstance(prompts, torch.Tensor) or prompts.is_nested or prompts.dim() != 2:
-        shape = tuple(prompts.shape) if isinstance(prompts, torch.Tensor) and not prompts.is_nested else None
+        shape = tuple(prompts.shape) if isinstance(prompts, torch.Tensor) and not prompts.is_nested else "?"
         raise BatchFieldError(
             f"{reader}: prompts is a {type(prompts).__name__} of shape {shape}; verl's is a (batch, prompt_length) "
             "tensor, its width the rollout's prompt_length"
