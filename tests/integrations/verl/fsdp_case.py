@@ -81,7 +81,8 @@ def rollout_traces(model: nn.Module, seqs: list[tuple[torch.Tensor, torch.Tensor
             ids = torch.cat([prompt, response]).unsqueeze(0)
             with replayer.record() as rec, torch.no_grad():
                 model(input_ids=ids)
-            out.extend(rec.traces(torch.ones_like(ids), input_ids=ids))
+            (trace,) = rec.traces(torch.ones_like(ids), input_ids=ids)
+            out.append(trace.slice(0, trace.stop - 1))  # the engine never fed the final token: no route
         return out
     finally:
         replayer.detach()

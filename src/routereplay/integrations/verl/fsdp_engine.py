@@ -8,7 +8,10 @@ verl's Megatron engine reads too, `engine_config.router_replay.mode`:
 - `R3`: every pass (old-log-prob and each update) replays the rollout's `routed_experts`;
 - `R2`: `compute_log_prob` (forward only, no `routed_experts` in the batch) records the trainer's
   own routing and returns it as `routed_experts`, which verl's trainer merges into the batch
-  (`ray_trainer.py` `_compute_old_log_prob`), and every update replays it;
+  (`ray_trainer.py` `_compute_old_log_prob`), and every update replays it. The rollout's routes on
+  the batch are a `ConfigError` under R2, as verl refuses R2 with `enable_rollout_routing_replay`:
+  the compact column in any pass, `routed_experts` in the forward-only pass, and in an update routes
+  with -1 rows or a final-token row repeating an expert (verl's zero fill), which no recording has;
 - `disabled`: exactly verl's engine.
 
 Routes are laid out as verl lays out the micro-batch (packed THD, Ulysses SP shard, pad_to_length,
@@ -55,13 +58,18 @@ import torch
 from torch import nn
 
 from routereplay.errors import ConfigError, MissingRoutesError, RouteReplayError
+from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import VERL_ROUTES_KEY
 from routereplay.integrations.verl.micro_batch import (
     MicroBatchLayout,
+    RouteSource,
     bound_layers,
+    check_recorded,
     offsets_of,
+    r2_with_rollout_routes,
     recorded_batch_routes,
     rollout_routes,
+    route_source,
     routes_of,
 )
 
@@ -75,13 +83,17 @@ class Action(Enum):
     REPLAY = "replay"
 
 
-def action_for(mode: str, has_routes: bool, forward_only: bool) -> Action:
-    """What one `forward_backward_batch` does with the routers, from the mode and the batch."""
+def action_for(mode: str, source: RouteSource | None, forward_only: bool) -> Action:
+    """What one `forward_backward_batch` does with the routers, from the mode and the batch's routes."""
     if mode not in MODES:
         raise ConfigError(f"router_replay.mode={mode!r}; use one of {list(MODES)}")
     if mode == "disabled":
         return Action.OFF
-    if has_routes:
+    if mode == "R2" and source is RouteSource.COMPACT:
+        raise ConfigError(r2_with_rollout_routes(f"the '{COMPACT_KEY}' column"))
+    if mode == "R2" and forward_only and source is not None:
+        raise ConfigError(r2_with_rollout_routes(f"'{VERL_ROUTES_KEY}' in the compute_log_prob (forward-only) pass"))
+    if source is not None:
         return Action.REPLAY
     if mode == "R2" and forward_only:
         return Action.RECORD
@@ -156,16 +168,19 @@ class RouteReplayEngineMixin:
     def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
         state = self.routing()
         state.close()  # the previous micro-batch's backward has run: its context is done
-        routes, mode = routes_of(micro_batch), self.router_replay_mode()
-        action = action_for(mode, routes is not None, forward_only)
+        mode = self.router_replay_mode()
+        action = action_for(mode, route_source(micro_batch), forward_only)
         if action is Action.OFF:
             return super().forward_step(micro_batch, loss_function, forward_only)  # type: ignore[misc]
         replayer = state.replayer_for(self.module)  # type: ignore[attr-defined]
         layout = self.micro_batch_layout(micro_batch)
         device = next(self.module.parameters()).device  # type: ignore[attr-defined]
         if action is Action.REPLAY:
+            routes = routes_of(micro_batch)
             assert routes is not None
             routes_NPK = rollout_routes(routes, micro_batch["input_ids"], final_token_live=mode == "R3")
+            if mode == "R2":
+                check_recorded(routes_NPK, layout.cu_seqlens)
             config = getattr(self.module, "config", None)  # type: ignore[attr-defined]
             num_layers = int(getattr(config, "num_hidden_layers", max(replayer.layers) + 1))
             routes_NLK = bound_layers(routes_NPK, num_layers, replayer.layers)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, MissingRoutesError, RowCountError, TokenMismatchError
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import VERL_ROUTES_KEY, routes_for_batch
@@ -187,16 +188,58 @@ def recorded_batch_routes(routes_NLK: torch.Tensor, cu_seqlens: torch.Tensor, nu
     )
 
 
+class RouteSource(StrEnum):
+    """Where a micro-batch's routes are."""
+
+    COMPACT = "compact"  # routereplay's column (`batch.ROUTES_KEY`): only ever the rollout's routes
+    VERL = "verl"  # verl's `routed_experts` tensor: the rollout's (R3), or what compute_log_prob recorded (R2)
+
+
+def route_source(micro_batch: object) -> RouteSource | None:
+    """Which routes the micro-batch carries, read without decoding them; None when it has none."""
+    get = getattr(micro_batch, "get", None)
+    if get is None:
+        raise MissingRoutesError(f"a verl micro-batch is a TensorDict, got {type(micro_batch).__name__}")
+    if get(COMPACT_KEY, None) is not None:
+        return RouteSource.COMPACT
+    return RouteSource.VERL if isinstance(get(VERL_ROUTES_KEY, None), torch.Tensor) else None
+
+
 def routes_of(micro_batch: object) -> torch.Tensor | None:
     """The micro-batch's routes, jagged (B, j, P, K), or None when it has none (R2's recording pass).
 
     routereplay's compact column (`batch.ROUTES_KEY`, codec blobs the rollout side put on the batch) is
     read first: its traces carry token ids, checked against the micro-batch's (`TokenMismatchError`).
     Otherwise verl's own `routed_experts` tensor (-1 or verl's zero padding), which carries none."""
-    get = getattr(micro_batch, "get", None)
-    if get is None:
-        raise MissingRoutesError(f"a verl micro-batch is a TensorDict, got {type(micro_batch).__name__}")
-    if get(COMPACT_KEY, None) is not None:
+    source = route_source(micro_batch)
+    if source is RouteSource.COMPACT:
         return routes_for_batch(micro_batch)
-    routes = get(VERL_ROUTES_KEY, None)
-    return routes if isinstance(routes, torch.Tensor) else None
+    return micro_batch[VERL_ROUTES_KEY] if source is RouteSource.VERL else None  # type: ignore[index]
+
+
+def check_recorded(routes_NPK: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """R2 replays what compute_log_prob recorded: a route of K distinct experts for every token, the final one
+    included. A -1 row, or a final-token row that repeats an expert (verl's zero fill of the row no rollout
+    engine routes), says the routes are the rollout's: `ConfigError` (R2 with rollout routes, see fsdp_engine)."""
+    missing_N = (routes_NPK < 0).any(dim=-1).any(dim=-1)
+    final_NPK = routes_NPK[(cu_seqlens[1:] - 1)[cu_seqlens[1:] > cu_seqlens[:-1]].to(routes_NPK.device)]
+    sorted_NPK = final_NPK.sort(dim=-1).values
+    repeated = bool((sorted_NPK[..., 1:] == sorted_NPK[..., :-1]).any())
+    if bool(missing_N.any()) or repeated:
+        where = (
+            f"token {int(torch.nonzero(missing_N)[0])} of the micro-batch has no route (-1)"
+            if bool(missing_N.any())
+            else "a sequence's final token repeats an expert (verl's zero fill: no rollout engine routes it)"
+        )
+        raise ConfigError(r2_with_rollout_routes(f"'{VERL_ROUTES_KEY}' of a training micro-batch: {where}"))
+
+
+def r2_with_rollout_routes(where: str) -> str:
+    """The refusal of router_replay.mode=R2 with the rollout's routes on the batch: what, where, how to fix."""
+    return (
+        f"router_replay.mode=R2 with the rollout's routes on the batch ({where}): R2 records the trainer's own "
+        "routing in compute_log_prob and replays that in the updates, so rollout routes would silently turn it into "
+        "R3; verl refuses this too ('R2 and enable_rollout_routing_replay cannot be enabled simultaneously'). Fix: "
+        "for R2 set actor_rollout_ref.rollout.enable_rollout_routing_replay=False and put no "
+        f"'{COMPACT_KEY}' on AgentLoopOutput.extra_fields; to replay the rollout's routes set router_replay.mode=R3"
+    )
