@@ -64,3 +64,29 @@ def test_codec_file_refuses_flags_that_contradict_it(
     assert verdict["readable"] is False and verdict["error_type"] == "ConfigError"
     agreeing = {"--num-experts": "32", "--num-layers": "3", "--top-k": "2", "--moe-layers": "0-2"}[flag]
     assert main(["inspect", str(path), flag, agreeing, "--json"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--num-experts", "0"], "argument --num-experts: must be an integer >= 1, got '0'"),
+        (["--moe-layers", "3-1"], "argument --moe-layers: layer range '3-1' in '3-1' runs backwards"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_a_bad_flag_still_gets_a_json_verdict(
+    flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inspect --json` printed nothing on stdout for a bad flag, though its help promises a verdict in every case:
+    the verdict now says unreadable, ArgumentError, and argparse's message; exit 2 as before."""
+    with pytest.raises(SystemExit) as exited:
+        main(["inspect", "m.json", *flags, "--json"])
+    assert exited.value.code == EXIT_ERROR
+    captured = capsys.readouterr()
+    verdict = json.loads(captured.out)
+    assert verdict["file"] == "m.json" and verdict["readable"] is False and verdict["valid"] is False
+    assert verdict["error_type"] == "ArgumentError" and needle in verdict["error"]
+    assert needle in captured.err, "argparse's usage error still goes to stderr"
+    with pytest.raises(SystemExit):
+        main(["inspect", "m.json", *flags])
+    assert capsys.readouterr().out == "", "without --json, stdout stays empty"

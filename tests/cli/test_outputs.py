@@ -3,6 +3,7 @@ what is not a regular file, written whole, and `-` refused by name."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -240,3 +241,51 @@ def test_help_imports_no_torch() -> None:
         env={**os.environ, "PYTHONPATH": str(SRC)},
     )
     assert result.stdout.strip().splitlines()[-1] == "heavy:", result.stdout[-500:]
+
+
+# -- issue 30 items 15 and 21: a missing folder, `--report -`, the --log file ----------------------------------------
+
+
+def test_an_output_files_missing_folder_is_refused_not_created(
+    rrt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`convert m.rrt /nonexistent-dir/x.rrt` created the missing folders (even under /); refused as cp does."""
+    out = tmp_path / "missing" / "deeper" / "x.rrt"
+    assert main(["convert", str(rrt), str(out)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the folder {out.parent} does not exist" in err and "mkdir -p" in err
+    assert not (tmp_path / "missing").exists()
+    for appends in (False, True):  # train --log / --plot, bench --output: the same rule
+        with pytest.raises(OutputPathError, match="does not exist"):
+            check_output_file("--log", tmp_path / "missing" / "log.jsonl", appends=appends)
+    assert not (tmp_path / "missing").exists()
+
+
+def test_dash_as_a_report_folder_says_folder(capsys: pytest.CaptureFixture[str]) -> None:
+    """`demo --report -` said "name a file" for what is a folder."""
+    with pytest.raises(OutputPathError, match=r"to a folder, not to stdout .*name a folder, or ./- for a folder"):
+        check_output_folder("--report", "-")
+
+
+def test_a_directory_as_the_log_is_refused_as_an_append_target(tmp_path: Path) -> None:
+    """`train --log DIR` said an output "is written beside it and renamed over it", though --log appends."""
+    with pytest.raises(OutputPathError, match=r"--log .* is a directory; --log appends to a file: name a file"):
+        check_output_file("--log", tmp_path, appends=True)
+
+
+@pytest.mark.hf
+def test_train_log_starts_each_run_with_a_run_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`train --log F` appended each run's steps to F with nothing between runs; a run record now starts each run,
+    and earlier lines are kept (the file is appended to, as its help says)."""
+    monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path / "cache"))
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"earlier": true}\n')
+    args = ["train", "--steps", "1", "--train-steps", "2", "--prompts-per-step", "2", "--group-size", "2"]
+    assert main([*args, "--mini-steps", "1", "--mode", "R3", "--log", str(log), "--json"]) == EXIT_OK
+    capsys.readouterr()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[0] == {"earlier": True} and [set(r) & {"run", "step"} for r in records[1:]] == [{"run"}, {"step"}]
+    run = records[1]["run"]
+    assert run["options"]["mode"] == "R3" and run["options"]["steps"] == 1 and run["started"].endswith("+00:00")

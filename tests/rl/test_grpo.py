@@ -117,7 +117,7 @@ def test_train_cli_two_steps(
     history = json.loads(capsys.readouterr().out)
     assert [r["step"] for r in history] == [0, 1] and {r["mode"] for r in history} == {mode}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 3, "a run record, then one line per step"
 
 
 def test_tensorboard_needs_the_package(trained: tuple[torch.nn.Module, object], tmp_path: Path) -> None:

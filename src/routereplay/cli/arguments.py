@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from routereplay.codec.limits import DEFAULT_MAX_ENTRIES, DEFAULT_MAX_EXPANSION, CodecLimits
 from routereplay.tracefile.format import FileFormat
@@ -24,6 +26,35 @@ MAX_ENTRIES_FLAG = 1 << 40  # --max-entries: 2 TiB of int16 ids, far above any o
 # the CodecLimits field each codec flag sets (a CodecLimitError names the field; the CLI names the flag)
 CODEC_LIMIT_FLAGS = {"max_expansion": "--max-expansion", "max_entries": "--max-entries"}
 _NUMBER = re.compile(r"[0-9]{1,9}")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An `ArgumentParser` (subcommands' parsers are of the same class) whose `usage_verdict`, when set, sees a
+    bad command line before argparse prints its usage error and exits 2: `inspect --json` prints its verdict
+    then. An error the top-level parser finds (an unrecognised argument) goes to the subcommand's hook."""
+
+    usage_verdict: Callable[[str, list[str]], None] | None = None  # (argparse's message, the command's arguments)
+    given: tuple[str, ...] = ()  # the arguments of the latest parse
+
+    def parse_known_args(  # type: ignore[override]  # the signature differs across Python versions
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.given = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        hook, given = self.usage_verdict, self.given
+        if hook is None:
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for at, token in enumerate(given):
+                        command = action.choices.get(token)
+                        if isinstance(command, CommandParser):
+                            hook, given = command.usage_verdict, given[at + 1 :]
+                            break
+        if hook is not None:
+            hook(message, list(given))
+        super().error(message)
 
 
 def bounded_int(minimum: int, maximum: int = MAX_INT_FLAG) -> Callable[[str], int]:
@@ -133,10 +164,14 @@ def add_payload_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-tokens", type=positive_int, help="prompt + generated tokens: checks rows == num_tokens - 1 - start"
     )
     group.add_argument(
-        "--start", type=non_negative_int, default=0, help="token position of row 0 (prompt_start / start_len)"
+        "--start",
+        type=non_negative_int,
+        help="token position of row 0 (prompt_start / start_len; default 0, or what the file records)",
     )
     group.add_argument(
-        "--index", type=non_negative_int, default=0, help="choice / request index inside a response (default 0)"
+        "--index",
+        type=non_negative_int,
+        help="choice / request index inside an engine response (default 0; a .rrt or .npy file holds one sequence)",
     )
 
 
@@ -181,8 +216,8 @@ def payload_hints(args: argparse.Namespace) -> PayloadHints:
         top_k=args.top_k,
         moe_layers=args.moe_layers,
         num_tokens=args.num_tokens,
-        start=args.start,
-        index=args.index,
+        start=args.start or 0,  # None: not given
+        index=args.index or 0,
     )
 
 
@@ -196,6 +231,7 @@ __all__ = [
     "MAX_INT_FLAG",
     "MAX_LAYER_NUMBER",
     "MAX_SEED",
+    "CommandParser",
     "add_codec_limit_arguments",
     "add_json_argument",
     "add_payload_arguments",

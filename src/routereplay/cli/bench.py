@@ -243,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
         check_output_file("--output", args.output)
         if args.readme is not None:
             check_output_file("--readme", args.readme)
+            _check_readme(args.readme)
+    elif args.readme is not None:
+        raise ConfigError(f"--readme {args.readme}: only `bench all` writes the README table; drop --readme")
     names = SUITES if args.suite == "all" else (args.suite,)
     try:
         suites = {name: _suite(name, args) for name in names}
@@ -280,3 +283,26 @@ def run(args: argparse.Namespace) -> int:
     if args.suite == "all":
         print(f"wrote {args.output}" + (f" and the table in {args.readme}" if args.readme else ""))
     return 0
+
+
+MAX_README_BYTES = 16 << 20  # a README larger than this is not the one meant
+
+
+def _check_readme(path: Path) -> None:
+    """`--readme PATH` must already hold the bench markers: refused now, not after the whole run."""
+    from routereplay.bench.record import BEGIN, END
+    from routereplay.errors import ConfigError
+
+    if not path.is_file():
+        raise ConfigError(
+            f"--readme {path} does not exist (or is not a file); `bench all --readme` replaces the table between "
+            f"the {BEGIN} ... {END} markers of an existing README: name that file"
+        )
+    if path.stat().st_size > MAX_README_BYTES:
+        raise ConfigError(f"--readme {path} is above {MAX_README_BYTES} bytes: not a README; name the README")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+        raise ConfigError(
+            f"--readme {path} has no {BEGIN} ... {END} markers (in that order); add them where the table belongs, "
+            "or drop --readme"
+        )

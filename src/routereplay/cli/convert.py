@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from routereplay.cli.extras import require
     from routereplay.cli.failure import naming, read_trace_file
     from routereplay.cli.outputs import check_output_file
-    from routereplay.errors import ConfigError, OutputPathError
-    from routereplay.tracefile.format import FileFormat, format_for_path
+    from routereplay.errors import OutputPathError
+    from routereplay.tracefile.format import FileFormat
     from routereplay.tracefile.io import write_trace
 
     if Path(args.output).is_dir():
@@ -79,9 +79,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.output} is a directory; name the output file, e.g. {Path(args.output) / 'out.rrt'}"
         )
     check_output_file("OUT", args.output, force=args.force)  # `-`, a FIFO or device, an unwritable folder
-    target = FileFormat(args.to) if args.to else format_for_path(args.output)
-    if target is None:
-        raise ConfigError(f"cannot tell the output format from {args.output!r}; pass --to rrt|npy|vllm|sglang|megatron")
+    target = output_format(args.output, args.to, mode=args.mode, zstd=args.zstd)
     if args.zstd:
         require("convert", {"zstandard": "--zstd"})
     trace, source = read_trace_file(args, args.input, payload_hints(args), validate=True)
@@ -129,6 +127,43 @@ def run(args: argparse.Namespace) -> int:
             f"{record['bytes_per_row']:.3f} B per (token, layer) row)"
         )
     return 0
+
+
+ENGINE_FORMATS = ("vllm", "sglang", "megatron")
+
+
+def output_format(output: str, to: str | None, *, mode: str | None = None, zstd: bool = False) -> Any:
+    """The format OUT is written in: `--to`, else OUT's extension (.rrt, .npy). Refused: no way to tell, a
+    `--to` that contradicts the extension (.npy bytes under .rrt; .json for an engine payload), and the
+    codec-only `--mode` / `--zstd` with another output format."""
+    from routereplay.errors import ConfigError
+    from routereplay.tracefile.format import FileFormat, format_for_path
+
+    implied = format_for_path(output)
+    json_named = Path(output).suffix.lower() == ".json"
+    if to is None and implied is None:
+        raise ConfigError(f"cannot tell the output format from {output!r}; pass --to rrt|npy|vllm|sglang|megatron")
+    if to is not None and (
+        (implied is not None and FileFormat(to) is not implied) or (json_named and to not in ENGINE_FORMATS)
+    ):
+        named = str(implied) if implied is not None else "an engine payload (vllm, sglang or megatron)"
+        raise ConfigError(
+            f"--to {to} contradicts OUT {output!r}, whose extension says {named}: drop --to, or name OUT with the "
+            f"extension of {to} ({_EXTENSIONS[to]})"
+        )
+    target = FileFormat(to) if to is not None else implied
+    if target is not FileFormat.CODEC:
+        given = [flag for flag, value in (("--mode", mode is not None), ("--zstd", zstd)) if value]
+        if given:
+            flags, verb = " and ".join(given), "applies" if len(given) == 1 else "apply"
+            raise ConfigError(
+                f"{flags} only {verb} to a codec (.rrt) output, and OUT {output!r} is written as {target}: drop "
+                f"{flags}, or convert to .rrt"
+            )
+    return target
+
+
+_EXTENSIONS = {"rrt": ".rrt", "npy": ".npy", "vllm": ".json", "sglang": ".json", "megatron": ".json"}
 
 
 def codec_mode(trace: RouteTrace, source: Any, asked: str | None, path: str) -> str:

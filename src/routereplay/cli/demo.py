@@ -24,6 +24,7 @@ from routereplay.cli.arguments import (
 )
 from routereplay.cli.threads import add_threads_argument
 
+DEFAULT_REPORT = "routereplay-report"
 HELP = "show routing disagreement and log-prob mismatch between engine and trainer, without and with R3"
 
 
@@ -78,8 +79,7 @@ def add_parser(subparsers: Any) -> None:
     output = parser.add_argument_group("output")
     output.add_argument(
         "--report",
-        default="routereplay-report",
-        help="report folder (default ./routereplay-report); written whole at the end, never half; an existing "
+        help=f"report folder (default ./{DEFAULT_REPORT}); written whole at the end, never half; an existing "
         "non-empty folder needs --force",
     )
     output.add_argument(
@@ -87,7 +87,9 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="write into an existing non-empty --report folder (its report files are replaced, other files kept)",
     )
-    output.add_argument("--no-report", action="store_true", help="do not write the report folder")
+    output.add_argument(
+        "--no-report", action="store_true", help="do not write the report folder (refused with --report or --force)"
+    )
     add_threads_argument(model)
     add_json_argument(parser)
     parser.set_defaults(func=run)
@@ -96,6 +98,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from routereplay.cli.extras import require
 
+    _check_report_flags(args)
     needs = {"transformers": "the demo model and engine"}
     if not args.no_report:
         needs["matplotlib"] = f"the report's plots (--report {args.report}; or pass --no-report)"
@@ -144,6 +147,21 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"report: {args.report}/report.html ({len(paths)} files)")
     return 0
+
+
+def _check_report_flags(args: argparse.Namespace) -> None:
+    """`--no-report` with `--report` or `--force` contradicts itself: refused; else the default folder is filled in."""
+    from routereplay.errors import ConfigError
+
+    if args.no_report:
+        given = [flag for flag, value in (("--report", args.report is not None), ("--force", args.force)) if value]
+        if given:
+            raise ConfigError(
+                f"--no-report and {' and '.join(given)} contradict each other: drop --no-report to write the report "
+                f"(to --report, default ./{DEFAULT_REPORT}), or drop {' and '.join(given)}"
+            )
+    elif args.report is None:
+        args.report = DEFAULT_REPORT
 
 
 def _check_vllm(args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ Exit statuses (the same for every subcommand):
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import IntEnum
@@ -22,7 +23,14 @@ from pathlib import Path
 
 from routereplay.cli.arguments import CODEC_LIMIT_FLAGS, trace_file_limits
 from routereplay.codec.limits import CodecLimits
-from routereplay.errors import CodecLimitError, RouteReplayError, RouteValueError, TraceShapeError
+from routereplay.errors import (
+    CodecLimitError,
+    ConfigError,
+    RouteReplayError,
+    RouteValueError,
+    RowCountError,
+    TraceShapeError,
+)
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.tracefile.format import FileFormat, sniff
 from routereplay.tracefile.io import MAX_FILE_BYTES, read_trace
@@ -53,6 +61,49 @@ ENGINE_FLAGS = {
     FileFormat.CODEC: "no model flags (the codec file describes itself)",
     FileFormat.NPY: "--num-experts",
 }
+
+
+# Library messages advise Python keywords (`pass start_len=0`); the CLI names its flag for each instead
+KEYWORD_FLAGS = {
+    "num_experts": "--num-experts",
+    "num_layers": "--num-layers",
+    "top_k": "--top-k",
+    "moe_layers": "--moe-layers",
+    "num_tokens": "--num-tokens",
+    "start": "--start",
+    "start_len": "--start",
+    "prompt_start": "--start",
+    "choice": "--index",
+    "index": "--index",
+    "max_expansion": "--max-expansion",
+    "max_entries": "--max-entries",
+}
+_KEYWORDS = "|".join(sorted(KEYWORD_FLAGS, key=len, reverse=True))
+# `num_layers=47 (CLI: --num-layers)`: the library already named the flag; keep only the flag
+_NAMED_FLAG = re.compile(r"(?<![\w.])\w+=(-?\d+\b)? \(CLI: (--[\w-]+)[^)]*\)")
+# `records start=2` / `wrote this payload with num_experts=64` state what a file holds: not advice, kept
+_KEYWORD = re.compile(rf"(?<![\w.])(?<!records )(?<!with )({_KEYWORDS})=(-?\d+\b)?")
+# advice for a keyword no flag sets: an alternative (`, or raise retries=/timeout=`) or a whole clause or sentence
+_NO_FLAG_ALTERNATIVE = re.compile(r",? or (?:raise|pass|set) \w+=(?:/\w+=)*(?=[\s,;.]|$)")
+_NO_FLAG_ADVICE = re.compile(r"(?<![\w.])\w+=(?=[\s,;)/.]|$)")
+_CLAUSE_BREAK = re.compile(r"(;\s+|\.\s+(?=[A-Z]))")
+
+
+def cli_message(text: str) -> str:
+    """A library message as the CLI prints it: each Python keyword it advises becomes the flag that sets it
+    (`pass start_len=0` -> `pass --start 0`, `choice=1` -> `--index 1`), and advice for a keyword no flag
+    sets (`raise retries=/timeout=`, `pass layers=`) is left out rather than pointing at nothing."""
+    text = _NAMED_FLAG.sub(lambda m: m[2] + (f" {m[1]}" if m[1] else ""), text)
+    text = _KEYWORD.sub(lambda m: KEYWORD_FLAGS[m[1]] + (f" {m[2]}" if m[2] else ""), text)
+    text = _NO_FLAG_ALTERNATIVE.sub("", text)
+    first, *rest = _CLAUSE_BREAK.split(text)  # [clause, break, clause, break, clause, ...]
+    kept = [first]
+    for brk, clause in zip(rest[::2], rest[1::2], strict=True):
+        if not _NO_FLAG_ADVICE.search(clause):
+            kept += [brk, clause]
+        elif brk.startswith(".") and not kept[-1].endswith("."):
+            kept.append(".")  # the dropped sentence's full stop ended the one before
+    return "".join(kept)
 
 
 def is_invalid(exc: BaseException) -> bool:
@@ -91,12 +142,39 @@ def read_trace_file(
     `--engine` fails on it, and which flag raises a codec limit the file is beyond."""
     limits = trace_file_limits(args)
     try:
-        return read_trace(path, hints, engine=args.engine, validate=validate, limits=limits)
+        trace, found = read_trace(path, hints, engine=args.engine, validate=validate, limits=limits)
     except RouteReplayError as exc:
         hint = codec_limit_hint(exc, limits.codec) or engine_hint(path, args.engine)
         if hint is not None and len(exc.args) == 1 and isinstance(exc.args[0], str):
             exc.args = (f"{exc.args[0]}; {hint}",)
         raise
+    if found in (FileFormat.CODEC, FileFormat.NPY):
+        check_sequence_flags(args, trace, found, Path(path).name)
+    return trace, found
+
+
+def check_sequence_flags(args: argparse.Namespace, trace: RouteTrace, found: FileFormat, where: str) -> None:
+    """`--index`, `--start` and `--num-tokens` on a file of one sequence (.rrt, .npy): a contradiction is
+    refused, never ignored. `--index` picks a response's choice or request; `--start` must match what a
+    codec file records; `--num-tokens` checks the rows as it does for an engine payload."""
+    what = DESCRIPTIONS[found]
+    if args.index:
+        raise ConfigError(
+            f"{where}: --index {args.index} picks a choice or request inside an engine response, but this is {what}, "
+            "which holds one sequence: drop --index"
+        )
+    if found is FileFormat.CODEC and args.start is not None and args.start != trace.start:
+        raise ConfigError(
+            f"{where}: the file records start={trace.start} but --start says {args.start}; a codec file carries its "
+            f"own start: drop --start (or pass {trace.start})"
+        )
+    if args.num_tokens is not None and trace.num_tokens != args.num_tokens - 1 - trace.start:
+        expected = args.num_tokens - 1 - trace.start
+        raise RowCountError(
+            f"{where}: {trace.num_tokens} route rows, expected {expected} = --num-tokens({args.num_tokens}) - 1 - "
+            f"start({trace.start}); drop --num-tokens, or pass --num-tokens {trace.num_tokens + 1 + trace.start} "
+            "if the file is the sequence you meant"
+        )
 
 
 def codec_limit_hint(exc: RouteReplayError, limits: CodecLimits) -> str | None:
@@ -130,7 +208,10 @@ def engine_hint(path: str | Path, forced: str | None) -> str | None:
 
 __all__ = [
     "INVALID_ERRORS",
+    "KEYWORD_FLAGS",
     "ExitCode",
+    "check_sequence_flags",
+    "cli_message",
     "codec_limit_hint",
     "engine_hint",
     "exit_code",

@@ -9,13 +9,14 @@ import sys
 from typing import Any
 
 from routereplay.cli.arguments import (
+    CommandParser,
     add_codec_limit_arguments,
     add_json_argument,
     add_payload_arguments,
     non_negative_int,
     payload_hints,
 )
-from routereplay.cli.failure import ExitCode, exit_code, os_error_line, read_trace_file
+from routereplay.cli.failure import ExitCode, cli_message, exit_code, os_error_line, read_trace_file
 from routereplay.errors import RouteReplayError
 
 HELP = "show a trace file's shape, coverage, per-layer expert load and validation verdict"
@@ -52,6 +53,34 @@ def add_parser(subparsers: Any) -> None:
     )
     add_json_argument(parser)
     parser.set_defaults(func=run)
+    if isinstance(parser, CommandParser):
+        parser.usage_verdict = lambda message, given: _usage_verdict(parser, message, given)
+
+
+def _usage_verdict(parser: argparse.ArgumentParser, message: str, given: list[str]) -> None:
+    """With --json, a bad command line (`--num-experts 0`, `--moe-layers 3-1`) still gets its verdict on stdout;
+    argparse then prints the usage error on stderr and exits 2 (unreadable)."""
+    options = given[: given.index("--")] if "--" in given else given  # after `--` every token is a file name
+    if "--json" not in options:
+        return
+    takes_value = {flag for action in parser._actions if action.nargs != 0 for flag in action.option_strings}
+    file, skip = None, False
+    for token in given:
+        if skip:
+            skip = False
+        elif token.startswith("-") and token != "-":
+            skip = token in takes_value  # `--flag value`; `--flag=value` is one token
+        elif file is None:
+            file = token
+    verdict = {
+        "file": file,
+        "format": None,
+        "readable": False,
+        "valid": False,
+        "error_type": "ArgumentError",
+        "error": f"bad command line: {message}",
+    }
+    print(json.dumps(verdict, indent=2), flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         except RouteReplayError as exc:
             if type(exc).__name__ == summary.error_type:
                 summary = dataclasses.replace(summary, error=str(exc))
+    if summary.error is not None:
+        summary = dataclasses.replace(summary, error=cli_message(summary.error))
     if args.json:
         record: dict[str, Any] = {"file": args.file, "format": str(found), "readable": True, **summary.to_dict()}
         print(json.dumps(record, indent=2))
@@ -80,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def _refused(args: argparse.Namespace, exc: RouteReplayError | OSError | ImportError) -> int:
     """The verdict on a file whose decoding failed: invalid routes (1) or an unreadable file (2)."""
     code = exit_code(exc)
-    message = os_error_line(exc) if isinstance(exc, OSError) else str(exc)
+    message = os_error_line(exc) if isinstance(exc, OSError) else cli_message(str(exc))
     if args.json:
         verdict = {
             "file": args.file,

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from routereplay import __version__
 from routereplay.cli import bench, convert, demo, env, inspect, train
-from routereplay.cli.failure import ExitCode, os_error_line
+from routereplay.cli.arguments import CommandParser
+from routereplay.cli.failure import ExitCode, cli_message, os_error_line
 from routereplay.errors import RouteReplayError
 
 EXIT_OK, EXIT_INVALID, EXIT_ERROR = ExitCode.OK, ExitCode.INVALID, ExitCode.ERROR
@@ -22,7 +23,7 @@ COMMANDS = (demo, train, inspect, convert, bench, env)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="routereplay",
         description=(
             "Router replay (R2/R3) for Mixture-of-Experts RL: decode, validate, store and inspect the "
@@ -46,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except RouteReplayError as exc:
-        print(f"routereplay {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"routereplay {args.command}: {type(exc).__name__}: {cli_message(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
     except ImportError as exc:  # an optional package a file or flag needs (e.g. zstandard for a zstd codec file)
         print(f"routereplay {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -6,7 +6,8 @@ was unusable all along, nor leave half an output behind when it is stopped. So:
 - `check_output_file(flag, path, force=...)` refuses, before any work and without creating anything:
   `-` (no command writes to stdout: a file named `-` is `./-`), a directory, a FIFO, device node or
   socket (through a symlink too: a symlink is written through, see `atomicfile`), an existing file
-  without `--force` (where the command has one), and a folder that cannot be created or written. A
+  without `--force` (where the command has one), a folder that does not exist (as `cp` and a shell
+  redirection do: an output file's folder is never created), and a folder that cannot be written. A
   file the command appends to (`train --log`) may be a FIFO or a device (`/dev/stderr`).
 - `check_output_folder(flag, path, force=...)` does the same for a folder: `-`, a file, an existing
   non-empty folder without `--force`, a parent that cannot be written.
@@ -42,20 +43,28 @@ def check_output_file(flag: str, path: str | Path, *, force: bool | None = None,
     `appends`: the command appends to PATH (a log), so an existing FIFO or device (/dev/stderr) is fine."""
     _refuse_stdout(flag, path)
     named = Path(path)
-    if appends and named.exists() and not named.is_dir():
+    if appends and named.is_dir():
+        raise OutputPathError(f"{flag} {named} is a directory; {flag} appends to a file: name a file (new or existing)")
+    if appends and named.exists():
         if not os.access(named, os.W_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(named))
         return named
     target = regular_target(named)  # OutputPathError: a directory, FIFO, device or socket
     if force is False and target.exists():
         raise OutputPathError(f"{flag} {named} exists; pass --force to overwrite it")
-    _check_writable_folder(flag, named, target.parent)
+    folder = target.parent
+    if not folder.exists() and not folder.is_symlink():  # not created, as with `cp` or `>`: a typo makes no folders
+        raise OutputPathError(
+            f"{flag} {named}: the folder {folder} does not exist, and an output file's folder is not created (as "
+            f"with cp); create it first (mkdir -p {folder}) or name a file in an existing folder"
+        )
+    _check_writable_folder(flag, named, folder)
     return target
 
 
 def check_output_folder(flag: str, path: str | Path, *, force: bool | None = None) -> Path:
     """Refuse an output folder `flag PATH` that cannot be written whole (see the module docstring)."""
-    _refuse_stdout(flag, path)
+    _refuse_stdout(flag, path, "folder")
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         raise OutputPathError(f"{flag} {folder} is a file, not a folder; pass another {flag}")
@@ -100,11 +109,11 @@ def _move_in(staging: Path, folder: Path) -> None:
     staging.rmdir()
 
 
-def _refuse_stdout(flag: str, path: str | Path) -> None:
+def _refuse_stdout(flag: str, path: str | Path, kind: str = "file") -> None:
     if str(path) == STDOUT_NAME:
         raise OutputPathError(
-            f"{flag} -: this command writes its output to a file, not to stdout (stdout carries its table or "
-            f"--json); name a file, or ./- for a file named '-'"
+            f"{flag} -: this command writes its output to a {kind}, not to stdout (stdout carries its table or "
+            f"--json); name a {kind}, or ./- for a {kind} named '-'"
         )
 
 

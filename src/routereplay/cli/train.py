@@ -66,7 +66,12 @@ def add_parser(subparsers: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--mode", default="off", help="off, R2 or R3 (R2 and R3 together are refused)")
+    parser.add_argument(
+        "--mode",
+        choices=["off", "R2", "R3"],
+        default="off",
+        help="router replay: off (default), R2 (the trainer's own routing) or R3 (the engine's routes); one of them",
+    )
     parser.add_argument("--steps", type=positive_int, default=4, help="training steps (default 4)")
     group = parser.add_argument_group("model and engine")
     group.add_argument(
@@ -80,7 +85,7 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument(
         "--url",
         help="server URL for --engine sglang (needed) or vllm (optional: without it vLLM runs in this process, "
-        "weights synced every step; a remote server's weights are never synced)",
+        "weights synced every step; a remote server's weights are never synced); refused with --engine hf",
     )
     group.add_argument("--served-model", help="model name the remote server serves (default: --model's folder name)")
     rl = parser.add_argument_group("GRPO")
@@ -140,7 +145,9 @@ def add_parser(subparsers: Any) -> None:
     )
     out = parser.add_argument_group("output")
     out.add_argument(
-        "--log", help="append one JSON record per step to this JSONL file (checked before any work, as are the next)"
+        "--log",
+        help='append to this JSONL file a run record ({"run": ...}: start time, version, every option), then '
+        "one JSON record per step; earlier runs in the file are kept (checked before any work, as are the next)",
     )
     out.add_argument("--plot", help="write a per-step plot (PNG) here, after the table")
     out.add_argument("--tensorboard", help="also log scalars to this tensorboard folder (needs tensorboard)")
@@ -159,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         needs["tensorboard"] = f"--tensorboard {args.tensorboard}"
     if args.engine != "hf" and args.url:
         needs["httpx"] = f"--engine {args.engine} (the remote client)"
+    _check_engine(args)
     require("train", needs)  # before training the demo model, not after
     _check_async(args)
     _check_outputs(args)
@@ -169,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
     import transformers
 
     from routereplay.cli.progress import phase_progress
-    from routereplay.errors import ConfigError
     from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
     from routereplay.rl.model import load_checkpoint, load_or_train
     from routereplay.rl.tasks import AdditionTask
@@ -189,8 +196,6 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
     )
-    if args.engine == "sglang" and not args.url:
-        raise ConfigError("--engine sglang needs --url (the server started with --enable-return-routed-experts)")
     if args.url:
         print(
             f"note: --url {args.url}: the remote {args.engine} server's weights are not synced with the trainer, "
@@ -202,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
             ),
             file=sys.stderr,
         )
+    if args.log:
+        _log_run_start(args)
     with phase_progress() as report:
         if args.model:
             model, tokenizer = load_checkpoint(args.model)
@@ -286,7 +293,8 @@ def _check_async(args: argparse.Namespace) -> None:
         if value != default
     ]
     if given and not args.fully_async:
-        raise ConfigError(f"{', '.join(given)} only apply to fully-async training: add --async")
+        verb = "applies" if len(given) == 1 else "apply"
+        raise ConfigError(f"{', '.join(given)} only {verb} to fully-async training: add --async")
     if args.rollout_in_thread and args.engine != "hf":
         raise ConfigError(
             f"--rollout-in-thread chooses where the built-in engine runs; --engine {args.engine} runs where it "
@@ -297,6 +305,37 @@ def _check_async(args: argparse.Namespace) -> None:
             f"--async syncs weights into the engine while it samples, and a remote server's (--url {args.url}) "
             "never are: drop --url (built-in engine, or --engine vllm in this process)"
         )
+
+
+def _check_engine(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an engine choice and a --url that contradict each other."""
+    from routereplay.errors import ConfigError
+
+    if args.url and args.engine == "hf":
+        raise ConfigError(
+            f"--url {args.url} names a remote server, but --engine is hf (the default: the built-in engine in "
+            "this process, which would ignore it); add --engine vllm or --engine sglang for that server, or drop --url"
+        )
+    if args.engine == "sglang" and not args.url:
+        raise ConfigError("--engine sglang needs --url (the server started with --enable-return-routed-experts)")
+
+
+def _log_run_start(args: argparse.Namespace) -> None:
+    """Append the run record that starts this run's lines in --log (earlier runs in the file are kept)."""
+    import datetime
+
+    from routereplay import __version__
+    from routereplay.cli.failure import naming
+
+    record = {
+        "run": {
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "routereplay": __version__,
+            "options": {name: value for name, value in sorted(vars(args).items()) if name not in ("func", "command")},
+        }
+    }
+    with naming(args.log), open(args.log, "a", encoding="utf-8") as stream:
+        stream.write(json.dumps(record) + "\n")
 
 
 def _check_colocated(args: argparse.Namespace) -> None:

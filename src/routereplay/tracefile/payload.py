@@ -163,6 +163,7 @@ def with_carried(hints: PayloadHints, document: Any, found: FileFormat, where: s
             "--moe-layers (and for SGLang --num-layers, --top-k)"
         )
     layers = [int(x) for x in carried["layers"]]
+    _check_carried(hints, carried, layers, where)
     written = carried.get("num_layers")
     if found is not FileFormat.MEGATRON and None not in (hints.num_layers, written) and hints.num_layers != written:
         raise LayerCountError(
@@ -180,6 +181,30 @@ def with_carried(hints: PayloadHints, document: Any, found: FileFormat, where: s
     if found is not FileFormat.MEGATRON and hints.num_layers is None:
         update["num_layers"] = carried.get("num_layers", max(layers) + 1)
     return replace(hints, **update)
+
+
+def _check_carried(hints: PayloadHints, carried: dict[str, Any], layers: list[int], where: str) -> None:
+    """A hint that contradicts the model facts routereplay wrote into the payload is refused, never used
+    over them (as for a codec file: `check_recorded`)."""
+    recorded: dict[str, Any] = {"num_experts": carried["num_experts"], "top_k": carried["top_k"]}
+    recorded.update(moe_layers=layers, layers=layers)
+    for name, value in recorded.items():
+        given = getattr(hints, name)
+        if given is None:
+            continue
+        given = [int(x) for x in given] if isinstance(value, list) else int(given)
+        if given != value:
+            shown = compact_ranges(value) if isinstance(value, list) else value
+            asked = compact_ranges(given) if isinstance(given, list) else given
+            raise ConfigError(
+                f"{where}: routereplay wrote this payload with {name}={shown} (its '{CARRIED_FIELD}' object) but "
+                f"{_flag(name)} says {asked}; drop {_flag(name)} (or pass {shown})"
+            )
+    if hints.start and hints.start != carried["start"]:
+        raise ConfigError(
+            f"{where}: routereplay wrote this payload with start={carried['start']} (its '{CARRIED_FIELD}' object) but "
+            f"--start says {hints.start}; drop --start (or pass {carried['start']})"
+        )
 
 
 def _carried_problem(carried: Any) -> str:
