@@ -264,7 +264,7 @@ def test_dense_form_reads_back_exactly_with_its_digest() -> None:
     batch = _dense()
     assert DIGEST_KEY in batch.non_tensor_batch
     want = batch.batch["routed_experts"]
-    assert torch.equal(routes_for_batch(batch, geometry=GEOMETRY), want)
+    assert torch.equal(routed_experts_for_batch(batch, geometry=GEOMETRY), want)
     assert torch.equal(routed_experts_for_batch(jagged(batch)).values(), want[batch.batch["attention_mask"].bool()])
 
 
@@ -292,7 +292,7 @@ def test_dense_routes_moved_apart_from_their_tokens_are_refused(
     batch = _dense()
     batch.batch["routed_experts"] = move(batch.batch["routed_experts"])
     with pytest.raises(TokenMismatchError, match="sample [02]: its routed_experts rows and input_ids"):
-        routes_for_batch(batch if layout == "padded" else jagged(batch))
+        routed_experts_for_batch(batch if layout == "padded" else jagged(batch))
 
 
 def test_jagged_routes_with_a_row_dropped_are_refused() -> None:
@@ -302,15 +302,15 @@ def test_jagged_routes_with_a_row_dropped_are_refused() -> None:
     parts[1] = torch.cat([parts[1][:2], parts[1][3:]])
     target["routed_experts"] = torch.nested.as_nested_tensor(parts, layout=torch.jagged)
     with pytest.raises(RowCountError, match="sample 1: routed_experts holds 5 rows for 6 tokens"):
-        routes_for_batch(target)
+        routed_experts_for_batch(target)
 
 
 def test_dense_routes_without_a_digest_are_refused_unless_unchecked() -> None:
     batch = _dense()
     del batch.non_tensor_batch[DIGEST_KEY]
     with pytest.raises(UncheckedRoutesError, match="no 'routereplay_routes_digest' column.*unchecked=True"):
-        routes_for_batch(batch)
-    assert torch.equal(routes_for_batch(batch, unchecked=True, recorded=True), batch.batch["routed_experts"])
+        routed_experts_for_batch(batch)
+    assert torch.equal(routed_experts_for_batch(batch, unchecked=True, recorded=True), batch.batch["routed_experts"])
 
 
 def test_expert_ids_in_a_dense_layers_column_are_refused() -> None:
@@ -321,9 +321,9 @@ def test_expert_ids_in_a_dense_layers_column_are_refused() -> None:
     routes[1, 5, 0] = torch.tensor([3, 7])
     batch.batch["routed_experts"] = routes
     with pytest.raises(DenseLayerRouteError, match="sample 1, token 3: dense layer 0 .*holds expert ids"):
-        routes_for_batch(batch, geometry=GEOMETRY, unchecked=True, recorded=True)
+        routed_experts_for_batch(batch, geometry=GEOMETRY, unchecked=True, recorded=True)
     routes[1, 5, 0] = 0  # verl's own zero fill there is no route
-    assert (routes_for_batch(batch, geometry=GEOMETRY, unchecked=True, recorded=True)[..., 0, :] == -1).all()
+    assert (routed_experts_for_batch(batch, geometry=GEOMETRY, unchecked=True, recorded=True)[..., 0, :] == -1).all()
 
 
 # --- 5: verl's zero-filled form --------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def test_verl_zero_rows_of_a_top1_model_are_no_route_where_verls_masks_say_so() 
     generated token and the tool tokens after the last call (from the last response_mask 1 on) from expert 0."""
     batch, routes = _verl_tool_sample(top_k=1)
     geometry = RouteGeometry(num_experts=16, num_layers=2, top_k=1, moe_layers=(0, 1))
-    got = routes_for_batch(batch, geometry=geometry, unchecked=True)
+    got = routed_experts_for_batch(batch, geometry=geometry, unchecked=True)
     unrouted = [0, 9, 10, 11, 12, 13]
     assert (got[0, unrouted] == -1).all()
     routed = [s for s in range(14) if s not in unrouted]
@@ -372,7 +372,7 @@ def test_verl_zero_rows_of_a_top1_model_are_no_route_where_verls_masks_say_so() 
 
 def test_verl_zero_rows_of_a_top2_model_are_no_route_anywhere() -> None:
     batch, routes = _verl_tool_sample(top_k=2)
-    got = routes_for_batch(batch, unchecked=True)
+    got = routed_experts_for_batch(batch, unchecked=True)
     zero_rows = (routes == 0).all(-1)
     assert (got[zero_rows] == -1).all() and torch.equal(got[~zero_rows], routes[~zero_rows])
     assert (got[0, [0, 9, 10, 11, 12, 13]] == -1).all()
@@ -380,4 +380,4 @@ def test_verl_zero_rows_of_a_top2_model_are_no_route_anywhere() -> None:
 
 def test_r2_recorded_zero_rows_stay_expert_0() -> None:
     batch, routes = _verl_tool_sample(top_k=1)
-    assert torch.equal(routes_for_batch(batch, unchecked=True, recorded=True), routes)
+    assert torch.equal(routed_experts_for_batch(batch, unchecked=True, recorded=True), routes)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from routereplay.errors import TokenMismatchError
-from routereplay.integrations.verl import RouteGeometry, put_routes, routed_experts_for_batch, routes_for_batch
+from routereplay.integrations.verl import RouteGeometry, put_routes, routed_experts_for_batch
 from routereplay.trace.route_trace import RouteTrace
 from tests.integrations.verl import rollout_case as case
 
@@ -115,14 +115,14 @@ def test_dense_form_rides_verls_splitting_and_refuses_swapped_samples() -> None:
     batch = _verl_batch(samples)
     put_routes(batch, _traces(batch), form="dense")
     whole = left_right_2_no_padding(batch.to_tensordict())
-    want = routes_for_batch(whole).unbind()
+    want = routed_experts_for_batch(whole).unbind()
     parts, index = rearrange_micro_batches(whole, max_token_len=16)
     assert len(parts) > 1
     for part, rows in zip(parts, index, strict=True):
-        got = routes_for_batch(part).unbind()
+        got = routed_experts_for_batch(part).unbind()
         assert all(torch.equal(got[i], want[r]) for i, r in enumerate(rows))
 
     swapped = batch.batch["routed_experts"][[1, 0, 2]]  # samples 0 and 1 are both 3 + 8 tokens
     batch.batch["routed_experts"] = swapped
     with pytest.raises(TokenMismatchError, match="sample 0: its routed_experts rows and input_ids"):
-        routes_for_batch(left_right_2_no_padding(batch.to_tensordict()))
+        routed_experts_for_batch(left_right_2_no_padding(batch.to_tensordict()))

@@ -15,10 +15,10 @@ Two forms, both in verl's own containers, so verl's padding and micro-batching u
   `non_tensor_batch[DIGEST_KEY]` (`route_digest.py`) that the reader checks. Only a trainer that reads -1 as
   "route live" may consume it (routereplay's replayer does).
 
-`routes_for_batch` turns either form on a (micro-)batch back into the routes its forward needs: the compact
-column into the padded `(B, S, L, K)` layout of a `DataProto` / padded `TensorDict`, or the jagged one
-`left_right_2_no_padding` makes (`input_ids` nested), each sample's token ids checked against the trace's;
-the dense form through `routed_experts_for_batch` (`routed_experts.py`: digest checked, verl's zero rows -1).
+`routes_for_batch` turns the compact column on a (micro-)batch back into the routes its forward needs: the
+padded `(B, S, L, K)` layout of a `DataProto` / padded `TensorDict`, or the jagged one `left_right_2_no_padding`
+makes (`input_ids` nested), each sample's token ids checked against the trace's. `routed_experts_for_batch`
+(`routed_experts.py`) reads the dense form back: digest checked, verl's zero rows -1 where its masks say so.
 Every field is checked first (`batch_fields.py`), and each compact header against the model's
 `RouteGeometry` (or `BatchLimits`) and the batch's other samples before anything is decoded or allocated.
 
@@ -104,25 +104,20 @@ def routes_for_batch(
     num_hidden_layers: int | None = None,
     geometry: RouteGeometry | None = None,
     limits: BatchLimits | None = None,
-    unchecked: bool = False,
-    recorded: bool = False,
 ) -> torch.Tensor:
-    """The routes of a verl (micro-)batch: a `DataProto`, or a `TensorDict` (padded, or after
-    `left_right_2_no_padding`: then jagged like its `input_ids`).
-
-    From the compact column when the batch has one (token ids checked; `geometry` / `limits` and the other
-    samples bound each header before anything is allocated), else from `routed_experts` through
-    `routed_experts_for_batch` (`unchecked`, `recorded` and `geometry` are passed on; `num_hidden_layers` does
-    not apply: the tensor keeps its own layer axis)."""
+    """The routes of a verl (micro-)batch from its compact column: a `DataProto`, or a `TensorDict` (padded, or
+    after `left_right_2_no_padding`: then jagged like its `input_ids`). Token ids are checked; `geometry` (or
+    `limits`) and the batch's other samples bound each blob's header before anything is decoded or allocated.
+    The dense form (`routed_experts`) is read by `routed_experts_for_batch`."""
     reader = "routes_for_batch"
     tensors, non_tensor = tensors_of(batch, reader)
     column = non_tensor.get(ROUTES_KEY, None)
     if column is None:
-        if tensors.get(VERL_ROUTES_KEY, None) is not None:
-            return routed_experts_for_batch(batch, geometry=geometry, unchecked=unchecked, recorded=recorded)
+        dense = tensors.get(VERL_ROUTES_KEY, None) is not None
         raise ConfigError(
             f"the batch has no '{ROUTES_KEY}' column: put the routes on it with put_routes (or set "
             f"AgentLoopOutput.extra_fields['{ROUTES_KEY}'] = compact_blob(trace) in the agent loop)"
+            + (f"; its dense '{VERL_ROUTES_KEY}' is read by routed_experts_for_batch" if dense else "")
         )
     input_ids = checked_input_ids(field(tensors, "input_ids", reader, "the tokens the routes belong to"), reader)
     num_hidden_layers = checked_num_hidden_layers(num_hidden_layers, geometry)
