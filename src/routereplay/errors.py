@@ -420,3 +420,9 @@ class ServerDiedError(RouteReplayError, RuntimeError):
 class AmxPermissionError(RouteReplayError, RuntimeError):
     """The CPU has AMX, so vLLM's CPU backend picks its AMX kernels, but Linux refused this process the AMX tile
     permission (arch_prctl ARCH_REQ_XCOMP_PERM): the first tile instruction would kill it with SIGILL."""
+
+
+class CheckpointError(ConfigError):
+    """A model checkpoint folder cannot be loaded: truncated or corrupt weights (an interrupted copy or save), or a
+    config transformers does not know. The message names the folder and, for the demo model's cache, the folder to
+    delete so that the model is trained again."""

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from routereplay.enums import StrEnum
-from routereplay.errors import AttachError, ConfigError, NoRoutersError, UnservableModelError
+from routereplay.errors import AttachError, CheckpointError, ConfigError, NoRoutersError, UnservableModelError
 from routereplay.rl.tasks import AdditionTask, build_tokenizer
 from routereplay.threads import ThreadPolicy
 
@@ -135,7 +135,13 @@ def load_or_train(
     variant = "".join(f"-{name}{value}" for name, value in sorted(overrides.items()))
     folder = cache_dir() / f"demo-{Arch(arch)}{variant}-v{TRAIN_VERSION}-s{steps}-seed{seed}"
     if (folder / "config.json").exists():
-        model, tokenizer = load_checkpoint(folder)
+        try:
+            model, tokenizer = load_checkpoint(folder)
+        except ConfigError as exc:  # a truncated model.safetensors (disk full, killed mid-save, a bad copy)
+            raise CheckpointError(
+                f"the cached demo model {folder} cannot be loaded ({_cause(exc)}); delete that folder (rm -r "
+                f"{folder}) and run again: the model is trained anew and cached"
+            ) from None
         return model, tokenizer, f"cached: {folder}"
     try:  # an unwritable cache fails now, not after minutes of training
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -247,11 +253,20 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
             f"--model {path}: the checkpoint has no tokenizer ({', '.join(tokenizer_files)}); save one with "
             "tokenizer.save_pretrained(path)"
         )
+    from safetensors import SafetensorError
+
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"--model {path}: cannot load it with transformers ({type(exc).__name__}: {exc})") from None
+    except SafetensorError as exc:  # a truncated or corrupt model.safetensors: the header does not cover the file
+        raise CheckpointError(
+            f"--model {path}: its weights (*.safetensors) are truncated or corrupt ({_first_paragraph(exc)}); copy or "
+            "save the checkpoint again"
+        ) from None
+    except (OSError, ValueError, KeyError) as exc:  # e.g. a model_type this transformers does not know
+        raise CheckpointError(
+            f"--model {path}: cannot load it with transformers ({type(exc).__name__}: {_first_paragraph(exc)})"
+        ) from None
     from routereplay.runtime import attach
 
     try:
@@ -263,6 +278,18 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
     except AttachError as exc:
         raise type(exc)(f"--model {path}: {exc}") from None
     return model.eval(), tokenizer
+
+
+def _first_paragraph(exc: BaseException) -> str:
+    """An exception's message up to its first blank line, on one line (transformers appends paragraphs of advice
+    on upgrading it to an unknown model_type's error)."""
+    return " ".join(str(exc).split("\n\n", 1)[0].split())
+
+
+def _cause(exc: ConfigError) -> str:
+    """What `load_checkpoint` said, without its `--model PATH: ` head (the cache is not a --model)."""
+    text = str(exc)
+    return text.split(": ", 1)[1] if text.startswith("--model ") else text
 
 
 __all__ = [
