@@ -4,11 +4,11 @@ The compact column's blobs carry each sample's token ids, and the readers check 
 (`batch._check_tokens`). verl's dense `routed_experts` tensor carries none: the same tensor shifted by one
 position, with a middle row dropped, or put on a batch whose equal-length samples swapped places replays
 silently. So wherever routereplay writes the dense form (`put_routes(..., form="dense")`) it also writes
-`non_tensor_batch[DIGEST_KEY]`: per sample, the first 16 bytes of a SHA-256 of its attended token ids (int64) together
-with its route rows (int16, as verl holds them: all layers and slots) at those positions, in order. The column rides verl's
-splitting like the compact column (`DataProto.chunk` / `select_idxs`, `to_tensordict`, `rearrange_micro_batches`),
-and `left_right_2_no_padding` keeps exactly the attended positions of both tensors, so a micro-batch's digest
-is computed the same way from its jagged `input_ids` and `routed_experts`.
+`non_tensor_batch[DIGEST_KEY]`: per sample, the first 16 bytes of a SHA-256 of its attended token ids (int64)
+together with its route rows (int16, as verl holds them: all layers and slots) at those positions, in order.
+The column rides verl's splitting like the compact column (`DataProto.chunk` / `select_idxs`, `to_tensordict`,
+`rearrange_micro_batches`), and `left_right_2_no_padding` keeps exactly the attended positions of both
+tensors, so a micro-batch's digest is computed the same way from its jagged `input_ids` and `routed_experts`.
 
 Legend: B samples, S padded positions, N tokens of one sample, P payload layers, K top-k.
 """
