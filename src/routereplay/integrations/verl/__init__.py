@@ -2,7 +2,7 @@
 
 Turn it on in a verl run (docs/verl.md): `actor_rollout_ref.model.external_lib=
 routereplay.integrations.verl.fsdp_engine` (imported by verl in every worker, it registers the engine
-for `language_model` / fsdp, fsdp2) and `+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3`
+for `language_model` / fsdp, fsdp2; `VERL_USE_EXTERNAL_MODULES` works too) and `+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3`
 (or R2); the agent loop puts `compact_blob(trace)` in `AgentLoopOutput.extra_fields[ROUTES_KEY]`.
 
 verl 0.9.1 replays routes on Megatron and VeOmni only, pads the engine's routes with zeros that mean
@@ -19,7 +19,9 @@ Files:
                     `dense_routed_experts` (verl's `routed_experts`, -1 for no route), `jagged_routed_experts`,
                     `routes_for_batch` (either form back for a micro-batch), `put_routes`
 - `micro_batch.py`  the trainer side: a micro-batch's routes in the layout verl's FSDP engine feeds the model
-- `fsdp_engine.py`  verl's FSDP/FSDP2 engine with routereplay R2 / R3
+- `fsdp_engine.py`  verl's FSDP/FSDP2 engine with routereplay R2 / R3 (R2 with rollout routes refused)
+- `registration.py` the engine in verl's `EngineRegistry` whenever verl's engines load (`external_lib`, or an
+                    import hook when `VERL_USE_EXTERNAL_MODULES` / any process imports it before `verl.workers`)
 
 Importing this package imports no verl: `rollout` / `batch` take verl's objects (`DataProto`, `TensorDict`,
 `AgentLoopOutput`) duck-typed, and `fsdp_engine` imports verl inside the functions that need it (it is not

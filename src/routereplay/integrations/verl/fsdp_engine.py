@@ -31,15 +31,16 @@ say carry no route), not as expert 0.
 -1 rows on attended positions (tool tokens) route live in both layouts verl feeds the model: packed
 (`use_remove_padding=True`) and padded with an attention mask (`False`) dispatch the same experts.
 
-Turning it on (every Ray worker imports the module through verl's `external_lib`; importing it with
-verl loaded registers the engine for this platform's vendor, which `EngineRegistry` prefers; a
-`VERL_ENGINE_VENDOR` override naming another vendor bypasses it):
+Turning it on (every Ray worker imports the module through verl's `external_lib`, or from `verl/__init__`
+with `VERL_USE_EXTERNAL_MODULES=routereplay.integrations.verl.fsdp_engine`; the engine is registered for
+this platform's vendor and `VERL_ENGINE_VENDOR`'s, which `EngineRegistry` prefers, as soon as verl's
+engines are imported, before or after this module: `registration.py`):
 
     actor_rollout_ref.model.external_lib=routereplay.integrations.verl.fsdp_engine
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3      # or R2
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True     # R3: the rollout returns routes
 
-Nothing here imports verl until verl is already loaded or `engine_class()` / `register_engine()` is
+Nothing here imports verl until verl's workers are loaded or `engine_class()` / `register_engine()` is
 called. Legend: B = sequences, N = tokens of a micro-batch, P = payload layers, L = bound MoE
 layers, K = top-k, S = positions of a model input row.
 """
@@ -47,7 +48,7 @@ layers, K = top-k, S = positions of a model input row.
 from __future__ import annotations
 
 import functools
-import sys
+import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from routereplay.errors import ConfigError, MissingRoutesError, RouteReplayError
+from routereplay.errors import ConfigError, MissingRoutesError
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import VERL_ROUTES_KEY
 from routereplay.integrations.verl.micro_batch import (
@@ -72,6 +73,7 @@ from routereplay.integrations.verl.micro_batch import (
     route_source,
     routes_of,
 )
+from routereplay.integrations.verl.registration import register_under, register_when_verl_loads
 
 MODES = ("disabled", "R2", "R3")
 ENGINE_NAME = "RouteReplayFSDPEngine"
@@ -258,42 +260,17 @@ def engine_class() -> type:
 
 
 def register_engine(vendor: str | None = None, devices: tuple[str, ...] = ("cuda", "npu")) -> type:
-    """Register the engine in verl's `EngineRegistry` (language_model, fsdp and fsdp2) under `vendor`
-    (default: this platform's, e.g. "nvidia"), which `EngineRegistry.get_engine_cls` looks up before
-    the device-only default. Idempotent; returns the engine class."""
+    """Register the engine in verl's `EngineRegistry` (language_model, fsdp and fsdp2) under `vendor`; by default
+    under this platform's (e.g. "nvidia") and the one `VERL_ENGINE_VENDOR` names, which
+    `EngineRegistry.get_engine_cls` looks up before the device-only default. Idempotent; returns the class."""
     from verl.utils.device import get_vendor
-    from verl.workers.engine.base import EngineRegistry
 
     cls = engine_class()
-    vendor = vendor or get_vendor()
-    table = EngineRegistry._engines.get("language_model", {})
-    free = []
-    for backend in ("fsdp", "fsdp2"):
-        for device in devices:
-            held = table.get(backend, {}).get((device, vendor))
-            if held is None:
-                free.append(device)
-            elif held is not cls:
-                raise ConfigError(
-                    f"verl's EngineRegistry already maps language_model/{backend} on ({device}, {vendor}) to "
-                    f"{held.__name__}; routereplay's engine would replace it: unregister that engine first"
-                )
-    if free:
-        EngineRegistry.register(
-            model_type="language_model", backend=["fsdp", "fsdp2"], device=sorted(set(free)), vendor=vendor
-        )(cls)
+    vendors = [vendor] if vendor else [v for v in dict.fromkeys((get_vendor(), os.getenv("VERL_ENGINE_VENDOR"))) if v]
+    for name in vendors:
+        register_under(cls, name, devices)
     return cls
 
 
-def _register_if_verl_loaded() -> None:
-    """verl's `external_lib` imports this module inside a verl process: register there, and only there."""
-    if "verl.workers.engine" in sys.modules or "verl.workers.config" in sys.modules:
-        try:
-            register_engine()
-        except RouteReplayError:
-            raise
-        except Exception as err:  # verl too old or too new for this engine: say so at import
-            raise ConfigError(f"registering routereplay's FSDP engine with verl failed: {err}") from err
-
-
-_register_if_verl_loaded()
+# verl's `external_lib` / `VERL_USE_EXTERNAL_MODULES` import this module: register now, or when verl's engines load
+register_when_verl_loads(register_engine)

@@ -1,0 +1,119 @@
+"""routereplay's FSDP engine in verl's `EngineRegistry`, registered whenever verl's engines are imported.
+
+verl 0.9.1 builds the training engine with `EngineRegistry.new(model_type, strategy, ...)`, which takes the
+class registered for (device, vendor) and else the device-only default: its own `FSDPEngineWithLMHead`,
+which ignores `router_replay.mode`. `fsdp_engine` registers its subclass under the vendor key, so it must
+run once `EngineRegistry` exists, whatever the order of imports:
+
+- `actor_rollout_ref.model.external_lib=routereplay.integrations.verl.fsdp_engine`: verl imports it in a
+  worker where `verl.workers` is loaded, and it registers at once;
+- `VERL_USE_EXTERNAL_MODULES=routereplay.integrations.verl.fsdp_engine`: `verl/__init__` imports it before
+  `verl.workers` exists; and any process may import it before verl. Then `EngineImportHook` (first on
+  `sys.meta_path`) wraps the loader of `verl.workers.engine`, the package that defines `EngineRegistry` and
+  imports verl's FSDP engines, registers right after that package has run, and leaves `sys.meta_path`.
+
+Registering without either would hand such a process verl's own engine, with replay off and nothing said.
+The hook imports nothing itself and changes no verl file; the module keeps verl's own loader.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+
+from routereplay.errors import ConfigError, RouteReplayError
+
+ENGINE_PACKAGE = "verl.workers.engine"  # defines EngineRegistry and imports verl's FSDP engines
+LOADED_MARKERS = (ENGINE_PACKAGE, "verl.workers.config")  # either loaded: verl is in use, register now
+HOOK_MARK = "routereplay_verl_engine_hook"  # attribute naming our hook on sys.meta_path (survives reloads)
+
+
+def register_under(cls: type, vendor: str, devices: Sequence[str]) -> None:
+    """Register `cls` for language_model / fsdp and fsdp2 on each (device, vendor). Idempotent; a key held by
+    another class is a `ConfigError` (verl's `register` would assert)."""
+    from verl.workers.engine.base import EngineRegistry
+
+    table = EngineRegistry._engines.get("language_model", {})
+    for backend in ("fsdp", "fsdp2"):
+        free = []
+        for device in devices:
+            held = table.get(backend, {}).get((device, vendor))
+            if held is None:
+                free.append(device)
+            elif held is not cls:
+                raise ConfigError(
+                    f"verl's EngineRegistry already maps language_model/{backend} on ({device}, {vendor}) to "
+                    f"{held.__name__}; routereplay's engine would replace it: unregister that engine first"
+                )
+        if free:
+            EngineRegistry.register(model_type="language_model", backend=backend, device=free, vendor=vendor)(cls)
+
+
+def register_when_verl_loads(register: Callable[[], object]) -> None:
+    """Call `register` now if verl's workers are loaded, else right after `verl.workers.engine` is imported."""
+    if any(name in sys.modules for name in LOADED_MARKERS):
+        run(register)
+    elif not any(getattr(finder, HOOK_MARK, False) for finder in sys.meta_path):
+        sys.meta_path.insert(0, EngineImportHook(register))
+
+
+def run(register: Callable[[], object]) -> None:
+    try:
+        register()
+    except RouteReplayError:
+        raise
+    except Exception as err:  # verl too old or too new for this engine: say so where it is imported
+        raise ConfigError(f"registering routereplay's FSDP engine with verl failed: {err}") from err
+
+
+class EngineImportHook(importlib.abc.MetaPathFinder):
+    """Finds `verl.workers.engine` through the other finders and gives it a loader that registers after it."""
+
+    routereplay_verl_engine_hook = True
+
+    def __init__(self, register: Callable[[], object]) -> None:
+        self.register = register
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname != ENGINE_PACKAGE:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec: ModuleSpec | None = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = RegisteringLoader(spec.loader, self)
+                return spec
+        return None
+
+    def leave(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+class RegisteringLoader(importlib.abc.Loader):
+    """verl's loader for `verl.workers.engine`, then the registration (the module keeps verl's loader)."""
+
+    def __init__(self, loader: importlib.abc.Loader, hook: EngineImportHook) -> None:
+        self.loader, self.hook = loader, hook
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.hook.leave()
+        run(self.hook.register)
+
+
+__all__ = ["ENGINE_PACKAGE", "EngineImportHook", "register_under", "register_when_verl_loads"]
