@@ -2,8 +2,9 @@
 
 Turn it on in a verl run (docs/verl.md): `actor_rollout_ref.model.external_lib=
 routereplay.integrations.verl.fsdp_engine` (imported by verl in every worker, it registers the engine
-for `language_model` / fsdp, fsdp2; `VERL_USE_EXTERNAL_MODULES` works too) and `+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3`
-(or R2); the agent loop puts `compact_blob(trace)` in `AgentLoopOutput.extra_fields[ROUTES_KEY]`.
+for `language_model` / fsdp, fsdp2; `VERL_USE_EXTERNAL_MODULES` works too) and
+`+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3` (or R2); the agent loop puts
+`compact_blob(trace)` in `AgentLoopOutput.extra_fields[ROUTES_KEY]`.
 
 verl 0.9.1 replays routes on Megatron and VeOmni only, pads the engine's routes with zeros that mean
 "no route" (expert 0 to any trainer that forces them), and merges partial-rollout resumes by slicing.
