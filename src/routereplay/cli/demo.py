@@ -181,14 +181,13 @@ def _check_vllm(args: argparse.Namespace) -> None:
 
 
 def _render(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from routereplay.cli.console import show
     from routereplay.report.table import METRIC_ROWS, format_metric
 
     model, rollouts, modes = result["model"], result["rollouts"], result["modes"]
-    console = Console()
-    console.print(
+    summary = (
         f"[bold]{model['model_type']}[/bold] ({model['parameters']:,} parameters, {len(model['layers'])} MoE layers, "
         f"top-{model['top_k']} of {model['num_experts']} experts; {model['source']})\n"
         f"{rollouts['sequences']} rollouts, {rollouts['response_tokens']} response tokens, reward "
@@ -208,4 +207,4 @@ def _render(result: dict[str, Any]) -> None:
         off, r3 = modes["off"].get(key), modes.get("R3", {}).get(key)
         ratio = f"{r3 / off:.3f}" if isinstance(off, (int, float)) and off and isinstance(r3, (int, float)) else "-"
         table.add_row(label, *(format_metric(key, v) for v in values), ratio)
-    console.print(table)
+    show(summary, table)

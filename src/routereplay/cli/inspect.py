@@ -146,13 +146,12 @@ def _format_of(path: str, engine: str | None) -> str | None:
 
 
 def _render(path: str, fmt: str, summary: Any, layers_shown: int) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from routereplay.cli.console import show
     from routereplay.trace.provenance import Segment
     from routereplay.trace.summary import compact_ranges
 
-    console = Console()
     facts = Table(
         show_header=False, box=None, pad_edge=False, title=f"[bold]{path}[/bold] ({fmt})", title_justify="left"
     )
@@ -176,7 +175,6 @@ def _render(path: str, fmt: str, summary: Any, layers_shown: int) -> None:
     facts.add_row("provenance", provenance or "-")
     verdict = "[green]valid[/green]" if summary.valid else f"[red]INVALID[/red] {summary.error_type}: {summary.error}"
     facts.add_row("validation", verdict)
-    console.print(facts)
     loads = Table(title="expert load per layer", title_justify="left")
     for name in ("layer", "routed rows", "max/mean", "unused experts", "busiest", "entropy"):
         loads.add_column(name, justify="right")
@@ -191,4 +189,4 @@ def _render(path: str, fmt: str, summary: Any, layers_shown: int) -> None:
         )
     if len(summary.layer_load) > layers_shown:
         loads.caption = f"{len(summary.layer_load) - layers_shown} more layers: --layers-shown N or --json"
-    console.print(loads)
+    show(facts, loads)

@@ -25,8 +25,9 @@ def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render(history: list[dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from routereplay.cli.console import show
 
     if not history:
         return
@@ -53,14 +54,14 @@ def render(history: list[dict[str, Any]]) -> None:
             str(r["fallback_rows"]),
             f"{sum(r['seconds'].values()):.1f}",
         )
-    console = Console()
-    Console(width=max(console.width, 124)).print(table)  # 11 columns: do not squeeze into 80
+    show(table, min_width=124)  # 11 columns: do not squeeze into 80
 
 
 def render_async(history: list[dict[str, Any]]) -> None:
     """The async run's table: reward, mismatch, and where each batch's routes came from."""
-    from rich.console import Console
     from rich.table import Table
+
+    from routereplay.cli.console import show
 
     if not history:
         return
@@ -91,8 +92,7 @@ def render_async(history: list[dict[str, Any]]) -> None:
             str(r["dropped_stale_groups"]),
             f"{r['samples_per_second']:.1f}",
         )
-    console = Console()
-    Console(width=max(console.width, 124)).print(table)
+    show(table, min_width=124)
 
 
 __all__ = ["render", "render_async", "step_rows"]
