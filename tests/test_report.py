@@ -213,3 +213,23 @@ def test_missing_matplotlib_names_the_extra(tmp_path: Path, monkeypatch: pytest.
 )
 def test_format_metric(name: str, value: float, expected: str) -> None:
     assert format_metric(name, value) == expected
+
+
+def test_report_intro_explains_every_mode_and_the_steps_caption_every_panel() -> None:
+    """report.html's intro explained off and R3 but not R2, whose column the table shows; the steps figure's caption
+    named 2 of its 3 panels (k3 KL, routing) and not the routing drift."""
+    import re
+
+    from routereplay.report.page import CAPTIONS, render_html
+
+    result = fake_result()
+    result["modes"]["R2"] = copy.deepcopy(result["modes"]["off"])
+    intro = re.search(r"<p>(.*?)</p>", render_html(result, ["steps.png"]), re.S)
+    assert intro is not None
+    for mode in ("off", "R2", "R3"):
+        assert f"<strong>{mode}</strong>" in intro[1], f"the intro does not say what {mode} is"
+    del result["modes"]["R2"]
+    assert "R2" not in render_html(result, []), "no R2 in a record without it"
+    caption = CAPTIONS["steps.png"]
+    for panel in ("k3 KL", "routing disagreement", "drift"):  # plots.plot_steps' three panels
+        assert panel in caption

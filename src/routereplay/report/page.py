@@ -108,6 +108,11 @@ figure { margin: 1.5em 0; } figure img { max-width: 100%; border: 1px solid #eee
 figcaption { color: #444; font-size: 0.92em; margin-top: 0.3em; }
 """
 
+R2_INTRO = (
+    "; with <strong>R2</strong> the trainer records its own routing in the old-log-prob pass and replays it in "
+    "every update mini-step, so it scores the rollouts as off does and removes the drift between that pass and the "
+    "updates, not the engine–trainer gap"
+)
 CAPTIONS = {
     "per_layer_disagreement.png": (
         "Per-layer routing disagreement: the share of (token, layer) rows where the trainer's router picks a "
@@ -123,7 +128,12 @@ CAPTIONS = {
         "k3 KL and F(2) per mode, with each mode's ratio to no replay (off). A ratio below 1 means replay "
         "shrinks the trainer–engine mismatch."
     ),
-    "steps.png": "k3 KL and routing disagreement over the training steps, one line per mode.",
+    "steps.png": (
+        "Over the training steps, one line per mode: k3 KL between engine and trainer; the engine-vs-trainer routing "
+        "disagreement during the update mini-steps; and the routing drift from the old-log-prob pass to the updates "
+        "(R2 replays that pass's routing, so its drift stays at zero; R3 replays the engine's, so its disagreement "
+        "does)."
+    ),
 }
 
 
@@ -131,7 +141,7 @@ ALT_TEXTS = {
     "per_layer_disagreement.png": "bar chart of routing disagreement per MoE layer and mode",
     "dlogp_hist.png": "histogram of the absolute log-prob difference per mode",
     "kl.png": "bar charts of k3 KL and F(2) per mode",
-    "steps.png": "line plots of k3 KL and routing disagreement per training step",
+    "steps.png": "line plots of k3 KL, routing disagreement and routing drift per training step",
 }
 
 
@@ -183,7 +193,8 @@ def render_html(result: Mapping[str, Any], images: Sequence[str]) -> str:
         f"<code>{_esc(trainer_dtype)}</code>. The precision gap makes the two routers pick different top-k "
         "experts for some tokens; <strong>routing disagreement</strong> is the fraction of (token, layer) rows "
         "whose expert <em>set</em> differs. With <strong>R3</strong> the trainer replays the engine's recorded "
-        "routes instead of routing again (<strong>off</strong> is no replay). For every response token, "
+        "routes instead of routing again (<strong>off</strong> is no replay)"
+        f"{R2_INTRO if 'R2' in modes else ''}. For every response token, "
         "<code>d = logp_train − logp_infer</code>; <strong>k3 KL</strong> = mean(exp(d) − 1 − d), and "
         "<strong>F(2)</strong> = fraction of tokens with |d| &gt; ln 2, i.e. whose probability ratio lies "
         "outside [½, 2]. Lower is better for both: a large mismatch biases the policy-gradient importance "
