@@ -211,6 +211,10 @@ def _nan(mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
+HALF: Any = 2.5  # the values of the wrong type, typed Any so the calls below type-check
+TWO: Any = 2.0
+NUMPY_ROW: Any = np.zeros(4, dtype=np.int64)
+
 MALFORMED: dict[str, tuple[Callable[[], Any], type[RouteReplayError], str]] = {
     "column-is-a-string": (_with(ROUTES_KEY, lambda c: "blobs"), BatchFieldError, "column is a str"),
     "column-is-a-tensor": (_with(ROUTES_KEY, lambda c: torch.zeros(3)), BatchFieldError, "column is a Tensor"),
@@ -230,13 +234,13 @@ MALFORMED: dict[str, tuple[Callable[[], Any], type[RouteReplayError], str]] = {
     "numpy-mask": (_with("attention_mask", lambda m: m.numpy()), BatchFieldError, "attention_mask is a ndarray"),
     "numpy-input-ids": (_with("input_ids", lambda x: x.numpy()), BatchFieldError, "input_ids is a ndarray"),
     "float-input-ids": (_with("input_ids", lambda x: x.float()), BatchFieldError, "input_ids has dtype"),
-    "half-layers": (lambda: routes_for_batch(_good(), num_hidden_layers=2.5), ConfigError,
+    "half-layers": (lambda: routes_for_batch(_good(), num_hidden_layers=HALF), ConfigError,
                     r"num_hidden_layers=2\.5 must be an int"),
     "not-a-batch": (lambda: routes_for_batch([1, 2]), BatchFieldError, "takes verl's DataProto or TensorDict"),
     "numpy-row": (lambda: padded_routes(trace(4, 0), prompt_len=2, response_len=2, prompt_length=2,
-                                        response_length=2, input_ids_S=np.zeros(4, dtype=np.int64)),
+                                        response_length=2, input_ids_S=NUMPY_ROW),
                   BatchFieldError, "input_ids_S is a ndarray"),
-    "float-length": (lambda: padded_routes(trace(4, 0), prompt_len=2.0, response_len=2, prompt_length=2,
+    "float-length": (lambda: padded_routes(trace(4, 0), prompt_len=TWO, response_len=2, prompt_length=2,
                                            response_length=2), ConfigError, r"prompt_len=2\.0 must be an int"),
 }  # fmt: skip
 

@@ -57,7 +57,7 @@ def sample_rows(
     if input_ids.is_nested:
         ids_cu = input_ids.offsets().to("cpu", torch.int64)  # type: ignore[attr-defined]
         routes_cu = routes.offsets().to("cpu", torch.int64)  # type: ignore[attr-defined]
-        ids_values, routes_values = input_ids.values(), routes.values()  # type: ignore[attr-defined]
+        ids_values, routes_values = input_ids.values(), routes.values()
         for b in range(input_ids.size(0)):
             n, m = int(ids_cu[b + 1] - ids_cu[b]), int(routes_cu[b + 1] - routes_cu[b])
             if n != m:

@@ -99,7 +99,7 @@ def routed_experts_for_batch(
             "unchecked=True to replay verl's own routed_experts without a token check"
         )
 
-    values = (routes.values() if routes.is_nested else routes).clone()  # type: ignore[attr-defined]
+    values = (routes.values() if routes.is_nested else routes).clone()
     _clear_dense_columns(values, routes.is_nested, geometry, rows, reader)
     if digests is None and not recorded:
         _clear_unrouted(values, routes, input_ids, tensors, reader)
