@@ -116,6 +116,7 @@ def verl_batch(
     micro_batch_size: int = 2,
     traces: list[Any] | None = None,
     traces_form: str = "compact",
+    generated: list[int] | None = None,
 ) -> Any:
     """The TensorDict verl's trainer hands `compute_log_prob` / `update_actor`, after `left_right_2_no_padding`."""
     from verl.utils import tensordict_utils as tu
@@ -132,7 +133,7 @@ def verl_batch(
         input_ids[b, start:PROMPT_WIDTH] = prompt
         input_ids[b, PROMPT_WIDTH : PROMPT_WIDTH + response.numel()] = response
         attention_mask[b, start : PROMPT_WIDTH + response.numel()] = 1
-        response_mask[b, : response.numel()] = 1
+        response_mask[b, : response.numel() if generated is None else generated[b]] = 1  # 0: tool tokens
         if routes is not None:  # verl's agent loop: routes from start_pos, zeros elsewhere
             routed[b, start : start + routes[b].shape[0]] = routes[b].to(torch.int16)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -150,10 +151,13 @@ def verl_batch(
         from routereplay.integrations.verl.batch import ROUTES_KEY, compact_blob
 
         tensors[ROUTES_KEY] = [compact_blob(trace) for trace in traces]
-    elif traces is not None:  # BatchForm.DENSE: verl's routed_experts, -1 (never 0) where nothing was routed
+    elif traces is not None:  # BatchForm.DENSE as put_routes writes it: -1 (never 0) for no route, a token digest
         from routereplay.integrations.verl.batch import dense_routed_experts
+        from routereplay.integrations.verl.route_digest import DIGEST_KEY, route_digests
 
-        tensors["routed_experts"] = dense_routed_experts(traces, attention_mask, PROMPT_WIDTH, input_ids_BS=input_ids)
+        dense = dense_routed_experts(traces, attention_mask, PROMPT_WIDTH, input_ids_BS=input_ids)
+        tensors["routed_experts"] = dense
+        tensors[DIGEST_KEY] = list(route_digests(dense, input_ids, attention_mask))
     data = left_right_2_no_padding(tu.get_tensordict(tensors))
     tu.assign_non_tensor(
         data,

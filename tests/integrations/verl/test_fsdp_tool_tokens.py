@@ -30,9 +30,29 @@ PLANS: tuple[tuple[tuple, ...], ...] = (
     (("call", 8, 0),),  # p7 r1
     (("call", 5, 0),),  # p2 r3
 )
+# what verl's own agent loop can lay out: the last call's rows from the prompt's first token, zeros after them
+VERL_PLANS = (PLANS[0], (("call", 5, 0), ("tool", 7), ("call", 9, 0)), *PLANS[2:])
+GENERATED = [2, 6, 1, 3]  # response tokens the engine generated (verl's response_mask 1), tool tokens after them
 
 
-def _multi_turn_traces(rollout: torch.nn.Module, seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
+def _verl_batch(seqs: list, traces: list, form: str, remove_padding: bool) -> object:
+    """The batch in one of three forms: routereplay's compact column, its dense -1 form with the token digest,
+    or verl's own agent-loop `routed_experts` (each sample's last call's rows, zeros elsewhere)."""
+    if form != "verl":
+        return case.verl_batch(
+            seqs, None, remove_padding=remove_padding, micro_batch_size=len(seqs), traces=traces, traces_form=form
+        )
+    full = case.rollout_routes(case.rollout_model(case.tiny_model()), seqs)
+    last_calls = [full[b][: plan[-1][1] - 1] if plan[-1][0] == "call" else full[b][: plan[-2][1] - 1]
+                  for b, plan in enumerate(VERL_PLANS)]  # fmt: skip
+    return case.verl_batch(
+        seqs, last_calls, remove_padding=remove_padding, micro_batch_size=len(seqs), generated=GENERATED
+    )
+
+
+def _multi_turn_traces(
+    rollout: torch.nn.Module, seqs: list[tuple[torch.Tensor, torch.Tensor]], plans: tuple = PLANS
+) -> list:
     from routereplay.integrations.verl import RolloutRoutes, RouteGeometry
 
     config = rollout.config
@@ -44,7 +64,7 @@ def _multi_turn_traces(rollout: torch.nn.Module, seqs: list[tuple[torch.Tensor, 
     )
     routes = RolloutRoutes(geometry)
     full = case.rollout_routes(rollout, seqs)  # per sample (N - 1, all layers, K): what one call over it returns
-    for b, ((prompt, response), plan) in enumerate(zip(seqs, PLANS, strict=True)):
+    for b, ((prompt, response), plan) in enumerate(zip(seqs, plans, strict=True)):
         ids = torch.cat([prompt, response]).tolist()
         assert plan[-1][1] == len(ids)
         for step in plan:
@@ -67,24 +87,21 @@ def _token_routes(traces: list) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("form", ["compact", "dense"])
+@pytest.mark.parametrize("form", ["compact", "dense", "verl"])
 def test_tool_tokens_route_live_and_remove_padding_on_and_off_dispatch_identically(
     cpu_engine_module: None, form: str
 ) -> None:
     model, seqs = case.tiny_model(), case.sequences()
-    traces = _multi_turn_traces(case.rollout_model(model), seqs)
+    traces = _multi_turn_traces(case.rollout_model(model), seqs, VERL_PLANS if form == "verl" else PLANS)
     want_NLK = _token_routes(traces)
     routed_N = want_NLK[:, 0, 0] >= 0
-    data = case.verl_batch(seqs, None, remove_padding=True, micro_batch_size=len(seqs), traces=traces)
-    last_N = case.last_token_mask(data)
-    assert int((~routed_N & ~last_N).sum()) == 5, "tool tokens and a call's unrouted last token: -1, not final"
+    last_N = case.last_token_mask(_verl_batch(seqs, traces, form, True))
+    assert int((~routed_N & ~last_N).sum()) == (2 if form == "verl" else 5), "-1 rows that are not a final token"
 
     engine = case.build_engine(model, "R3")
     dispatched, fallbacks = {}, {}
     for remove_padding in (True, False):
-        data = case.verl_batch(
-            seqs, None, remove_padding=remove_padding, micro_batch_size=len(seqs), traces=traces, traces_form=form
-        )
+        data = _verl_batch(seqs, traces, form, remove_padding)
         rows = case.token_rows(data, remove_padding)
         before = engine.routing().replayer.stats.fallback_rows if engine.routing().replayer else 0
         with case.dispatched(model) as seen:
@@ -107,3 +124,22 @@ def test_tool_tokens_route_live_and_remove_padding_on_and_off_dispatch_identical
     assert not torch.equal(natural_NK[routed_N], case.sorted_rows(want_NLK[routed_N, 0])), (
         "the rollout model must route differently from the trainer, or replay proves nothing"
     )
+
+
+def test_engine_checks_the_dense_forms_token_digest(cpu_engine_module: None) -> None:
+    """The engine reads `routed_experts` through `routed_experts_for_batch`: routereplay's dense form carries a
+    token digest, so rows of two equal-length samples swapped apart from their tokens are refused by name."""
+    from routereplay.errors import TokenMismatchError
+
+    model, seqs = case.tiny_model(), case.sequences()
+    traces = _multi_turn_traces(case.rollout_model(model), seqs)
+    data = case.verl_batch(
+        seqs, None, remove_padding=True, micro_batch_size=len(seqs), traces=traces, traces_form="dense"
+    )
+    parts = list(data["routed_experts"].unbind())
+    assert parts[0].shape == parts[1].shape, "samples 0 and 1 have equal lengths, so a swap keeps every shape"
+    data["routed_experts"] = torch.nested.as_nested_tensor([parts[1], parts[0], *parts[2:]], layout=torch.jagged)
+    engine = case.build_engine(model, "R3")
+    with case.dispatched(model) as seen, pytest.raises(TokenMismatchError, match="sample 0"):
+        engine.infer_batch(data)
+    assert all(not calls for calls in seen.values()), "refused before any forward"

@@ -178,7 +178,7 @@ class RouteReplayEngineMixin:
         layout = self.micro_batch_layout(micro_batch)
         device = next(self.module.parameters()).device  # type: ignore[attr-defined]
         if action is Action.REPLAY:
-            routes = routes_of(micro_batch)
+            routes = routes_of(micro_batch, recorded=mode == "R2")
             assert routes is not None
             routes_NPK = rollout_routes(routes, micro_batch["input_ids"], final_token_live=mode == "R3")
             if mode == "R2":

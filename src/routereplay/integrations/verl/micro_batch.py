@@ -34,7 +34,8 @@ import torch.distributed as dist
 from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, MissingRoutesError, RowCountError, TokenMismatchError
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
-from routereplay.integrations.verl.batch import VERL_ROUTES_KEY, routes_for_batch
+from routereplay.integrations.verl.batch import routes_for_batch
+from routereplay.integrations.verl.routed_experts import VERL_ROUTES_KEY, routed_experts_for_batch
 from routereplay.layout import LayerMap, Ragged, pad, ulysses_shard
 from routereplay.layout.ragged import token_starts
 
@@ -205,16 +206,21 @@ def route_source(micro_batch: object) -> RouteSource | None:
     return RouteSource.VERL if isinstance(get(VERL_ROUTES_KEY, None), torch.Tensor) else None
 
 
-def routes_of(micro_batch: object) -> torch.Tensor | None:
-    """The micro-batch's routes, jagged (B, j, P, K), or None when it has none (R2's recording pass).
+def routes_of(micro_batch: object, *, recorded: bool = False) -> torch.Tensor | None:
+    """The micro-batch's routes, jagged (B, j, P, K) with -1 where no route is known, or None (R2's recording pass).
 
-    routereplay's compact column (`batch.ROUTES_KEY`, codec blobs the rollout side put on the batch) is
-    read first: its traces carry token ids, checked against the micro-batch's (`TokenMismatchError`).
-    Otherwise verl's own `routed_experts` tensor (-1 or verl's zero padding), which carries none."""
+    routereplay's compact column (`batch.ROUTES_KEY`, codec blobs the rollout side put on the batch) is read
+    first, by `routes_for_batch`: its traces carry token ids, checked against the micro-batch's. Otherwise
+    verl's `routed_experts` tensor, by `routed_experts_for_batch` (`routed_experts.py`): routereplay's dense
+    form is checked against its token digest; verl's own zero-filled form (no digest: replayed without a
+    token check, as verl replays it) gets -1 on the zero rows verl's masks say no engine routed, unless
+    `recorded` (R2: rows the engine recorded itself, every one a route)."""
     source = route_source(micro_batch)
     if source is RouteSource.COMPACT:
         return routes_for_batch(micro_batch)
-    return micro_batch[VERL_ROUTES_KEY] if source is RouteSource.VERL else None  # type: ignore[index]
+    if source is RouteSource.VERL:
+        return routed_experts_for_batch(micro_batch, unchecked=True, recorded=recorded)
+    return None
 
 
 def check_recorded(routes_NPK: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
