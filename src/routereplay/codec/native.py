@@ -18,7 +18,7 @@ path. `KERNEL_STATUS` says which, for `routereplay env`.
 
 Alignment: the kernel reads and writes typed memory (int16 ... int64 rows, uint64 / float64 tables), so
 every buffer it gets sits at a multiple of its item size (the kernel refuses any other). Inputs here are
-copied to aligned memory when they are not (`np.require(..., "CA")`: a trace on a numpy view at an odd
+copied to aligned memory when they are not (`np.require(..., ("C", "A"))`: a trace on a numpy view at an odd
 byte offset); an output must already be aligned (`can_unrank_into`), and `RankBundle.decode(out=)`
 refuses a misaligned one by name.
 Legend: R = rows, K = top-k, E = experts, J = K + 1 table rows, P = comparators of the network.
@@ -89,9 +89,9 @@ def pack_set_rows(experts_RK: np.ndarray, num_experts: int, table_JE: np.ndarray
     bitmap_bytes = -(-rows // 8)
     buffer_B = np.zeros(bitmap_bytes + -(-rows * bits // 8), np.uint8)
     routed, bad_row = KERNEL.rank_pack(
-        np.require(experts_RK, requirements="CA"),  # a misaligned view (odd byte offset) is copied
+        np.require(experts_RK, requirements=("C", "A")),  # a misaligned view (odd byte offset) is copied
         num_experts,
-        np.require(table_JE, requirements="CA"),
+        np.require(table_JE, requirements=("C", "A")),
         network_P2,
         bits,
         buffer_B[:bitmap_bytes],

@@ -285,6 +285,7 @@ class RankBundle:
         else:
             shape = (self.rows, len(self.layers), self.top_k)
             self.decode(checked_out_tensor(out, shape, canonical_dtype(self.num_experts)))
+            assert isinstance(out, torch.Tensor)  # checked_out_tensor refused anything else
             tensor = out
         return tensor if device is None else tensor.to(device)
 
