@@ -22,11 +22,13 @@ micro-batch starts or `forward_backward_batch` ends.
 
 Routes come from routereplay's compact column (`batch.ROUTES_KEY`: codec blobs whose token ids are
 checked against the micro-batch) when the rollout side put one on the batch, else from verl's own
-`routed_experts` tensor. There -1 rows route live. verl's agent loop fills every row its engine did not
-route with zeros, which is not only each sequence's final token after `left_right_2_no_padding`: a
-multi-turn sample's tool-response tokens after its last engine call are zero rows too. Zero rows are
-treated by the rule `integrations/verl/batch.py` states for verl's zero-filled form (rows verl's own masks
-say carry no route), not as expert 0.
+`routed_experts` tensor, read by the batch readers' dense reader (`routed_experts_for_batch`,
+`routed_experts.py`, named in `batch.py`): routereplay's dense form is checked against its token
+digest, verl's own form (no token ids) is replayed without a token check, as verl replays it, and -1
+rows route live. verl's agent loop fills every row its engine did not route with zeros, which is not
+only each sequence's final token: a multi-turn sample's tool-response tokens after its last engine
+call are zero rows too. Zero rows are treated by that reader's rule (-1 where verl's own masks say no
+engine routed the position), not as expert 0; R2's recorded rows are all routes and are kept.
 
 -1 rows on attended positions (tool tokens) route live in both layouts verl feeds the model: packed
 (`use_remove_padding=True`) and padded with an attention mask (`False`) dispatch the same experts.
