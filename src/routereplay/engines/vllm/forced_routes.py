@@ -9,12 +9,12 @@ The blob is a `RouteTrace`: row i forces the token at position `start + i`; a -1
 `ForcedRoutes.parse` trusts nothing: the text must be base64; the blob's fixed header (magic, version,
 then its expert count, top-k, layers, start and rows) must be the served model's and lie inside the
 prompt before anything sized by the blob is built (a 100-byte blob of another model's geometry would
-otherwise pay that model's set-mode tables: 13 ms and 16 MiB for E=32767, K=2); then the blob passes
-the codec's own checks (CRC, lengths) under limits sized from the prompt (at most prompt x MoE layers x K
-ids, so a small blob cannot declare a huge trace), and token ids, when the blob has them, must be the
-prompt's. The checked rows stay in the trace's own dtype (int16 for E <= 32767) until the routing step.
-Every failure is a `ForcedRoutesError` naming the request and the fix. It runs twice:
-in vLLM's front end before the request is queued (the request fails with HTTP 400, the server serves
+otherwise pay that model's set-mode tables: 11-13 ms and 16.5 MiB for E=32767, K=2, on one shared AMD
+EPYC core); then the blob passes the codec's own checks (CRC, lengths) under limits sized from the
+prompt (at most prompt x MoE layers x K ids, so a small blob cannot declare a huge trace), and token
+ids, when the blob has them, must be the prompt's. The checked rows stay in the trace's own dtype (int16
+for E <= 32767) until the routing step. Every failure is a `ForcedRoutesError` naming the request and the
+fix. It runs twice: in vLLM's front end before the request is queued (the request fails with HTTP 400, the server serves
 on) and in the worker before use (`forcing_worker`).
 
 Prefix caching: KV blocks are keyed by token ids, not by the routes that computed them. A forced
