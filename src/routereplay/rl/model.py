@@ -5,7 +5,7 @@ Two architectures:
 - `deepseek_v3`: sigmoid router with a selection bias and group limits, a dense first layer, then
   3 MoE layers.
 The model is trained with supervised next-token loss on "a+b=sum<eos>", answer tokens only. This
-takes well under two minutes on two CPU cores, and the result is cached with save_pretrained and
+took about a minute on a 2-core AMD EPYC (longer on busy cores), and the result is cached with save_pretrained and
 its tokenizer under `~/.cache/routereplay` (or `$ROUTEREPLAY_CACHE`). `load_or_train(arch, vllm=True)`
 is the variant vLLM's CPU backend serves (`VLLM_SERVABLE`: the same architecture with head_dim 64,
 the smallest head size its CPU attention runs; the default head_dim 16 is refused there), trained
