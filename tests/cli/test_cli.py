@@ -69,7 +69,7 @@ def test_inspect_needs_model_facts(
     path = tmp_path / "gen.json"
     path.write_text(json.dumps(sglang_generate(distinct_routes(rng, 5, 2, 2, 8), 2, 4)))
     assert main(["inspect", str(path), "--num-experts", "8"]) == EXIT_ERROR
-    assert "does not record num_layers; pass num_layers= (CLI: --num-layers)" in capsys.readouterr().err
+    assert "does not record num_layers; pass --num-layers, taken from" in capsys.readouterr().err  # the flag, once
     assert main(["inspect", str(path), "--num-experts", "8", "--num-layers", "2", "--top-k", "2"]) == EXIT_OK
 
 

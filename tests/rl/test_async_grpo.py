@@ -230,7 +230,7 @@ def test_train_async_cli_seeded_json_and_table(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--resume-routes", "first"], "--resume-routes only apply to fully-async training: add --async"),
+        (["--resume-routes", "first"], "--resume-routes only applies to fully-async training: add --async"),
         (["--schedule", "seeded", "--max-staleness", "3"], "--schedule, --max-staleness only apply"),
         (["--async", "--engine", "vllm", "--url", "http://127.0.0.1:9"], "a remote server's"),
     ],

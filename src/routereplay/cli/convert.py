@@ -32,8 +32,10 @@ def add_parser(subparsers: Any) -> None:
             f"{HELP[0].upper()}{HELP[1:]}. The input format is recognised from its bytes; the output "
             "format from --to or OUT's extension (.rrt, .npy). The input is validated before anything "
             "is written, and OUT is written atomically: a new file renamed over the old one. OUT must be a "
-            "regular file or new: a symlink is written through (the file it points to is replaced, the link "
-            "kept); a FIFO, a device (/dev/null, /dev/full), a socket, a directory and `-` (stdout) are refused."
+            "regular file or new, in a folder that exists (none is created, as with cp): a symlink is written "
+            "through (the file it points to is replaced, the link kept); a FIFO, a device (/dev/null, /dev/full), "
+            "a socket, a directory and `-` (stdout) are refused. --to must agree with OUT's extension (.rrt, "
+            ".npy; .json for vllm, sglang, megatron); --mode and --zstd apply to .rrt only."
         ),
         epilog=(
             "examples:\n  routereplay convert resp.json routes.rrt --num-experts 128 --moe-layers 0-47\n"
