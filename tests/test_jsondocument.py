@@ -74,8 +74,8 @@ def test_scan_matches_a_character_reference_across_chunk_borders(document: objec
         (b"[1e999]", r"non-finite number 1e999 \(overflows a float\)"),
         (
             b'{"choices": [{"routed_experts": "abc',
-            # the position completes json's "Unterminated string starting at" (it was cut: "starting at;")
-            r"invalid JSON: Unterminated string starting at line 1, column 33 \(character 32\); .*truncated",
+            # json's "Unterminated string starting at" was cut there ("starting at;"): it now ends in a word
+            r"invalid JSON at line 1, column 33 \(character 32\): Unterminated string starting there; .*truncated",
         ),
         (b'{"a": 1,\n "b": }', r"invalid JSON at line 2, column 7 \(character 15\)"),
         (b'{"a": "\xff"}', "not UTF-8|invalid JSON"),

@@ -85,10 +85,12 @@ def load_json(data: bytes, *, what: str, error: type[RouteReplayError], limits: 
     except _NonFiniteError as exc:
         raise error(f"{what}: JSON holds the non-finite number {exc.args[0]}; only finite numbers are valid") from None
     except json.JSONDecodeError as exc:
-        where = f"line {exc.lineno}, column {exc.colno} (character {exc.pos})"
-        # json's "Unterminated string starting at" ends where its position goes: the position completes it
-        found = f": {exc.msg} {where}" if exc.msg.endswith(" at") else f" at {where}: {exc.msg}"
-        raise error(f"{what}: invalid JSON{found}{_truncation_hint(data, exc, scan(data, limits)[2])}") from None
+        # json's "Unterminated string starting at" leaves its position to the caller: the one named first
+        cause = f"{exc.msg[: -len(' at')]} there" if exc.msg.endswith(" at") else exc.msg
+        raise error(
+            f"{what}: invalid JSON at line {exc.lineno}, column {exc.colno} (character {exc.pos}): {cause}"
+            f"{_truncation_hint(data, exc, scan(data, limits)[2])}"
+        ) from None
     except UnicodeDecodeError as exc:
         raise error(f"{what}: not UTF-8 text at byte {exc.start} ({exc.reason}), so not a JSON document") from None
     except (RecursionError, ValueError) as exc:  # backstops: the scan bounds depth and digits first
