@@ -25,3 +25,12 @@ def cpu_engine_module(world: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(impl, "get_device_name", lambda: "cpu")
     monkeypatch.setattr(balancing, "get_device_name", lambda: "cpu")  # dynamic batch size's micro-batch count
+
+
+@pytest.fixture
+def unchecked_verl_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented opt-out: replay verl's own digest-less `routed_experts` under R3 (counted, logged).
+    Set in os.environ, so processes the test spawns (the Ulysses ranks) inherit it like Ray workers do."""
+    from routereplay.integrations.verl.route_checks import UNCHECKED_ENV
+
+    monkeypatch.setenv(UNCHECKED_ENV, "1")

@@ -30,7 +30,7 @@ def _rollout(seed: int = 0) -> tuple[torch.nn.Module, list, list[torch.Tensor]]:
 
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["packed", "padded"])
 def test_r3_replays_the_rollout_routes_in_the_old_log_prob_pass_and_every_update(
-    cpu_engine_module: None, remove_padding: bool
+    cpu_engine_module: None, unchecked_verl_routes: None, remove_padding: bool
 ) -> None:
     from routereplay.integrations.verl.micro_batch import rollout_routes
 
@@ -96,7 +96,9 @@ def test_r2_records_in_compute_log_prob_and_updates_replay_it_with_zero_drift(
     assert drift > 0, "two updates must move natural routing, or zero replay drift proves nothing"
 
 
-def test_remove_padding_on_and_off_give_the_same_routes_and_log_probs(cpu_engine_module: None) -> None:
+def test_remove_padding_on_and_off_give_the_same_routes_and_log_probs(
+    cpu_engine_module: None, unchecked_verl_routes: None
+) -> None:
     model, seqs, routes = _rollout()
     engine = case.build_engine(model, "R3")
     log_probs, dispatched = {}, {}
@@ -112,7 +114,9 @@ def test_remove_padding_on_and_off_give_the_same_routes_and_log_probs(cpu_engine
     torch.testing.assert_close(log_probs[True], log_probs[False], rtol=1e-5, atol=1e-5)
 
 
-def test_dynamic_batch_size_regrouping_records_and_replays_per_sequence(cpu_engine_module: None) -> None:
+def test_dynamic_batch_size_regrouping_records_and_replays_per_sequence(
+    cpu_engine_module: None, unchecked_verl_routes: None
+) -> None:
     """verl's dynamic batch size re-groups sequences into micro-batches by token count; the routes move
     with their rows and the recorded routes come back in the batch's order."""
     model, seqs, routes = _rollout()
@@ -133,7 +137,9 @@ def test_dynamic_batch_size_regrouping_records_and_replays_per_sequence(cpu_engi
     torch.testing.assert_close(outs[0][used], outs[1][used], rtol=1e-5, atol=1e-5)
 
 
-def test_pad_to_length_bucket_pad_replays_the_rollout_routes(cpu_engine_module: None) -> None:
+def test_pad_to_length_bucket_pad_replays_the_rollout_routes(
+    cpu_engine_module: None, unchecked_verl_routes: None
+) -> None:
     from routereplay.integrations.verl.micro_batch import rollout_routes
 
     model, seqs, routes = _rollout()
@@ -149,7 +155,9 @@ def test_pad_to_length_bucket_pad_replays_the_rollout_routes(cpu_engine_module: 
         assert _disagreement(case.token_rows(data, True)(seen[m][0])[routed], want_NPK[routed, m]) == 0.0
 
 
-def test_mode_given_as_hydra_dict_and_disabled_is_verls_engine(cpu_engine_module: None) -> None:
+def test_mode_given_as_hydra_dict_and_disabled_is_verls_engine(
+    cpu_engine_module: None, unchecked_verl_routes: None
+) -> None:
     model, seqs, routes = _rollout()
     engine = case.build_engine(model, "R3")
     case.set_mode(engine, {"mode": "R3"})  # `+...fsdp_config.router_replay.mode=R3` gives a dict
@@ -217,7 +225,7 @@ def test_engine_registers_for_this_vendor_and_verl_selects_it(world: None, monke
     assert EngineRegistry.get_engine_cls("value_model", "fsdp") is not cls
 
 
-def test_ulysses_sp_two_ranks_replay_and_record_like_one_rank(tmp_path: object) -> None:
+def test_ulysses_sp_two_ranks_replay_and_record_like_one_rank(tmp_path: object, unchecked_verl_routes: None) -> None:
     """verl's Ulysses slicing and gathering on 2 gloo ranks: each rank's experts get its shard of the
     rollout's routes, and the gathered log-probs and recorded routes equal one rank's."""
     pytest.importorskip("verl")
@@ -243,7 +251,9 @@ def test_ulysses_sp_two_ranks_replay_and_record_like_one_rank(tmp_path: object) 
             assert torch.equal(got_sK[mine_sK], want_sK[mine_sK]), f"rank {rank} layer {m}"
 
 
-def test_r3_from_routereplays_compact_column_checks_token_ids(cpu_engine_module: None) -> None:
+def test_r3_from_routereplays_compact_column_checks_token_ids(
+    cpu_engine_module: None, unchecked_verl_routes: None
+) -> None:
     """The rollout side's compact column (blobs with token ids) replays like verl's `routed_experts`,
     through verl's micro-batching, and routes of another sample are refused by token id."""
     from routereplay.errors import TokenMismatchError

@@ -23,12 +23,19 @@ micro-batch starts or `forward_backward_batch` ends.
 Routes come from routereplay's compact column (`batch.ROUTES_KEY`: codec blobs whose token ids are
 checked against the micro-batch) when the rollout side put one on the batch, else from verl's own
 `routed_experts` tensor, read by the batch readers' dense reader (`routed_experts_for_batch`,
-`routed_experts.py`, named in `batch.py`): routereplay's dense form is checked against its token
-digest, verl's own form (no token ids) is replayed without a token check, as verl replays it, and -1
-rows route live. verl's agent loop fills every row its engine did not route with zeros, which is not
-only each sequence's final token: a multi-turn sample's tool-response tokens after its last engine
-call are zero rows too. Zero rows are treated by that reader's rule (-1 where verl's own masks say no
-engine routed the position), not as expert 0; R2's recorded rows are all routes and are kept.
+`routed_experts.py`). Both are checked against the model's geometry (`model_geometry`: top-k, experts,
+MoE layers, an all-layer payload's dense columns) before anything is decoded. routereplay's dense form is
+checked against its token digest. A `routed_experts` without a digest (`route_checks.py`):
+- R3 (verl's own agent-loop form, no token ids): refused (`UncheckedRoutesError`) unless every worker sets
+  `ROUTEREPLAY_VERL_UNCHECKED_ROUTES=1`; then replayed unchecked, as verl replays it, and the samples are
+  counted and logged once per `forward_backward_batch`;
+- R2 (what compute_log_prob recorded; verl's trainer keeps only that tensor): each sample whose token ids
+  this rank recorded must carry exactly the rows recorded for them (`TokenMismatchError` otherwise);
+  samples another rank recorded are counted as unverified.
+verl's agent loop fills every row its engine did not route with zeros, which is not only each sequence's
+final token: a multi-turn sample's tool-response tokens after its last engine call are zero rows too. Zero
+rows are treated by that reader's rule (-1 where verl's own masks say no engine routed the position), not as
+expert 0; R2's recorded rows are all routes and are kept.
 
 -1 rows on attended positions (tool tokens) route live in both layouts verl feeds the model: packed
 (`use_remove_padding=True`) and padded with an attention mask (`False`) dispatch the same experts.
@@ -41,6 +48,7 @@ engines are imported, before or after this module: `registration.py`):
     actor_rollout_ref.model.external_lib=routereplay.integrations.verl.fsdp_engine
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3      # or R2
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True     # R3: the rollout returns routes
+    '+ray_kwargs.ray_init.runtime_env.env_vars.ROUTEREPLAY_VERL_UNCHECKED_ROUTES="1"'  # R3, verl's own routes
 
 Nothing here imports verl until verl's workers are loaded or `engine_class()` / `register_engine()` is
 called. Legend: B = sequences, N = tokens of a micro-batch, P = payload layers, L = bound MoE
@@ -68,6 +76,7 @@ from routereplay.integrations.verl.micro_batch import (
     RouteSource,
     bound_layers,
     check_recorded,
+    has_digest,
     offsets_of,
     r2_with_rollout_routes,
     recorded_batch_routes,
@@ -76,6 +85,13 @@ from routereplay.integrations.verl.micro_batch import (
     routes_of,
 )
 from routereplay.integrations.verl.registration import register_under, register_when_verl_loads
+from routereplay.integrations.verl.rollout import RouteGeometry
+from routereplay.integrations.verl.route_checks import (
+    RecordedRoutes,
+    ReplayCounts,
+    unchecked_opt_out,
+    unchecked_refusal,
+)
 
 MODES = ("disabled", "R2", "R3")
 ENGINE_NAME = "RouteReplayFSDPEngine"
@@ -112,14 +128,33 @@ def action_for(mode: str, source: RouteSource | None, forward_only: bool) -> Act
     )
 
 
+def model_geometry(module: nn.Module, replayer: Any) -> RouteGeometry:
+    """The routed geometry the readers check routes against: experts, top-k and MoE layers of the routers the
+    replayer bound, and the layer axis of an all-layer payload from the HF config (`num_hidden_layers`)."""
+    config = getattr(module, "config", None)
+    text = getattr(config, "text_config", None) or config
+    moe_layers = tuple(sorted(set(replayer.layers)))
+    num_layers = getattr(text, "num_hidden_layers", None)
+    return RouteGeometry(
+        num_experts=int(replayer.num_experts),
+        num_layers=int(num_layers) if isinstance(num_layers, int) else moe_layers[-1] + 1,
+        top_k=int(replayer.top_k),
+        moe_layers=moe_layers,
+    )
+
+
 @dataclass(slots=True)
 class EngineRouting:
-    """Per-engine replay state: the Replayer bound to the engine's module and the open context."""
+    """Per-engine replay state: the Replayer bound to the engine's module, the model's geometry, the open context,
+    what R2 recorded on this rank (`route_checks.RecordedRoutes`) and the samples replayed unchecked."""
 
     replayer: Any = None
     module: nn.Module | None = None
+    geometry: RouteGeometry | None = None
     contexts: ExitStack = field(default_factory=ExitStack)
     layout: MicroBatchLayout | None = None
+    recorded: RecordedRoutes = field(default_factory=RecordedRoutes)
+    counts: ReplayCounts = field(default_factory=ReplayCounts)
 
     def replayer_for(self, module: nn.Module) -> Any:
         if self.module is not module:
@@ -128,6 +163,8 @@ class EngineRouting:
             if self.replayer is not None:
                 self.replayer.detach()
             self.replayer, self.module = routereplay.attach(module), module
+            self.geometry = model_geometry(module, self.replayer)
+            self.recorded.clear()
         return self.replayer
 
     def close(self) -> None:
@@ -140,7 +177,8 @@ class EngineRouting:
         self.close()
         if self.replayer is not None:
             self.replayer.detach()
-        self.replayer, self.module = None, None
+        self.replayer, self.module, self.geometry = None, None, None
+        self.recorded.clear()
 
 
 class RouteReplayEngineMixin:
@@ -164,10 +202,13 @@ class RouteReplayEngineMixin:
     def forward_backward_batch(self, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         state = self.routing()
         state.close()
+        if forward_only and self.router_replay_mode() == "R2" and route_source(data) is None:
+            state.recorded.clear()  # a new recording pass (compute_log_prob): what the last one recorded is done
         try:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)  # type: ignore[misc]
         finally:
             state.close()
+            state.counts.log_pass()
 
     def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
         state = self.routing()
@@ -180,14 +221,7 @@ class RouteReplayEngineMixin:
         layout = self.micro_batch_layout(micro_batch)
         device = next(self.module.parameters()).device  # type: ignore[attr-defined]
         if action is Action.REPLAY:
-            routes = routes_of(micro_batch, recorded=mode == "R2")
-            assert routes is not None
-            routes_NPK = rollout_routes(routes, micro_batch["input_ids"], final_token_live=mode == "R3")
-            if mode == "R2":
-                check_recorded(routes_NPK, layout.cu_seqlens)
-            config = getattr(self.module, "config", None)  # type: ignore[attr-defined]
-            num_layers = int(getattr(config, "num_hidden_layers", max(replayer.layers) + 1))
-            routes_NLK = bound_layers(routes_NPK, num_layers, replayer.layers)
+            routes_NLK = self.checked_routes(micro_batch, mode, layout)
             placed = layout.place(routes_NLK.to(device), fill=-1)
             # The routes and the mask are laid out by one `MicroBatchLayout`, so the replayer's padding-side
             # heuristic has nothing to find, and it would refuse what R3 keeps on purpose: -1 rows on attended
@@ -201,14 +235,35 @@ class RouteReplayEngineMixin:
             loss, output = super().forward_step(micro_batch, loss_function, forward_only)  # type: ignore[misc]
             if action is Action.RECORD:
                 routes_NLK = layout.recorded(recording.routes, getattr(self, "ulysses_parallel_group", None))
-                output.setdefault("model_output", {})[VERL_ROUTES_KEY] = recorded_batch_routes(
-                    routes_NLK, layout.cu_seqlens, replayer.num_experts
-                )
+                recorded_BjLK = recorded_batch_routes(routes_NLK, layout.cu_seqlens, replayer.num_experts)
+                state.recorded.remember(micro_batch["input_ids"], recorded_BjLK)
+                output.setdefault("model_output", {})[VERL_ROUTES_KEY] = recorded_BjLK
                 state.close()
         except BaseException:
             state.close()
             raise
         return loss, output
+
+    def checked_routes(self, micro_batch: Any, mode: str, layout: MicroBatchLayout) -> torch.Tensor:
+        """(N, L, K) routes of a replaying micro-batch, checked before any forward: against the model's geometry,
+        the compact column's token ids or the dense form's digest; digest-less `routed_experts` against what this
+        rank recorded (R2) or refused unless opted out (R3: `route_checks.unchecked_opt_out`), counted."""
+        state = self.routing()
+        assert state.geometry is not None and state.replayer is not None
+        input_ids = micro_batch["input_ids"]
+        unchecked = route_source(micro_batch) is RouteSource.VERL and not has_digest(micro_batch)
+        if unchecked and mode == "R3" and not unchecked_opt_out():
+            raise unchecked_refusal(int(input_ids.size(0)))
+        routes = routes_of(micro_batch, geometry=state.geometry, unchecked=unchecked, recorded=mode == "R2")
+        assert routes is not None
+        routes_NPK = rollout_routes(routes, input_ids, final_token_live=mode == "R3")
+        if mode == "R2":
+            check_recorded(routes_NPK, layout.cu_seqlens)
+            if unchecked:  # R2's own recording: verl's trainer brings it back without a digest
+                state.counts.add(unverified=state.recorded.check(input_ids, micro_batch[VERL_ROUTES_KEY]))
+        elif unchecked:
+            state.counts.add(unchecked=int(input_ids.size(0)))
+        return bound_layers(routes_NPK, state.geometry.num_layers, state.replayer.layers)
 
     def prepare_model_inputs(self, micro_batch: Any) -> Any:
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)  # type: ignore[misc]

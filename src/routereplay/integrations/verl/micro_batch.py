@@ -35,6 +35,8 @@ from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, MissingRoutesError, RowCountError, TokenMismatchError
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import routes_for_batch
+from routereplay.integrations.verl.rollout import RouteGeometry
+from routereplay.integrations.verl.route_digest import DIGEST_KEY
 from routereplay.integrations.verl.routed_experts import VERL_ROUTES_KEY, routed_experts_for_batch
 from routereplay.layout import LayerMap, Ragged, pad, ulysses_shard
 from routereplay.layout.ragged import token_starts
@@ -206,21 +208,31 @@ def route_source(micro_batch: object) -> RouteSource | None:
     return RouteSource.VERL if isinstance(get(VERL_ROUTES_KEY, None), torch.Tensor) else None
 
 
-def routes_of(micro_batch: object, *, recorded: bool = False) -> torch.Tensor | None:
+def routes_of(
+    micro_batch: object, *, geometry: RouteGeometry, unchecked: bool = False, recorded: bool = False
+) -> torch.Tensor | None:
     """The micro-batch's routes, jagged (B, j, P, K) with -1 where no route is known, or None (R2's recording pass).
 
     routereplay's compact column (`batch.ROUTES_KEY`, codec blobs the rollout side put on the batch) is read
     first, by `routes_for_batch`: its traces carry token ids, checked against the micro-batch's. Otherwise
     verl's `routed_experts` tensor, by `routed_experts_for_batch` (`routed_experts.py`): routereplay's dense
-    form is checked against its token digest; verl's own zero-filled form (no digest: replayed without a
-    token check, as verl replays it) gets -1 on the zero rows verl's masks say no engine routed, unless
-    `recorded` (R2: rows the engine recorded itself, every one a route)."""
+    form is checked against its token digest; a tensor without one is refused (`UncheckedRoutesError`) unless
+    `unchecked` (the engine's R3 opt-out, or R2 after `route_checks.RecordedRoutes` checked it); verl's own
+    zero-filled form gets -1 on the zero rows verl's masks say no engine routed, unless `recorded` (R2: rows the
+    engine recorded itself, every one a route). Every form is checked against the model's `geometry` (headers,
+    top-k, layer columns, an all-layer payload's dense columns) before anything is decoded."""
     source = route_source(micro_batch)
     if source is RouteSource.COMPACT:
-        return routes_for_batch(micro_batch)
+        return routes_for_batch(micro_batch, geometry=geometry)
     if source is RouteSource.VERL:
-        return routed_experts_for_batch(micro_batch, unchecked=True, recorded=recorded)
+        return routed_experts_for_batch(micro_batch, geometry=geometry, unchecked=unchecked, recorded=recorded)
     return None
+
+
+def has_digest(micro_batch: object) -> bool:
+    """Whether the micro-batch's dense routes carry routereplay's token digest (`route_digest.DIGEST_KEY`)."""
+    get = getattr(micro_batch, "get", None)
+    return get is not None and get(DIGEST_KEY, None) is not None
 
 
 def check_recorded(routes_NPK: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
