@@ -4,11 +4,14 @@ Exit statuses (the same for every subcommand):
 - 0 `OK`: done; for `inspect`, the trace is valid.
 - 1 `INVALID`: `inspect` read the file, and the routes in it fail validation (row count, layer
   count, top-k, expert ids out of range, duplicate or partial rows, all-zero layers).
-- 2 `ERROR`: nothing usable came out: a bad flag (argparse), a file that cannot be read or is not
-  a recognised format (`inspect`: "unreadable"), a corrupt codec blob, a missing optional package,
-  or an OS error (missing file, a directory, permission denied, disk full). OS errors print one line
-  with the path and the cause; a file being written is replaced only once complete, so the old one
-  is kept.
+- 2 `ERROR`: nothing usable came out: a bad flag (argparse; `inspect --json` still prints its
+  verdict), flags that contradict each other or the file, a file that cannot be read or is not a
+  recognised format (`inspect`: "unreadable"), a corrupt codec blob, a model checkpoint that cannot
+  be loaded (`CheckpointError`: truncated weights; for the demo model's cache the message names the
+  folder to delete), a missing optional package, or an OS error (missing file, a directory,
+  permission denied, disk full). OS errors print one line with the path and the cause; a file being
+  written is replaced only once complete, so the old one is kept. A library message printed here
+  goes through `cli_message`, which names CLI flags where the library names Python keywords.
 - 130 `INTERRUPTED`: Ctrl-C.
 """
 
