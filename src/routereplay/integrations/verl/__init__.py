@@ -21,6 +21,8 @@ Files:
                     `routes_for_batch` (either form back for a micro-batch), `put_routes`
 - `micro_batch.py`  the trainer side: a micro-batch's routes in the layout verl's FSDP engine feeds the model
 - `fsdp_engine.py`  verl's FSDP/FSDP2 engine with routereplay R2 / R3 (R2 with rollout routes refused)
+- `route_checks.py` what that engine checks of digest-less `routed_experts`: R3's opt-out
+                    (`ROUTEREPLAY_VERL_UNCHECKED_ROUTES`), R2's token -> routes digests of what it recorded
 - `registration.py` the engine in verl's `EngineRegistry` whenever verl's engines load (`external_lib`, or an
                     import hook when `VERL_USE_EXTERNAL_MODULES` / any process imports it before `verl.workers`)
 
