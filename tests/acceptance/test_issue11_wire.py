@@ -277,7 +277,7 @@ def test_item31_same_product_split_not_called_zero_padding(capsys: pytest.Captur
     verdict = json.loads(capsys.readouterr().out)
     assert code == 1
     assert verdict["valid"] is False
-    assert "num_layers=48, top_k=8" in verdict["error"]
+    assert "--num-layers 48, --top-k 8" in verdict["error"]  # the CLI names its flags, not the Python keywords
     assert "split is probably wrong" in verdict["error"]
 
 
