@@ -1,0 +1,11 @@
+"""Router replay for SkyRL 0.4.0: rollout routes from SkyRL's forms, and R3 / R2 on SkyRL's FSDP policy worker.
+
+SkyRL 0.4.0 replays routed experts (R3) on its Megatron workers only; its FSDP worker has no routed-expert
+code although the batch already carries `rollout_expert_indices`. This package reads SkyRL's route forms
+into routereplay's traces (rollout side) and replays them on SkyRL's own FSDP worker (trainer side).
+
+Importing this package imports no SkyRL: SkyRL is imported inside the functions that need it.
+Tests: `make test-skyrl` (SkyRL 0.4.0 in its own .venv-skyrl: it pins transformers<=5.16.1, hydra-core==1.3.4).
+"""
+
+__all__: list[str] = []
