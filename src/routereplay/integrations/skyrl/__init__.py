@@ -8,4 +8,17 @@ Importing this package imports no SkyRL: SkyRL is imported inside the functions 
 Tests: `make test-skyrl` (SkyRL 0.4.0 in its own .venv-skyrl: it pins transformers<=5.16.1, hydra-core==1.3.4).
 """
 
-__all__: list[str] = []
+from routereplay.integrations.skyrl.packed_routes import route_digests, routes_of_packed
+from routereplay.integrations.skyrl.rollout import RolloutRoutes, RouteGeometry, generator_routes, route_dtype
+from routereplay.integrations.skyrl.wire_form import decode_skyrl, unpack_envelope
+
+__all__: list[str] = [
+    "RolloutRoutes",
+    "RouteGeometry",
+    "decode_skyrl",
+    "generator_routes",
+    "route_digests",
+    "route_dtype",
+    "routes_of_packed",
+    "unpack_envelope",
+]
