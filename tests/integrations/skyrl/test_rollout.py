@@ -63,7 +63,7 @@ def response(routes_TAK: np.ndarray, output_ids: list[int]) -> dict[str, Any]:
 
 def test_every_skyrl_form_decodes_to_the_same_trace() -> None:
     routes_TAK = routes(7)  # prompt 5 + 3 generated - 1
-    kwargs = {"num_experts": 16, "moe_layers": (1, 2), "num_layers": 3, "top_k": 2, "num_tokens": 8}
+    kwargs: dict[str, Any] = {"num_experts": 16, "moe_layers": (1, 2), "num_layers": 3, "top_k": 2, "num_tokens": 8}
     forms = {
         "response": response(routes_TAK, [9, 9, 9]),
         "choice": response(routes_TAK, [9, 9, 9])["choices"][0],

@@ -56,7 +56,7 @@ def skyrl() -> Any:
 
 def test_skyrls_own_envelope_decodes_to_the_engine_routes(skyrl: Any) -> None:
     """`pack_routed_experts` (what /skyrl/v1/generate sends) of vLLM's uint16 array and of a torch tensor."""
-    kwargs = {"num_experts": 300, "moe_layers": (1, 2), "num_layers": 3, "top_k": 2, "num_tokens": 9}
+    kwargs: dict[str, Any] = {"num_experts": 300, "moe_layers": (1, 2), "num_layers": 3, "top_k": 2, "num_tokens": 9}
     for routes_TAK in (routes(8, 1, num_experts=300, dtype=np.uint16), routes(8, 2, num_experts=200)):
         for given in (routes_TAK, torch.from_numpy(routes_TAK.astype(np.int32))):
             envelope = skyrl.wire.pack_routed_experts(given)
@@ -145,7 +145,12 @@ def test_bad_input_from_skyrls_side_is_refused_before_allocating(skyrl: Any, mon
     read: dict[str, Any] = {"geometry": GEOMETRY, "router_padding_mask": b["router_padding_mask"]}
     allocations: list[tuple[Any, ...]] = []
     full = torch.full
-    monkeypatch.setattr(torch, "full", lambda *a, **k: allocations.append(a) or full(*a, **k))
+
+    def counted_full(*args: Any, **kwargs: Any) -> torch.Tensor:
+        allocations.append(args)
+        return full(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "full", counted_full)
     with pytest.raises(BatchGeometryError, match=r"expected \[rows, 3, 2\]"):  # a wrong PackedTensor shape
         routes_of_packed(packed_with(skyrl, b, values[:, :2]), b["attention_mask"], **read)
     with pytest.raises(

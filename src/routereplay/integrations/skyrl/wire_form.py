@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -44,7 +44,7 @@ ROUTES_FIELD = "routed_experts"  # generate_wire.PackedField.ROUTED_EXPERTS: the
 ENGINE_OUTPUT_FIELD = "rollout_expert_indices"  # InferenceEngineOutput: one array per prompt
 
 
-def is_envelope(value: Any) -> bool:
+def is_envelope(value: Any) -> TypeGuard[Mapping[str, Any]]:
     """A mapping that carries SkyRL's envelope keys (`data`, `shape`, `dtype`; sidecar keys may ride along)."""
     return isinstance(value, Mapping) and all(key in value for key in ENVELOPE_KEYS)
 
