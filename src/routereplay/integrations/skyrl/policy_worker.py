@@ -139,7 +139,10 @@ class RouteReplayPolicyWorkerMixin:
 
     def forward(self, data: Any, loss_fn: Any = None, **kwargs: Any) -> Any:
         """SkyRL's forward; under R2 the old-log-prob pass (no `loss_fn`) starts a new recording, shared over dp."""
-        recording = loss_fn is None and self.router_replay_mode() == "R2"
+        mode = self.router_replay_mode()
+        recording = loss_fn is None and mode == "R2"
+        if loss_fn is None:
+            self.check_batch(data, mode, "forward")
         if recording:
             self.routing().recorded.clear()
         out = super().forward(data, loss_fn=loss_fn, **kwargs)  # type: ignore[misc]
@@ -147,6 +150,21 @@ class RouteReplayPolicyWorkerMixin:
             mesh = getattr(self, "device_mesh", None)
             self.routing().recorded.share(mesh.get_group("dp") if mesh is not None else None)
         return out
+
+    def forward_backward(self, data: Any, *args: Any, **kwargs: Any) -> Any:
+        """SkyRL's forward_backward, the whole batch's routes checked before its first micro-batch runs."""
+        self.check_batch(data, self.router_replay_mode(), "update")
+        return super().forward_backward(data, *args, **kwargs)  # type: ignore[misc]
+
+    def check_batch(self, data: Any, mode: str, where: str) -> None:
+        """Refuse a batch whose routes contradict the mode or are bad (`routes_of_packed`'s checks), with batch-wide
+        trajectory numbers, before any micro-batch runs the model (and before an update has half-stepped)."""
+        packed = data.get("rollout_expert_indices")
+        if mode == "R2" and packed is not None:
+            raise ConfigError(r2_with_rollout_routes(f"rollout_expert_indices in the {where} pass"))
+        if mode == "R3":
+            padding_mask = data.get("router_padding_mask")
+            self.rollout_routes(packed, data["sequences"], data["attention_mask"], padding_mask, where)
 
     def _forward_micro_batch(self, micro_batch: Any) -> Any:
         mode = self.router_replay_mode()
@@ -226,7 +244,7 @@ class RouteReplayPolicyWorkerMixin:
             if isinstance(ids, torch.Tensor):
                 layout.check_tokens(sequences, ids)
 
-        hook = module.register_forward_pre_hook(check, with_kwargs=True)
+        hook = module.register_forward_pre_hook(check, with_kwargs=True, prepend=True)  # before the replayer's
         try:
             with context as recording:
                 yield recording, layout
