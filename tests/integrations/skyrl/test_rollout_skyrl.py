@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from routereplay.errors import (
+    BatchFieldError,
     BatchGeometryError,
     DtypeError,
     ExpertIdRangeError,
@@ -166,6 +167,8 @@ def test_bad_input_from_skyrls_side_is_refused_before_allocating(skyrl: Any, mon
     wide[8, 2, 1] = 16
     with pytest.raises(ExpertIdRangeError, match=r"trajectory 1, token 2 .*layer 2: expert ids \[.*16\]"):
         routes_of_packed(packed_with(skyrl, b, wide), b["attention_mask"], **read)
+    with pytest.raises(BatchFieldError, match="router_padding_mask is None: .*dummy experts 0..K-1"):
+        routes_of_packed(b["packed"], b["attention_mask"], geometry=GEOMETRY, router_padding_mask=None)
     big = RouteGeometry(num_experts=300, num_layers=3, top_k=2, moe_layers=(1, 2))
     with pytest.raises(DtypeError, match="torch.uint8, too narrow for 300 experts .*#1912"):
         routes_of_packed(b["packed"], b["attention_mask"], **{**read, "geometry": big})

@@ -149,13 +149,13 @@ def routes_of_packed(
     attention_mask: torch.Tensor,
     *,
     geometry: RouteGeometry,
-    router_padding_mask: torch.Tensor | None = None,
+    router_padding_mask: torch.Tensor | None,
     sequences: torch.Tensor | None = None,
     digests: Sequence[bytes] | None = None,
 ) -> torch.Tensor:
     """SkyRL's `rollout_expert_indices` (a `PackedTensor`) as padded `(B, S, M, K)` routes of the MoE layers,
-    -1 where `router_padding_mask` (or the left padding) says no captured route. `digests` (from
-    `route_digests`, with the batch's `sequences`) tie each trajectory's rows to its tokens."""
+    -1 where `router_padding_mask` says no captured route (required: SkyRL's dummy rows hide behind it).
+    `digests` (from `route_digests`, with the batch's `sequences`) tie each trajectory's rows to its tokens."""
     import torch
 
     if not isinstance(geometry, RouteGeometry):
@@ -183,14 +183,17 @@ def routes_of_packed(
         )
     lengths = checked_lengths(values, cu_seqlens, keep_BS)
     if router_padding_mask is None:
-        no_route_BS = ~keep_BS
-    else:
-        no_route_BS = _tensor(router_padding_mask, "router_padding_mask").to("cpu", torch.bool)
-        if tuple(no_route_BS.shape) != tuple(keep_BS.shape) or bool((~keep_BS & ~no_route_BS).any()):
-            raise BatchFieldError(
-                f"router_padding_mask of shape {tuple(no_route_BS.shape)} for attention_mask "
-                f"{tuple(keep_BS.shape)}: it must have the same shape and be True wherever attention_mask is 0"
-            )
+        raise BatchFieldError(
+            "router_padding_mask is None: SkyRL fills every uncaptured row of rollout_expert_indices with dummy "
+            "experts 0..K-1 and marks them only there, so without it they would be forced as routes; pass the "
+            "batch's router_padding_mask (SkyRL builds it with rollout_expert_indices)"
+        )
+    no_route_BS = _tensor(router_padding_mask, "router_padding_mask").to("cpu", torch.bool)
+    if tuple(no_route_BS.shape) != tuple(keep_BS.shape) or bool((~keep_BS & ~no_route_BS).any()):
+        raise BatchFieldError(
+            f"router_padding_mask of shape {tuple(no_route_BS.shape)} for attention_mask "
+            f"{tuple(keep_BS.shape)}: it must have the same shape and be True wherever attention_mask is 0"
+        )
     keep_R = ~no_route_BS[keep_BS]  # SkyRL's rows follow the real tokens in batch order (left padding)
     starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     moe = g.moe_layers
