@@ -4,6 +4,14 @@ SkyRL 0.4.0 replays routed experts (R3) on its Megatron workers only; its FSDP w
 code although the batch already carries `rollout_expert_indices`. This package reads SkyRL's route forms
 into routereplay's traces (rollout side) and replays them on SkyRL's own FSDP worker (trainer side).
 
+Rollout side (docs/skyrl.md):
+- `wire_form.py`     `decode_skyrl`: the `/skyrl/v1/generate` `{data, shape, dtype}` envelope, the in-process
+                     array and vLLM's forms of one engine call, checked before decoding
+- `rollout.py`       `RolloutRoutes`: calls merged per trajectory by `routed_experts_prompt_start` in a
+                     `RouteStore`; `generator_routes` (SkyRL's generator form, one dtype from E), compact column
+- `packed_routes.py` `routes_of_packed`: SkyRL's batch `PackedTensor` back to (B, S, M, K) with -1, checked;
+                     `route_digests` tie packed rows to their tokens
+
 Importing this package imports no SkyRL: SkyRL is imported inside the functions that need it.
 Tests: `make test-skyrl` (SkyRL 0.4.0 in its own .venv-skyrl: it pins transformers<=5.16.1, hydra-core==1.3.4).
 """
