@@ -203,3 +203,7 @@ def test_bad_envelopes_are_refused_before_decoding() -> None:
         decode_skyrl({**good, "data": "!" * len(good["data"])}, **kwargs)
     with pytest.raises(MissingRoutesError):
         decode_skyrl({"choices": [{"token_ids": [1], "routed_experts": None}]}, **kwargs)
+    spliced = {**good, "data": memoryview(good["data"].encode())}  # SkyRL's load_packed_body gives a view
+    np.testing.assert_array_equal(decode_skyrl(spliced, **kwargs).experts, routes(4)[:, 1:])
+    with pytest.raises(PayloadSizeError, match="holds 31 base64 characters"):
+        decode_skyrl({**good, "data": memoryview(good["data"].encode())[:-1]}, **kwargs)

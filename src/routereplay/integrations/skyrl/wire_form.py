@@ -89,16 +89,17 @@ def unpack_envelope(
             "before decoding. Raise max_bytes if the payload is genuine"
         )
     data = envelope["data"]
-    if isinstance(data, memoryview):  # SkyRL's load_packed_body splices the base64 in as a view of the body
-        data = data.tobytes()
-    if not isinstance(data, (str, bytes, bytearray)):
+    if not isinstance(data, (str, bytes, bytearray, memoryview)):
         raise PayloadEncodingError(f"{what}: envelope data is a {type(data).__name__}; SkyRL sends base64 text")
+    length = data.nbytes if isinstance(data, memoryview) else len(data)
     needed = 4 * -(-size // 3)  # padded standard base64 of `size` bytes
-    if len(data) != needed:
+    if length != needed:
         raise PayloadSizeError(
-            f"{what}: envelope data holds {len(data)} base64 characters, but {name}{list(shape)} needs {needed} "
+            f"{what}: envelope data holds {length} base64 characters, but {name}{list(shape)} needs {needed} "
             f"({size} bytes); the body was truncated or the shape / dtype altered in transit"
         )
+    if isinstance(data, memoryview):  # SkyRL's load_packed_body splices the base64 in as a view of the body
+        data = data.tobytes()
     raw = b64_to_bytes(data, what, max_bytes)
     if len(raw) != size:
         raise PayloadSizeError(
