@@ -65,6 +65,19 @@ def test_skyrls_own_envelope_decodes_to_the_engine_routes(skyrl: Any) -> None:
             np.testing.assert_array_equal(trace.experts, routes_TAK[:, 1:])
 
 
+def test_skyrls_client_body_parse_decodes(skyrl: Any) -> None:
+    """The body as SkyRL's client parses it (`load_packed_body`: the base64 spliced in as a memoryview)."""
+    import orjson
+
+    routes_TAK = routes(6, 3)
+    envelope = skyrl.wire.pack_routed_experts(routes_TAK)
+    choice = {"token_ids": [5, 6], "finish_reason": "stop", "routed_experts": envelope}
+    body = skyrl.wire.load_packed_body(orjson.dumps({"choices": [choice]}))
+    assert isinstance(body["choices"][0]["routed_experts"]["data"], memoryview)
+    trace = decode_skyrl(body, num_experts=16, moe_layers=(1, 2), num_layers=3, top_k=2, num_tokens=7)
+    np.testing.assert_array_equal(trace.experts, routes_TAK[:, 1:])
+
+
 def test_multi_turn_matches_skyrls_routed_expert_trace_past_255(skyrl: Any) -> None:
     """The same three calls through SkyRL 0.4.0's `RoutedExpertTrace` (its generator's bookkeeping) and through
     `RolloutRoutes`: one prefix, ids >= 256 in the last turns kept by both (SkyRL #1912), rows equal as sets."""
