@@ -102,6 +102,13 @@ class WorkerRouting:
             self.recorded = RecordedRoutes(num_experts=self.geometry.num_experts)
         return self.replayer
 
+    def detach(self) -> None:
+        """Unbind the routers (the HF model is exactly as SkyRL built it) and drop R2's recordings."""
+        if self.replayer is not None:
+            self.replayer.detach()
+        self.replayer, self.module, self.geometry = None, None, None
+        self.recorded.clear()
+
 
 def model_geometry(module: nn.Module, replayer: Any) -> RouteGeometry:
     """The HF config's routed geometry (every hidden layer on the wire, its MoE layers), which must be the one
