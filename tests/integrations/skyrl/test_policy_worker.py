@@ -176,3 +176,28 @@ def test_r2_records_in_the_forward_pass_and_replays_it_in_two_updates(
         for layer in MOE_LAYERS:
             assert torch.equal(seen[layer], recorded[0][layer]), f"layer {layer}: R2 drifted"
     assert all(torch.equal(recorded[0][la], natural[0][la]) for la in MOE_LAYERS)  # it recorded natural routing
+
+
+@LAYOUTS
+def test_r3_replay_spans_backward_so_activation_checkpointing_recomputes_the_same_routes(
+    cpu: None, remove_padding: bool
+) -> None:
+    """SkyRL's `gradient_checkpointing` (HF checkpointing, use_reentrant False): backward re-runs each decoder
+    layer's forward; the recomputed routers replay the same rollout routes because the context spans backward."""
+    seqs = sequences()
+    routes = random_routes(seqs)
+    data = training_batch(seqs, routes)
+    model = tiny_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    worker = build_worker(model, trainer_config(micro_batch_size=len(seqs)), remove_padding=remove_padding)
+    with dispatched(model) as calls:
+        worker.forward_backward(data)
+    stats = worker.routing().replayer.stats
+    assert stats.recompute_calls == len(MOE_LAYERS)  # one micro-batch: each MoE router re-ran once in backward
+    mask = data["attention_mask"]
+    for layer in MOE_LAYERS:
+        assert len(calls[layer]) == 2  # the forward, and its recomputation
+        want = sorted_rows(expected_rows(routes, seqs, layer))
+        routed = (want >= 0).all(-1)
+        first, again = (sorted_rows(token_rows(mask, remove_padding, [c])) for c in calls[layer])
+        assert torch.equal(first[routed], want[routed]) and torch.equal(again, first)
