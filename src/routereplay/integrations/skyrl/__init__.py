@@ -12,19 +12,33 @@ Rollout side (docs/skyrl.md):
 - `packed_routes.py` `routes_of_packed`: SkyRL's batch `PackedTensor` back to (B, S, M, K) with -1, checked;
                      `route_digests` tie packed rows to their tokens
 
+Trainer side:
+- `policy_worker.py`   SkyRL's `FSDPPolicyWorkerBase` with R3 / R2 (`policy_worker_class`, `install` behind
+                       SkyRL's `fsdp_worker.PolicyWorker`); R3 by SkyRL's own key
+                       `trainer.policy.megatron_config.moe_enable_routing_replay`, R2 by
+                       `ROUTEREPLAY_SKYRL_ROUTER_REPLAY=R2` in the workers' environment
+- `micro_batch.py`     `ModelInputLayout`: routes and token ids laid out as SkyRL's `HFModelWrapper` feeds the model
+                       (packed `remove_microbatch_padding`, padded, Ulysses SP), its input ids checked
+- `recorded_routes.py` R2's recordings, found again by each sample's tokens, shared over SkyRL's dp group
+
 Importing this package imports no SkyRL: SkyRL is imported inside the functions that need it.
 Tests: `make test-skyrl` (SkyRL 0.4.0 in its own .venv-skyrl: it pins transformers<=5.16.1, hydra-core==1.3.4).
 """
 
 from routereplay.integrations.skyrl.packed_routes import route_digests, routes_of_packed
+from routereplay.integrations.skyrl.policy_worker import MODE_ENV, install, policy_worker_class, replay_mode
 from routereplay.integrations.skyrl.rollout import RolloutRoutes, RouteGeometry, generator_routes, route_dtype
 from routereplay.integrations.skyrl.wire_form import decode_skyrl, unpack_envelope
 
 __all__: list[str] = [
+    "MODE_ENV",
     "RolloutRoutes",
     "RouteGeometry",
     "decode_skyrl",
     "generator_routes",
+    "install",
+    "policy_worker_class",
+    "replay_mode",
     "route_digests",
     "route_dtype",
     "routes_of_packed",

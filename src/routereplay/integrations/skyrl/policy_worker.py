@@ -33,6 +33,7 @@ positions, M = MoE layers, K = top-k.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Iterator
@@ -139,6 +140,13 @@ class RouteReplayPolicyWorkerMixin:
 
     def router_replay_mode(self) -> str:
         return replay_mode(getattr(self, "cfg", None))
+
+    def routereplay_stats(self) -> dict[str, Any]:
+        """The replayer's counters (`ReplayStats`: replayed rows, live -1 rows per layer, recomputations) and the mode;
+        a plain dict, so a Ray caller can read them (`worker.routereplay_stats.remote()`)."""
+        replayer = self.routing().replayer
+        counts = dataclasses.asdict(replayer.stats) if replayer is not None else {}
+        return {"mode": self.router_replay_mode(), "recorded_samples": len(self.routing().recorded), **counts}
 
     def hf_model(self) -> nn.Module:
         wrapper = self.model  # type: ignore[attr-defined]
