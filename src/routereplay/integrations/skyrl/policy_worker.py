@@ -295,7 +295,7 @@ def install() -> type:
     cls = policy_worker_class()
     if getattr(fsdp_worker.PolicyWorker, "_routereplay", False):
         return cls
-    actor = ray.remote(num_gpus=1)(cls)
+    actor: Any = ray.remote(num_gpus=1)(cls)
     actor._routereplay = True
     fsdp_worker.PolicyWorker = actor
     return cls
