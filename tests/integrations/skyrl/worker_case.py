@@ -18,47 +18,18 @@ T = tokens a model call sees, N = attended tokens.
 
 from __future__ import annotations
 
-import copy
-import socket
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-import routereplay
-from routereplay.testing import tiny_vllm_model
+from tests.integrations.verl.fsdp_case import MOE_LAYERS, TOP_K, free_port, sorted_rows, tiny_model
 from tests.runtime.models import experts_inputs
 
-FAMILY = "qwen3_moe_dense_first"
-MOE_LAYERS = (1, 2)
 NUM_LAYERS = 3
-TOP_K = 2
 PROMPT_LENGTHS = (5, 3, 7, 2)
 RESPONSE_LENGTHS = (4, 6, 1, 3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def tiny_model(seed: int = 0) -> nn.Module:
-    model = tiny_vllm_model(FAMILY, seed=seed)
-    model.config.use_cache = False
-    return model.train()
-
-
-def rollout_model(model: nn.Module, noise: float = 3e-2, seed: int = 1) -> nn.Module:
-    """A copy whose router numerics differ from the trainer's, as a rollout engine's do: routes differ."""
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in other.named_parameters():
-            if name.endswith("gate.weight"):
-                param.add_(torch.randn(param.shape, generator=generator) * noise)
-    return other.eval()
 
 
 def sequences(seed: int = 0) -> list[tuple[list[int], list[int]]]:
@@ -68,24 +39,6 @@ def sequences(seed: int = 0) -> list[tuple[list[int], list[int]]]:
         return torch.randint(4, 200, (n,), generator=generator).tolist()
 
     return [(ids(p), ids(r)) for p, r in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS, strict=True)]
-
-
-def rollout_routes(model: nn.Module, seqs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
-    """Per trajectory (len - 1, P, K) uint8: what SkyRL's generator hands the trainer (`RoutedExpertTrace`:
-    no row for the final sampled token, every hidden layer, the dense layer 0 zeros as vLLM sends it)."""
-    replayer = routereplay.attach(model)
-    out = []
-    try:
-        for prompt, response in seqs:
-            ids = torch.tensor([prompt + response])
-            with replayer.record() as rec, torch.no_grad():
-                model(input_ids=ids)
-            full_TPK = np.zeros((ids.shape[1], NUM_LAYERS, TOP_K), dtype=np.uint8)
-            full_TPK[:, list(MOE_LAYERS)] = rec.routes[0].numpy().astype(np.uint8)
-            out.append(full_TPK[:-1])
-    finally:
-        replayer.detach()
-    return out
 
 
 def random_routes(seqs: list[tuple[list[int], list[int]]], num_experts: int = 16, seed: int = 5) -> list[np.ndarray]:
@@ -212,5 +165,4 @@ def expected_rows(routes: list[np.ndarray], seqs: list[tuple[list[int], list[int
     return torch.cat(out)
 
 
-def sorted_rows(x: torch.Tensor) -> torch.Tensor:
-    return x.sort(dim=-1).values
+__all__ = ["MOE_LAYERS", "TOP_K", "free_port", "sorted_rows", "tiny_model"]  # the verl tests' model and helpers
