@@ -163,3 +163,27 @@ def test_install_makes_skyrls_fsdp_entrypoint_build_this_worker() -> None:
         assert install() is cls and fsdp_worker.PolicyWorker is actor  # idempotent
     finally:
         fsdp_worker.PolicyWorker = original
+
+
+@pytest.mark.parametrize("mode", ["R3", "R2"])
+def test_skyrls_padding_micro_batch_routes_live(cpu: None, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """DP ranks with fewer token-based micro-batches get SkyRL's padding micro-batch (random tokens, loss mask 0,
+    one attended token; under R3 a dummy route marked in router_padding_mask). It routes live under both modes,
+    counted, rather than replaying SkyRL's dummy experts (R3) or failing to find a recording (R2)."""
+    from skyrl.backends.skyrl_train.workers.worker_utils import TokenBasedBatchIterator
+
+    original = TokenBasedBatchIterator._sync_num_microbatches
+    monkeypatch.setattr(TokenBasedBatchIterator, "_sync_num_microbatches", lambda self: original(self) + 1)
+    seqs = sequences()
+    r3 = mode == "R3"
+    if not r3:
+        monkeypatch.setenv(MODE_ENV, "R2")
+    data = training_batch(seqs, random_routes(seqs) if r3 else None)
+    worker = build_worker(tiny_model(), trainer_config(max_tokens=12, r3=r3), remove_padding=True)
+    worker.forward(data)
+    before = worker.routereplay_stats()
+    out = worker.forward_backward(data)
+    after = worker.routereplay_stats()
+    assert out.metrics["num_padding_microbatches"] == 1.0
+    live = after["fallback_rows"] - before["fallback_rows"]
+    assert live == ((len(seqs) if r3 else 0) + 1) * len(MOE_LAYERS)  # (R3: final tokens) + the padding token
