@@ -46,6 +46,8 @@ def test_two_ranks_data_parallel_and_ulysses_sp_replay_and_record_like_one_rank(
     # Ulysses SP 2: each rank's experts get its shard of the packed row's routes; log-probs and R2's recording
     # gathered over the SP group equal one rank's
     total = sum(len(p) + len(r) for p, r in seqs)  # the packed row: every attended token
+    captured = torch.ones(total, dtype=torch.bool)
+    captured[torch.tensor([len(p) + len(r) for p, r in seqs]).cumsum(0) - 1] = False  # final tokens route live
     for rank, result in enumerate(ranks):
         assert result["sp_recorded"].keys() == result["one_recorded"].keys()
         for key, rows in result["one_recorded"].items():
@@ -56,8 +58,9 @@ def test_two_ranks_data_parallel_and_ulysses_sp_replay_and_record_like_one_rank(
         for m in case.MOE_LAYERS:
             one_NK = case.sorted_rows(result["one_dispatched"][m][:total])
             want_sK = layout.ulysses_shard(one_NK, worker_ranks.WORLD, rank)
-            held_s = layout.ulysses_shard(torch.ones(total, dtype=torch.bool), worker_ranks.WORLD, rank, fill=0)
-            got_sK = case.sorted_rows(result["sp_dispatched"][m])
-            assert got_sK.shape == want_sK.shape, f"rank {rank} layer {m}: its shard of the packed row"
-            routed_s = held_s.bool() & (want_sK >= 0).all(-1)
-            assert torch.equal(got_sK[routed_s], want_sK[routed_s]), f"rank {rank} layer {m}"
+            held_s = layout.ulysses_shard(captured, worker_ranks.WORLD, rank, fill=0)
+            routed_s = held_s.bool()
+            for key in ("sp_dispatched", "sp_update_dispatched"):  # the old-log-prob pass and an update
+                got_sK = case.sorted_rows(result[key][m])
+                assert got_sK.shape == want_sK.shape, f"rank {rank} layer {m}: its shard of the packed row"
+                assert torch.equal(got_sK[routed_s], want_sK[routed_s]), f"rank {rank} layer {m} {key}"

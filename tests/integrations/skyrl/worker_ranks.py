@@ -107,7 +107,9 @@ def sequence_parallel(rank: int, result: dict[str, Any]) -> None:
     sp.cfg = cfg
     with case.dispatched(model) as calls:
         result["sp_log_probs"] = sp.forward(data).loss_fn_outputs
+        sp.forward_backward(data)  # an update: SkyRL's gathered log-probs backward over the SP group, replayed
     result["sp_dispatched"] = {m: calls[m][0] for m in case.MOE_LAYERS}
+    result["sp_update_dispatched"] = {m: calls[m][1] for m in case.MOE_LAYERS}
 
 
 def rank_main(rank: int, port: int, out_dir: str) -> None:
