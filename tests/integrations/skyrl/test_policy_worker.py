@@ -201,3 +201,33 @@ def test_r3_replay_spans_backward_so_activation_checkpointing_recomputes_the_sam
         routed = (want >= 0).all(-1)
         first, again = (sorted_rows(token_rows(mask, remove_padding, [c])) for c in calls[layer])
         assert torch.equal(first[routed], want[routed]) and torch.equal(again, first)
+
+
+def test_r3_through_skyrls_own_fsdp2_sharding(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SkyRL's `FSDPStrategy.prepare` (what its `init_model` runs: meta move, `fully_shard` per decoder layer and
+    root, full state dict loaded, AdamW + scheduler) on a one-rank CPU mesh; routereplay binds the sharded model
+    at its first pass and replays as on the unsharded one. Its `_sync_non_persistent_buffers` calls `.cuda()`; on
+    one rank it has nothing to broadcast, so it is skipped here."""
+    import skyrl.backends.skyrl_train.distributed.fsdp_utils as fsdp_utils
+    from skyrl.train.config.config import MixedPrecisionConfig
+    from torch.distributed.fsdp import FSDPModule
+
+    monkeypatch.setattr(fsdp_utils, "_sync_non_persistent_buffers", lambda model, full_sd: None)
+    seqs = sequences()
+    routes = random_routes(seqs)
+    data = training_batch(seqs, routes)
+    cfg = trainer_config()
+    cfg.policy.fsdp_config.mixed_precision = MixedPrecisionConfig(param_dtype="fp32", reduce_dtype="fp32")
+    worker = build_worker(tiny_model(), cfg, remove_padding=True)
+    worker.strategy.device_mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    worker.strategy.total_training_steps = 2
+    worker.model, worker.optimizer, worker.scheduler = worker.strategy.prepare((worker.model, None, None))
+    model = worker.model.model
+    assert isinstance(model, FSDPModule)
+    passes = [one_pass(worker, model, data, update=u, remove_padding=True) for u in (False, True, True)]
+    for layer in MOE_LAYERS:
+        want = sorted_rows(expected_rows(routes, seqs, layer))
+        routed = (want >= 0).all(-1)
+        for seen in passes:
+            assert torch.equal(seen[layer][routed], want[routed]), f"layer {layer}"
+    assert worker.routereplay_stats()["fallback_rows"] == 3 * len(seqs) * len(MOE_LAYERS)
