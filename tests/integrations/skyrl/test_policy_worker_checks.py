@@ -187,3 +187,14 @@ def test_skyrls_padding_micro_batch_routes_live(cpu: None, monkeypatch: pytest.M
     assert out.metrics["num_padding_microbatches"] == 1.0
     live = after["fallback_rows"] - before["fallback_rows"]
     assert live == ((len(seqs) if r3 else 0) + 1) * len(MOE_LAYERS)  # (R3: final tokens) + the padding token
+
+
+def test_a_config_that_disagrees_with_the_bound_routers_is_refused(cpu: None) -> None:
+    """The routes' geometry comes from the HF config (SkyRL's rows carry every hidden layer); if the routers
+    routereplay bound differ from it (here top-k), nothing is replayed against a guessed layout."""
+    seqs = sequences()
+    model = tiny_model()
+    model.config.num_experts_per_tok = 3  # the routers were built with top-2
+    worker = build_worker(model, trainer_config(), remove_padding=True)
+    with pytest.raises(ConfigError, match=r"config names experts/top-k/MoE layers 16/3/\[1, 2\] but routereplay bound"):
+        worker.forward(training_batch(seqs, random_routes(seqs)))

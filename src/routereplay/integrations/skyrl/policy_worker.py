@@ -113,10 +113,11 @@ class WorkerRouting:
 
 def model_geometry(module: nn.Module, replayer: Any) -> RouteGeometry:
     """The HF config's routed geometry (every hidden layer on the wire, its MoE layers), which must be the one
-    the replayer bound: the rows SkyRL carries are checked against it."""
+    the replayer bound, its route columns in the same (ascending) layer order: the rows SkyRL carries are checked
+    against it and replayed column for column."""
     config = getattr(module, "config", None)
     geometry = RouteGeometry.from_hf_config(getattr(config, "text_config", None) or config)
-    bound = (int(replayer.num_experts), int(replayer.top_k), tuple(sorted(set(replayer.layers))))
+    bound = (int(replayer.num_experts), int(replayer.top_k), tuple(replayer.layers))  # column order as replayed
     if bound != (geometry.num_experts, geometry.top_k, geometry.moe_layers):
         raise ConfigError(
             f"the model's config names experts/top-k/MoE layers {geometry.num_experts}/{geometry.top_k}/"
