@@ -24,7 +24,11 @@ SHIMS = Path(__file__).parent / "shims"
 
 
 def install_shims() -> None:
-    """Both shims, idempotent; also called in the ranks a test spawns (they do not run this conftest)."""
+    """Both shims, idempotent, only where SkyRL is installed (.venv-skyrl: the main venv's test session, which
+    collects these tests and skips them, keeps its typing and finds no flash_attn); also called in the ranks a
+    test spawns (they do not run this conftest)."""
+    if importlib.util.find_spec("skyrl") is None:
+        return
     if sys.version_info < (3, 12):
         typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
     if importlib.util.find_spec("flash_attn") is None and str(SHIMS) not in sys.path:
