@@ -39,6 +39,24 @@ VERL := verl==0.9.1
 VERL_TRANSFORMERS := transformers==5.10.4
 VERL_DEPS := codetiming dill hydra-core pylatexenc "tensordict>=0.8,<=0.10,!=0.9.0" torchdata peft orjson \
 	wandb tensorboard accelerate datasets pandas pyarrow pybind11 "ray>=2.40,<3" cachetools fastapi uvicorn
+# SkyRL 0.4.0 (routereplay.integrations.skyrl) declares Requires-Python >= 3.12 (its modules run on 3.11) and
+# pins transformers<=5.16.1 and hydra-core==1.3.4, so its tests run in their own venv: torch first (the CPU
+# wheel), SkyRL --no-deps --ignore-requires-python, then what its FSDP worker path really imports (ray only
+# imported, never started: SkyRL decorates its workers with ray.remote at import; skyrl-gym via its generator
+# types), then routereplay. megatron-core 0.16 (--no-deps, CPU-importable) lets the tests run SkyRL's own
+# Megatron R3 consumer (replay_utils.setup_per_microbatch_replay_forward) against routereplay.
+# Two shims, test-venv only, in tests/integrations/skyrl/ (conftest.py): typing.TypedDict ->
+# typing_extensions.TypedDict before SkyRL imports (pydantic refuses typing.TypedDict on Python < 3.12, in
+# skyrl/tinker/types.py), and a pure-PyTorch flash_attn.bert_padding (pad_input / unpad_input, which SkyRL's
+# model_wrapper.py imports; flash-attn does not build without CUDA), on sys.path only where flash_attn is missing.
+SKYRL_VENV  := .venv-skyrl
+SKYRL_BIN   := $(SKYRL_VENV)/bin
+SKYRL_STAMP := $(SKYRL_VENV)/.installed
+SKYRL := skyrl==0.4.0
+SKYRL_TRANSFORMERS := transformers==5.16.1
+SKYRL_DEPS := hydra-core==1.3.4 omegaconf==2.3.1 ray==2.57.0 peft==0.18.1 cloudpathlib==0.26.0 loguru==0.7.3 \
+	func_timeout==4.3.5 jaxtyping==0.3.11 skyrl-gym==0.4.0 aiohttp==3.14.5 orjson==3.13.0 pybase64==1.5.1 \
+	datasets==5.2.0
 # two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
 # `make test` installs nothing more; `make test` after `make demo` adds the rest)
 DEMO_STAMP := $(VENV)/.installed-demo
@@ -55,7 +73,7 @@ TEST_WORKERS ?= auto
 KERNELS := setup.py src/routereplay/codec/set_kernel.c src/routereplay/wire/base64_kernel.c src/routereplay/json_scan.c
 KERNEL_STAMP := $(VENV)/.kernels
 
-.PHONY: demo examples test test-megatron016 test-verl lint bench clean
+.PHONY: demo examples test test-megatron016 test-verl test-skyrl lint bench clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +95,14 @@ $(VERL_STAMP): pyproject.toml Makefile
 	$(VERL_BIN)/python -m pip install --quiet --no-deps $(VERL) $(MEGATRON_016)
 	$(VERL_BIN)/python -m pip install --quiet $(TORCH) $(VERL_TRANSFORMERS) $(VERL_DEPS) -e ".[dev,hf]"
 	touch $(VERL_STAMP)
+
+$(SKYRL_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(SKYRL_VENV)
+	$(SKYRL_BIN)/python -m pip install --quiet --upgrade pip
+	$(SKYRL_BIN)/python -m pip install --quiet $(TORCH)
+	$(SKYRL_BIN)/python -m pip install --quiet --no-deps --ignore-requires-python $(SKYRL) $(MEGATRON_016)
+	$(SKYRL_BIN)/python -m pip install --quiet $(TORCH) $(SKYRL_TRANSFORMERS) $(SKYRL_DEPS) -e ".[dev,hf]"
+	touch $(SKYRL_STAMP)
 
 $(KERNEL_STAMP): $(DEMO_STAMP) $(KERNELS)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
@@ -101,9 +127,10 @@ examples: $(DEMO_STAMP)
 	$(BIN)/routereplay convert $(EXAMPLES)/qwen3_30b_a3b_sglang.json $(EXAMPLES_OUT)/qwen3_30b_a3b.rrt --force \
 		--num-layers 48 --top-k 8 --num-experts 128
 
-test: $(STAMP) $(VERL_STAMP) $(KERNEL_STAMP)
+test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(KERNEL_STAMP)
 	$(MAKE) --no-print-directory test-megatron016
 	$(MAKE) --no-print-directory test-verl
+	$(MAKE) --no-print-directory test-skyrl
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # the Megatron adapter's tests on megatron-core 0.16 too: that release (17 MB) overlays the venv's 0.19
@@ -116,6 +143,10 @@ test-megatron016: $(STAMP)
 test-verl: $(VERL_STAMP)
 	$(VERL_BIN)/python -m pytest -q -n 0 -p no:cacheprovider tests/integrations/verl
 
+# routereplay.integrations.skyrl against real SkyRL 0.4.0 code, in its own venv (transformers 5.16.1, hydra-core 1.3.4)
+test-skyrl: $(SKYRL_STAMP)
+	$(SKYRL_BIN)/python -m pytest -q -n 0 -p no:cacheprovider tests/integrations/skyrl
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
@@ -124,4 +155,4 @@ bench: $(STAMP) $(KERNEL_STAMP)
 	$(BIN)/routereplay bench all --output BENCHMARKS.md --readme README.md
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(SKYRL_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,8 +1,8 @@
 """Shared fixtures, and the one place where optional-dependency markers turn into skips.
 
 Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a test marked `hf`,
-`megatron`, `zstd`, `vllm`, `trl`, `ray`, `verl`, `native` or `gpu` is skipped with a reason only when that dependency
-is missing here (verl runs in its own .venv-verl: `make test-verl`).
+`megatron`, `zstd`, `vllm`, `trl`, `ray`, `verl`, `skyrl`, `native` or `gpu` is skipped with a reason only when that
+dependency is missing here (verl runs in its own .venv-verl: `make test-verl`; SkyRL in .venv-skyrl: `make test-skyrl`).
 
 Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
 `too_slow` health check, because both are wall-clock limits that fail on a busy machine (issue 11
@@ -73,6 +73,7 @@ OPTIONAL = {
     "trl": ("trl", "pip install 'routereplay[trl]'"),
     "ray": ("ray", "pip install 'routereplay[ray]'"),
     "verl": ("verl", "make test-verl: verl 0.9.1 runs in its own .venv-verl"),
+    "skyrl": ("skyrl", "make test-skyrl: SkyRL 0.4.0 runs in its own .venv-skyrl"),
     "native": ("routereplay.codec._set_kernel", "reinstall routereplay where a C compiler is: pip install -e ."),
 }
 

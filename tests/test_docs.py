@@ -31,6 +31,7 @@ PAGE_MARKS: dict[str, list[pytest.MarkDecorator]] = {
     "megatron.md": [pytest.mark.megatron],
     "trl.md": [pytest.mark.hf, pytest.mark.trl],
     "verl.md": [],
+    "skyrl.md": [],
     "route-forcing.md": [pytest.mark.hf, pytest.mark.vllm, pytest.mark.xdist_group("vllm-live")],
 }
 

@@ -24,6 +24,8 @@ Files:
                           `routereplay bench all`
 - `replay.py`             Replay benchmark: forward + backward time of a training step with routers off,
                           recording, replaying
+- `skyrl_routes.py`       SkyRL benchmark: bytes per sample of a batch's routes, compact blobs against SkyRL's
+                          wire envelope, generator array and packed batch field
 - `store.py`              Store benchmark: driver memory of a batch's routes, compact `RouteStore` vs int16
                           holders
 - `timing.py`             Repeated timing with median and spread: the only way figures in BENCHMARKS.md are

@@ -18,14 +18,14 @@ from routereplay.cli.threads import add_threads_argument
 SUITES = ("codec", "layout", "store", "delivery", "indexer", "replay", "engine")  # what `bench all` runs
 # run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm];
 # `async` trains the demo model (cached) and runs nine GRPO runs
-SEPARATE_SUITES = ("load", "vllm", "async", "verl")
+SEPARATE_SUITES = ("load", "vllm", "async", "verl", "skyrl")
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run a benchmark suite (codec, layout, store, delivery, indexer, replay, engine, load, vllm, async, "
-        "verl, all) and print medians",
+        "verl, skyrl, all) and print medians",
         description=(
             "Run a benchmark suite; every ratio is measured side by side in the same run. "
             "`codec`: bytes per (token, layer) row and encode/decode speed of routereplay's codec against JSON lists, "
@@ -49,6 +49,9 @@ def add_parser(subparsers: Any) -> None:
             "on one seeded schedule, and async vs sync samples per second (not part of `all`). "
             "`verl`: bytes per sample of a verl batch's routes, routereplay's compact blobs against verl 0.9.1's dense "
             "and jagged int16 (Qwen3-30B-A3B shape; no verl needed; not part of `all`). "
+            "`skyrl`: bytes per sample of a SkyRL 0.4.0 batch's routes, routereplay's compact blobs against SkyRL's "
+            "wire envelope, generator array and packed batch field (Qwen3-30B-A3B shape; no SkyRL needed; not part of "
+            "`all`). "
             "`all`: every suite, then BENCHMARKS.md (--output) and the README table (--readme). "
             "Progress goes to stderr."
         ),
@@ -204,6 +207,10 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
         from routereplay.bench import verl_routes
 
         return verl_routes, verl_routes.VerlRoutesBenchConfig(samples=4 if quick else 64, seed=args.seed)
+    if name == "skyrl":
+        from routereplay.bench import skyrl_routes
+
+        return skyrl_routes, skyrl_routes.SkyRLRoutesBenchConfig(samples=4 if quick else 64, seed=args.seed)
     if name == "vllm":
         import os
 
