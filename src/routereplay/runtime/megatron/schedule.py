@@ -14,7 +14,7 @@ import torch
 
 from routereplay.enums import ReplayMode
 from routereplay.errors import BatchShapeError, MicroBatchCountError, RecomputeError, ReplayStateError
-from routereplay.runtime.megatron_binding import MegatronSite
+from routereplay.runtime.megatron.binding import MegatronSite
 from routereplay.runtime.replayer import ReplayStats
 
 

@@ -1,7 +1,7 @@
 """DSA indexer choices between a padded batch (`indices_BSLI`) and per-sequence `IndexerTrace`s.
 
 A batch holds key positions as batch columns: row (b, s, l) lists the columns query column s of row
-b attends in DSA layer l, sorted, -1 padded to I (`runtime/indexer.py`, canonical form). A sequence's
+b attends in DSA layer l, sorted, -1 padded to I (`runtime/indexer/discovery.py`, canonical form). A sequence's
 `IndexerTrace` holds token positions within the sequence (`routereplay.indexer`): the i-th attended
 column of row b is token i, as for expert routes (`runtime/routes.py`), so left padding, right
 padding and packed rows all map the same way. A query's keys are attended columns by construction

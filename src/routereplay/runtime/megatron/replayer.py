@@ -71,14 +71,14 @@ from routereplay.errors import (
     UnsupportedRouterError,
 )
 from routereplay.runtime.interception import in_backward
-from routereplay.runtime.megatron_binding import (
+from routereplay.runtime.megatron.binding import (
     MegatronSite,
     check_config,
     find_routers,
     moe_layers_of,
     resolve_payload_layers,
 )
-from routereplay.runtime.megatron_schedule import MegatronRecording, Schedule
+from routereplay.runtime.megatron.schedule import MegatronRecording, Schedule
 from routereplay.runtime.replayer import Binding, ReplayStats
 from routereplay.trace.route_trace import RouteTrace
 
@@ -358,4 +358,4 @@ def attach_megatron(model: nn.Module | Sequence[nn.Module], *, strict: bool = Tr
     return MegatronReplayer(model, strict=strict)
 
 
-__all__ = ["MegatronRecording", "MegatronReplayer", "attach_megatron"]
+__all__ = ["MegatronReplayer", "attach_megatron"]

@@ -186,7 +186,7 @@ def _router_graph_scope(config: Any) -> str | None:
     """How training CUDA graphs capture the router, or None. 0.16: `cuda_graph_scope`; 0.19:
     `cuda_graph_modules` (`cuda_graph_scope` is migrated into it and reset to None) and
     `cuda_graph_impl="full_iteration"`. Inference graphs (0.19 `inference_cuda_graph_scope`, always on
-    under impl "local") are caught when they capture a router inside a context (see megatron.py)."""
+    under impl "local") are caught when they capture a router inside a context (see replayer.py)."""
     impl = getattr(config, "cuda_graph_impl", "none") or "none"
     if impl == "full_iteration":
         return "impl=full_iteration (the whole forward-backward)"

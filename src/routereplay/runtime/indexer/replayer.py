@@ -4,7 +4,7 @@ Binding is by module identity: each indexer's `forward` becomes an instance attr
 its own forward (the class is untouched, nothing global is patched) and `detach()` deletes it,
 putting back a forward another library had set before. A pickled or deep-copied model carries
 inert stand-ins (its indexers run naturally; binding the copy unwraps them). The canonical
-(B, S, L, I) form and the discovery rules are in `runtime/indexer.py`.
+(B, S, L, I) form and the discovery rules are in `runtime/indexer/discovery.py`.
 
     ir = IndexerReplayer(model)
     with ir.record() as rec:
@@ -55,7 +55,7 @@ from routereplay.errors import (
     ReplayStateError,
 )
 from routereplay.runtime.attachment import _holding_forward, _is_bound_class_forward, _unwrapped
-from routereplay.runtime.indexer import (
+from routereplay.runtime.indexer.discovery import (
     ForcedIndices,
     IndexerSite,
     attendable_BST,
