@@ -137,18 +137,27 @@ def check_recorded(hints: PayloadHints, trace: RouteTrace, where: str) -> None:
         "moe_layers": list(trace.layers),
         "layers": list(trace.layers),
     }
+    contradiction = _contradiction(hints, recorded)
+    if contradiction is not None:
+        name, shown, asked = contradiction
+        raise ConfigError(
+            f"{where}: the file records {name}={shown} but {_flag(name)} says {asked}; a codec file carries "
+            f"its own model facts: drop {_flag(name)} (or pass {shown})"
+        )
+
+
+def _contradiction(hints: PayloadHints, recorded: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """(name, recorded value, hinted value) of the first hint that differs from `recorded`, both as shown in
+    errors (layer lists as compact ranges); None when every given hint agrees."""
     for name, value in recorded.items():
         given = getattr(hints, name)
         if given is None:
             continue
-        given = [int(x) for x in given] if name in ("moe_layers", "layers") else int(given)
+        given = [int(x) for x in given] if isinstance(value, list) else int(given)
         if given != value:
             shown = compact_ranges(value) if isinstance(value, list) else value
-            asked = compact_ranges(given) if isinstance(given, list) else given
-            raise ConfigError(
-                f"{where}: the file records {name}={shown} but {_flag(name)} says {asked}; a codec file carries "
-                f"its own model facts: drop {_flag(name)} (or pass {shown})"
-            )
+            return name, shown, compact_ranges(given) if isinstance(given, list) else given
+    return None
 
 
 def with_carried(hints: PayloadHints, document: Any, found: FileFormat, where: str) -> PayloadHints:
@@ -188,18 +197,13 @@ def _check_carried(hints: PayloadHints, carried: dict[str, Any], layers: list[in
     over them (as for a codec file: `check_recorded`)."""
     recorded: dict[str, Any] = {"num_experts": carried["num_experts"], "top_k": carried["top_k"]}
     recorded.update(moe_layers=layers, layers=layers)
-    for name, value in recorded.items():
-        given = getattr(hints, name)
-        if given is None:
-            continue
-        given = [int(x) for x in given] if isinstance(value, list) else int(given)
-        if given != value:
-            shown = compact_ranges(value) if isinstance(value, list) else value
-            asked = compact_ranges(given) if isinstance(given, list) else given
-            raise ConfigError(
-                f"{where}: routereplay wrote this payload with {name}={shown} (its '{CARRIED_FIELD}' object) but "
-                f"{_flag(name)} says {asked}; drop {_flag(name)} (or pass {shown})"
-            )
+    contradiction = _contradiction(hints, recorded)
+    if contradiction is not None:
+        name, shown, asked = contradiction
+        raise ConfigError(
+            f"{where}: routereplay wrote this payload with {name}={shown} (its '{CARRIED_FIELD}' object) but "
+            f"{_flag(name)} says {asked}; drop {_flag(name)} (or pass {shown})"
+        )
     if hints.start and hints.start != carried["start"]:
         raise ConfigError(
             f"{where}: routereplay wrote this payload with start={carried['start']} (its '{CARRIED_FIELD}' object) but "
