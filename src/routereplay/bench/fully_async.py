@@ -13,7 +13,7 @@ Two parts, both on the trained demo model (`rl.model.load_or_train`, cached) and
   intra-op thread, and two) and of async GRPO on the realistic `threaded` schedule (a rollout thread
   and the trainer, one intra-op thread each), with the engine in the rollout thread
   (`async_threaded`, so both share the GIL) and in a child process (`async_process`,
-  `engines.hf_process.HFProcessEngine`; its start-up is inside the timed run, the steady state leaves
+  `engines.hf.HFProcessEngine`; its start-up is inside the timed run, the steady state leaves
   it out), interleaved over `repeats` repeats. The ratios are medians of per-repeat ratios async /
   sync, on the same machine in the same run.
 With `engine="vllm"` (`routereplay bench async --engine vllm`) the `policies` part runs on a real
@@ -134,8 +134,7 @@ def _throughput_workloads(
     """The four timed runs; each also appends its steady-state seconds per step to `steady[name]`:
     from the end of step 0 to the end of the last step, so the async run's initial fill of the
     pool (and sync's first step) is left out."""
-    from routereplay.engines.hf import HFEngine
-    from routereplay.engines.hf_process import HFProcessEngine
+    from routereplay.engines.hf import HFEngine, HFProcessEngine
     from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
     from routereplay.rl.grpo import GRPOTrainer
 

@@ -19,7 +19,7 @@ with vLLM alike: the resumed prefill is forced to the prefix's sampling routes, 
 routereplay vLLM plugin).
 The table then adds the policy version, stale rows, aborts, resumes, prefix conflicts, dropped groups
 and samples per second. `--schedule seeded` makes the aborts land where a seeded schedule says. With
-the built-in engine, `--async` runs it in a child process (`engines.hf_process.HFProcessEngine`), so
+the built-in engine, `--async` runs it in a child process (`engines.hf.HFProcessEngine`), so
 rollouts and training overlap instead of sharing the GIL; `--rollout-in-thread` keeps it in this
 process (the rollout thread's engine, as before).
 """
@@ -364,7 +364,7 @@ def _engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
     from routereplay.runtime import attach
 
     if _engine_process(args):
-        from routereplay.engines.hf_process import HFProcessEngine
+        from routereplay.engines.hf import HFProcessEngine
 
         return HFProcessEngine(model, threads=args.threads)  # the rollouts overlap training outside the GIL
     if args.engine == "hf":

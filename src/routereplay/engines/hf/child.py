@@ -1,4 +1,4 @@
-"""The child process's side of `HFProcessEngine` (engines/hf_process.py): the messages, the engine server.
+"""The child process's side of `HFProcessEngine` (engines/hf/process.py): the messages, the engine server.
 
 The parent starts `serve` with the `spawn` context. The child hides CUDA, sets torch's intra-op
 threads to the parent's choice, builds the model (`ModelRecipe`: a transformers model from its class
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from routereplay.engines.hf import HFEngine
+from routereplay.engines.hf.engine import HFEngine
 from routereplay.enums import StrEnum
 from routereplay.errors import EngineProcessError
 

@@ -16,7 +16,7 @@ Fully-async RL needs two more things of `generate`, and both are keyword argumen
   `aborted=True`, and nothing already sampled is lost: the tokens, their log-probs and the routes of
   every fed position. A call stopped before its prefill returns empty responses and no traces.
   `TokenBudget(n)` is the stop rule "n tokens sampled" as plain data: an engine in another process
-  (`engines.hf_process`) evaluates it there, exactly, where an arbitrary callable can only be asked
+  (`process.py`) evaluates it there, exactly, where an arbitrary callable can only be asked
   from the parent.
 - `prefix_routes` (one `RouteTrace` or None per prompt) is engine-side prefix replay. The prefill of a
   resumed request (prompt + everything generated so far) replays the routes those positions were

@@ -25,7 +25,7 @@ How the parent and the child talk (one duplex pipe, one request at a time):
 - The model reaches the child as a `ModelRecipe`: a transformers model is rebuilt there from its
   class and config and loads the shared weights (a model that has run a forward carries
   transformers' output-capturing hooks, closures that do not pickle); any other module is pickled
-  whole. The child's side (messages, server, `ParentStop`) is `engines/hf_child.py`.
+  whole. The child's side (messages, server, `ParentStop`) is `engines/hf/child.py`.
 - The child sets torch's intra-op threads to the parent's `ThreadPolicy` choice (1 by default), and
   hides CUDA (`CUDA_VISIBLE_DEVICES=""`; every tensor it receives is on the CPU).
 - An exception in the child re-raises in the parent as itself (same type, same message; the child's
@@ -55,8 +55,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from routereplay.engines.hf import Rollout, SamplingParams, TokenBudget, check_prompts
-from routereplay.engines.hf_child import ChildOptions, Message, ModelRecipe, serve
+from routereplay.engines.hf.child import ChildOptions, Message, ModelRecipe, serve
+from routereplay.engines.hf.engine import Rollout, SamplingParams, TokenBudget, check_prompts
 from routereplay.errors import (
     ConfigError,
     EngineProcessDiedError,

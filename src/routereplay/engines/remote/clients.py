@@ -17,8 +17,8 @@ with the routereplay plugin (`engines/vllm/plugin`, installed with the `vllm` ex
 forces; a refusal comes back as `ForcedRoutesError` with the server's reason, and returned routes
 that differ from the forced ones on a forced row as `ForcingNotAppliedError` (a server without the
 plugin ignores the field). The request loop, the model check and the
-response field checks both clients share are `RemoteEngine` (engines/remote_engine.py). Requests go
-through `BoundedHTTP` (engines/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect
+response field checks both clients share are `RemoteEngine` (engines/remote/engine.py). Requests go
+through `BoundedHTTP` (engines/remote/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect
 to last byte; default 2 x timeout), `max_response_bytes` and `retries` / `backoff` are keyword
 arguments of both clients. Token ids must be ints in [0, 2**31), log-probs real numbers (not NaN, not
 +inf), one per token (`ResponseFieldError`); a response whose `"model"` is not the client's `model` is
@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from routereplay.engines.hf import Rollout, SamplingParams
-from routereplay.engines.http import (
+from routereplay.engines.remote.engine import RemoteEngine, checked_logprobs, checked_token_ids, excerpt
+from routereplay.engines.remote.http import (
     DEFAULT_BACKOFF,
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_RETRIES,
@@ -41,19 +42,14 @@ from routereplay.engines.http import (
     BoundedHTTP,
     HTTPPolicy,
 )
-from routereplay.engines.remote_engine import RemoteEngine, checked_logprobs, checked_token_ids, excerpt
 from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced
 from routereplay.errors import (
-    DeadlineExceededError,
     EngineDeadError,
     EngineModelError,
     EngineRequestError,
-    EngineTimeoutError,
     ForcedRoutesError,
-    ModelMismatchError,
     PayloadError,
     ResponseFieldError,
-    ResponseTooLargeError,
 )
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire.sglang import decode_sglang
@@ -68,7 +64,7 @@ class VLLMClient(RemoteEngine):
 
     `num_experts`, `moe_layers` (which of the payload's all-hidden-layer axis to keep), `layers` and
     `top_k` are passed to `decode_vllm`. `timeout`, `deadline`, `max_response_bytes`, `retries` (total
-    attempts per request) and `backoff` bound each request (`HTTPPolicy`, engines/http.py).
+    attempts per request) and `backoff` bound each request (`HTTPPolicy`, engines/remote/http.py).
     """
 
     name = "vLLM"
@@ -312,15 +308,4 @@ class SGLangClient(RemoteEngine):
         return trace.with_indexer(indexer.slice(trace.start, trace.stop))
 
 
-__all__ = [
-    "DeadlineExceededError",
-    "EngineDeadError",
-    "EngineModelError",
-    "EngineRequestError",
-    "EngineTimeoutError",
-    "ModelMismatchError",
-    "ResponseFieldError",
-    "ResponseTooLargeError",
-    "SGLangClient",
-    "VLLMClient",
-]
+__all__ = ["SGLangClient", "VLLMClient"]

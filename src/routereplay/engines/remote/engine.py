@@ -1,7 +1,7 @@
 """What the remote inference clients share: one bounded HTTP request per prompt, checked responses.
 
-`RemoteEngine` is the base of `VLLMClient` and `SGLangClient` (engines/remote.py): it checks the URL and
-concurrency, runs `concurrency` requests at a time through `BoundedHTTP` (engines/http.py), refuses a
+`RemoteEngine` is the base of `VLLMClient` and `SGLangClient` (engines/remote/clients.py): it checks the URL and
+concurrency, runs `concurrency` requests at a time through `BoundedHTTP` (engines/remote/http.py), refuses a
 response from another model (`ModelMismatchError`) and cuts each rollout after its first EOS. A subclass
 gives the request body, reads the token ids and log-probs, and decodes the routes. `checked_token_ids`
 and `checked_logprobs` hold token ids to ints in [0, 2**31) and log-probs to real numbers (not NaN, not
@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_prefix_routes
-from routereplay.engines.http import BoundedHTTP, HTTPPolicy
+from routereplay.engines.hf.engine import Rollout, SamplingParams, check_prompts, checked_prefix_routes
+from routereplay.engines.remote.http import BoundedHTTP, HTTPPolicy
 from routereplay.engines.vllm.forced_routes import check_forced
 from routereplay.errors import (
     ConfigError,
