@@ -13,7 +13,7 @@
 - "R3": the routes the completions were generated with replay in the old-log-prob pass and every
   optimisation step. Generation routes come from `model.generate` (`use_vllm=False`: its forwards are
   recorded on the trainer's own model, nothing replayed there) or from TRL's colocated vLLM
-  (`vllm_mode="colocate"`, built with `enable_return_routed_experts`: `trl_vllm`). Refused, with the
+  (`vllm_mode="colocate"`, built with `enable_return_routed_experts`: `colocated.py`). Refused, with the
   reason: `vllm_mode="server"` (TRL's `VLLMClient.generate` keeps only ids and log-probs of the
   server's /v1/completions choices, `vllm_client.py` l.455-466, so routes a server started with
   `--enable-return-routed-experts` sends are dropped), TRL's continuous batching, tools / environments
@@ -21,7 +21,7 @@
 - None: TRL's natural routing, measured (drift, engine disagreement) but not changed.
 
 `reference_routing` ("natural" or "replay") says how the reference model (`beta != 0`) routes; with
-`beta != 0` and R2/R3 it must be given. Routes travel in TRL's batch dict (`trl_state`), so TRL's
+`beta != 0` and R2/R3 it must be given. Routes travel in TRL's batch dict (`state.py`), so TRL's
 shuffle and split (l.1542-1544) move them with their rows; the backward runs in
 `transformers.Trainer.training_step` after `compute_loss`, so the update's context opens in
 `compute_loss` and closes when `training_step` returns: backward and checkpoint recompute run inside.
@@ -46,8 +46,8 @@ from routereplay.errors import (
     RowCountError,
     UnsupportedByEngineError,
 )
-from routereplay.integrations.trl_layout import engine_routes, generation_traces
-from routereplay.integrations.trl_state import (
+from routereplay.integrations.trl.layout import engine_routes, generation_traces
+from routereplay.integrations.trl.state import (
     ENGINE_ROUTES_KEY,
     IDS_KEY,
     OLD_ROUTES_KEY,
@@ -90,7 +90,7 @@ _trl = import_trl()
 from trl import GRPOTrainer  # noqa: E402 - after the check above
 from trl.models.utils import disable_gradient_checkpointing  # noqa: E402
 
-from routereplay.integrations.trl_vllm import RoutedVLLMGeneration, routed_vllm_generation  # noqa: E402
+from routereplay.integrations.trl.colocated import RoutedVLLMGeneration, routed_vllm_generation  # noqa: E402
 
 MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes")
 
