@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from routereplay.bench import delivery, store
-from routereplay.bench.delivery_job import DeliveryJob
+from routereplay.bench.delivery import DeliveryJob
+from routereplay.bench.delivery.benchmark import dp_batch
 from routereplay.bench.store import SampleSource
 from routereplay.cli.main import EXIT_OK, main
 from routereplay.transport.spans import bundles_for
@@ -96,7 +97,7 @@ def test_a_failing_rank_ends_the_job_with_its_traceback() -> None:
     timeout) and surface its own error, not a hang or a bare exit code."""
     source = SampleSource(samples=4, seq=32, min_len=8, layers=2, top_k=2, experts=8, seed=0)
     config = delivery.DeliveryBenchConfig(samples=4, seq=32, min_len=8, layers=2, top_k=2, experts=8, window=4)
-    routes, dense_BSLK, plans = delivery.dp_batch(config, source)
+    routes, dense_BSLK, plans = dp_batch(config, source)
     bundles = bundles_for(routes, list(range(4)), plans, dense_BSLK.shape[1])
     plans[2] = torch.cat([plans[2], torch.tensor([-1])])  # rank 2 expects one row more than its bundle holds
     job = DeliveryJob(bundles, dense_BSLK, plans, repeats=1, timeout_s=60.0)

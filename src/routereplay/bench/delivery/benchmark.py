@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from routereplay.bench import scale_model
-from routereplay.bench.delivery_job import DeliveryJob
-from routereplay.bench.delivery_pipeline import STAGES, ResponsePipeline, expected_rank_rows, response_body
+from routereplay.bench.delivery.job import DeliveryJob
+from routereplay.bench.delivery.pipeline import STAGES, ResponsePipeline, expected_rank_rows, response_body
 from routereplay.bench.environment import collect
 from routereplay.bench.store import SampleSource
 from routereplay.bench.timing import interleave, median_ratio, spread, target
