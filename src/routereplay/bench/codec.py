@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.environment import collect
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import Timing, measure, target
 from routereplay.codec import blob as codec
 from routereplay.testing.synthetic import random_trace
@@ -213,9 +213,7 @@ def markdown(result: dict[str, Any]) -> str:
     """The README / BENCHMARKS.md table for a `run` record."""
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), Python {machine['python']}, "
-        f"numpy {machine['numpy']}, torch {machine['torch']}, by `routereplay bench codec` "
-        f"(`--json` for every figure and its spread).",
+        measured_on(machine, "codec", "Python", "numpy", "torch") + " (`--json` for every figure and its spread).",
         "",
         f"T={config['num_tokens']} tokens x L={config['num_layers']} layers, top-{config['top_k']} of "
         f"E={config['num_experts']} experts, {config['repeats']} repeats (median); entropy bound "

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from routereplay.bench.environment import collect
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import interleave, median_ratio, spread
 from routereplay.threads import ThreadPolicy
 
@@ -256,8 +256,8 @@ def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None)
 def markdown(result: dict[str, Any]) -> str:
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, by "
-        f"`routereplay bench async`. Trained demo model, "
+        measured_on(machine, "async", "torch")
+        + ". Trained demo model, "
         + ("in-process vLLM (bf16)" if config.get("engine") == "vllm" else "built-in engine (bf16)")
         + f", {config['prompts_per_step']} prompts "
         f"x {config['group_size']} per step, {config['mini_steps']} mini-steps, seeded schedule: a trainer step lasts "

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.environment import collect
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import measure, target
 from routereplay.indexer.trace import IndexerTrace
 
@@ -117,8 +117,7 @@ def markdown(result: dict[str, Any]) -> str:
     """The BENCHMARKS.md table for a `run` record."""
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), numpy {machine['numpy']}, by "
-        "`routereplay bench indexer`.",
+        measured_on(machine, "indexer", "numpy") + ".",
         "",
         f"T={config['num_tokens']} query tokens x L={config['num_layers']} DSA layers, index_topk "
         f"I={config['index_topk']}, {config['repeats']} repeats (median); dense = T x L x I int32.",

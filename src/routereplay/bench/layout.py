@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from routereplay.bench.environment import collect
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
 from routereplay.layout import pack, ulysses_shard, unpad
 from routereplay.layout.plan import gather, token_index
@@ -136,8 +136,7 @@ def run(config: LayoutBenchConfig, progress: Callable[[str], None] | None = None
 def markdown(result: dict[str, Any]) -> str:
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores, {machine['torch_threads']} torch threads), "
-        f"torch {machine['torch']}, on {config['device']}, by `routereplay bench layout`.",
+        measured_on(machine, "layout", "torch", threads=True, device=config["device"]) + ".",
         "",
         f"Pack + Ulysses SP shard (sp={config['sp']}, rank {config['rank']}) of {config['sequences']} sequences padded "
         f"to {config['seq']} tokens ({result['tokens']} real tokens), "

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.environment import collect
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import target
 from routereplay.store.route_store import RouteStore
 from routereplay.testing.synthetic import random_trace
@@ -216,8 +216,7 @@ def markdown(result: dict[str, Any]) -> str:
     config, machine, peaks, held = result["config"], result["machine"], result["peak_bytes"], result["held_bytes"]
     gib, payload = 2**30, result["payload_bytes"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), numpy {machine['numpy']}, "
-        "by `routereplay bench store` (peak and held bytes from tracemalloc).",
+        measured_on(machine, "store", "numpy") + " (peak and held bytes from tracemalloc).",
         "",
         f"{config['samples']} samples x up to {config['seq']} tokens ({result['tokens']} tokens, lengths uniform in "
         f"[{config['min_len']}, {config['seq']}], padded to {result['padded_length']}), {config['layers']} layers, "
