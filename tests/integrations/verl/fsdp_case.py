@@ -153,7 +153,7 @@ def verl_batch(
         tensors[ROUTES_KEY] = [compact_blob(trace) for trace in traces]
     elif traces is not None:  # BatchForm.DENSE as put_routes writes it: -1 (never 0) for no route, a token digest
         from routereplay.integrations.verl.batch import dense_routed_experts
-        from routereplay.integrations.verl.route_digest import DIGEST_KEY, route_digests
+        from routereplay.integrations.verl.digest import DIGEST_KEY, route_digests
 
         dense = dense_routed_experts(traces, attention_mask, PROMPT_WIDTH, input_ids_BS=input_ids)
         tensors["routed_experts"] = dense
