@@ -41,8 +41,8 @@ from routereplay.cli.arguments import (
     seed_int,
     token_range,
 )
+from routereplay.cli.step_tables import render, render_async, step_rows
 from routereplay.cli.threads import add_threads_argument
-from routereplay.cli.train_tables import render, render_async, step_rows
 
 # stdout carries the command's table or --json: vLLM's own log (stdout by default) goes to stderr; its level is
 # ERROR unless VLLM_LOGGING_LEVEL is set (engines.vllm.workarounds.quiet_vllm_logs, when vLLM is imported)
