@@ -52,8 +52,8 @@ from routereplay.errors import (
     ResponseFieldError,
 )
 from routereplay.trace.route_trace import RouteTrace
+from routereplay.wire.indexer_topk import decode_sglang_indexer
 from routereplay.wire.sglang import decode_sglang
-from routereplay.wire.sglang_indexer import decode_sglang_indexer
 from routereplay.wire.vllm import decode_vllm
 
 ENGINE_DEAD_MARKER = "EngineCore encountered an issue"  # vLLM V1's HTTP 500 body once its engine process died
