@@ -18,10 +18,10 @@ import pytest
 
 from routereplay.bitpack import MAX_VIEW_BITS, MIN_LANE_PACK_BITS, pack_bits, pack_lanes_into
 from routereplay.codec import blob as codec
-from routereplay.codec import rows, set_ranker
+from routereplay.codec import rows
 from routereplay.codec.limits import DEFAULT_LIMITS
+from routereplay.codec.ranker import MAX_NETWORK_K, SubsetRanker, merge_network
 from routereplay.codec.rows import encode_rows, payload_streams
-from routereplay.codec.set_ranker import MAX_NETWORK_K, SubsetRanker, merge_network
 from routereplay.codec.subsets import SubsetUnranker, binomial_table, rank_subsets
 from routereplay.enums import CodecMode
 from routereplay.trace.route_trace import RouteTrace
@@ -91,7 +91,7 @@ def test_ranker_equals_python_int_reference(num_experts: int, top_k: int) -> Non
 
 def test_ranker_chunk_seams(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of 24 rows (a multiple of 8): every seam, and a last chunk that ends mid-group."""
-    monkeypatch.setattr(set_ranker, "RANK_CHUNK_ROWS", 24)
+    monkeypatch.setattr("routereplay.codec.ranker.RANK_CHUNK_ROWS", 24)
     table_JE = binomial_table(128, 8, math.comb(128, 8))
     experts_NK = random_rows(np.random.default_rng(1), 24 * 5 + 5, 128, 8)
     assert SubsetRanker(table_JE).rank(experts_NK).tolist() == rank_subsets(experts_NK, table_JE).tolist()
