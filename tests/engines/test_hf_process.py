@@ -331,7 +331,7 @@ def test_train_cli_runs_the_async_engine_in_a_child_process(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--rollout-in-thread"], "--rollout-in-thread only apply to fully-async training: add --async"),
+        (["--rollout-in-thread"], "--rollout-in-thread only applies to fully-async training: add --async"),
         (["--async", "--rollout-in-thread", "--engine", "vllm"], "--engine vllm runs where it always does"),
     ],
 )
