@@ -35,7 +35,7 @@ from routereplay.errors import (
 from routereplay.trace.route_trace import RouteTrace
 
 pytestmark = pytest.mark.native
-GOLDEN = Path(__file__).resolve().parent / "data" / "golden"  # blobs written by the pre-kernel code
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden"  # blobs written by the pre-kernel code
 
 
 def distinct_rows(rng: np.random.Generator, n: int, num_experts: int, top_k: int) -> np.ndarray:

@@ -27,7 +27,7 @@ from routereplay.errors import (
 from routereplay.store.route_store import RouteStore
 from routereplay.store.sample import DuplicatedPrefixError, MisalignedRoutesError
 from routereplay.trace.provenance import UNROUTED_SOURCE, MergePolicy
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 L, K, E = 2, 2, 8

@@ -31,7 +31,7 @@ from routereplay.errors import (
     DuplicateExpertError,
     RouteReplayError,
 )
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 OFFSET_T, OFFSET_LAYERS = 8, 34  # byte offsets of fixed header fields (see the codec docstring)

@@ -23,8 +23,8 @@ from routereplay.codec.limits import (
     CodecLimits,
 )
 from routereplay.errors import CodecError, CodecFormatError, CodecLimitError, ConfigError
-from tests.codec_blobs import FLAG_MISSING_ROWS, FLAG_ZSTD, ORDERED, SET, forge, traced_peak
-from tests.wire import distinct_routes
+from tests.codec.blobs import FLAG_MISSING_ROWS, FLAG_ZSTD, ORDERED, SET, forge, traced_peak
+from tests.wire.payloads import distinct_routes
 
 MiB = 1 << 20
 

@@ -20,9 +20,9 @@ from routereplay.errors import CodecLimitError, ConfigError, StoreHeaderError
 from routereplay.indexer import IndexerLimits, IndexerTrace
 from routereplay.indexer.trace import merged_indexer
 from routereplay.store.route_store import RouteStore
-from tests.codec_blobs import traced_peak
+from tests.codec.blobs import traced_peak
 from tests.indexer.choices import implicit_blob, random_choices
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 E, L, K = 8, 2, 2
 MiB = 1 << 20

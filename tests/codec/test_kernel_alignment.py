@@ -19,7 +19,7 @@ from routereplay.codec import blob as codec
 from routereplay.codec import native
 from routereplay.codec.subsets import SubsetUnranker, binomial_table
 from routereplay.trace.route_trace import RouteTrace
-from tests.test_codec_kernel import distinct_rows
+from tests.codec.test_kernel import distinct_rows
 
 pytestmark = pytest.mark.native
 T, L, K, E = 96, 3, 8, 128

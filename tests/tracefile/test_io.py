@@ -15,7 +15,7 @@ from routereplay.jsondocument import JsonLimits
 from routereplay.tracefile.format import FileFormat
 from routereplay.tracefile.io import TraceFileLimits, read_trace, write_trace
 from routereplay.tracefile.payload import CARRIED_FIELD, PayloadHints
-from tests.wire import distinct_routes, vllm_npy_b64, vllm_response
+from tests.wire.payloads import distinct_routes, vllm_npy_b64, vllm_response
 
 HINTS = PayloadHints(num_experts=16)
 

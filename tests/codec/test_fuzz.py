@@ -20,8 +20,8 @@ from routereplay.codec.blob import bits_per_row, decode, encode, header_info
 from routereplay.codec.header import CodecHeader
 from routereplay.codec.limits import CodecLimits
 from routereplay.errors import RouteReplayError
-from tests.codec_blobs import FLAG_MISSING_ROWS, FLAG_ZSTD, forge, reseal, traced_peak
-from tests.wire import distinct_routes
+from tests.codec.blobs import FLAG_MISSING_ROWS, FLAG_ZSTD, forge, reseal, traced_peak
+from tests.wire.payloads import distinct_routes
 
 DEFAULT = CodecLimits()
 TIGHT = CodecLimits(max_entries=1 << 16, max_expansion=64, max_set_table=1 << 12, chunk_entries=1 << 10)

@@ -12,7 +12,7 @@ from routereplay.metrics import logprob_mismatch, routing_agreement
 from routereplay.report.page import write_report
 from routereplay.report.plots import _identical_groups
 from routereplay.report.table import METRIC_ROWS, format_metric
-from tests.test_report import fake_result
+from tests.report.test_page import fake_result
 
 
 def test_every_demo_metric_has_meaning_text() -> None:

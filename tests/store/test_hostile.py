@@ -19,7 +19,7 @@ from routereplay.jsondocument import JsonLimits
 from routereplay.store.file import MAGIC, VERSION
 from routereplay.store.route_store import RouteStore
 from routereplay.store.sample import DuplicatedPrefixError, MisalignedRoutesError
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 E, L, K = 8, 2, 2
 

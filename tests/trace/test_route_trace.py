@@ -22,7 +22,7 @@ from routereplay.errors import (
     ZeroLayerError,
 )
 from routereplay.testing.synthetic import random_trace
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 
 def test_defaults_and_dtype(rng: np.random.Generator) -> None:
