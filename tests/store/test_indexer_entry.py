@@ -48,7 +48,7 @@ def refused(data: bytes, error: type[Exception], match: str, **limits: Any) -> i
         tracemalloc.stop()
 
 
-def test_issue_file_of_one_indexer_row_for_199_rows_is_refused(rng: np.random.Generator) -> None:
+def test_a_6_kb_file_whose_indexer_entry_pads_to_50_gib_is_refused(rng: np.random.Generator) -> None:
     """Memory (issue 22 item 2): the issue's file. The blob alone (1 x 1024 x 65536, 4136 bytes) is a genuine
     shape; padded to the sample's 199 rows it is 1.3e10 entries (49.8 GiB dense), above max_entries."""
     indexer = IndexerTrace.decode(implicit_blob(1, 1024, 65536))
