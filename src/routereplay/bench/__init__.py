@@ -3,6 +3,8 @@
 Files:
 - `codec.py`              Codec benchmark: bytes per (token, layer) row and throughput, against the engines'
                           own forms
+- `config.py`             The fields every benchmark config starts with (repeats, seed; routing; samples) and
+                          their checks
 - `delivery/`             Delivery benchmark: a batch's routes from the driver to each rank, compact against
                           dense (`delivery/__init__.py` lists its files)
 - `engine.py`             Engine benchmark: what route capture costs the built-in engine's generation

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from routereplay.bench.config import BenchConfig
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import Timing, measure, target
 from routereplay.codec import blob as codec
@@ -41,18 +42,16 @@ ENCODE_ROWS_PER_S_TARGET = 40e6  # issue 26: encode (validate + rank + pack) at 
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CodecBenchConfig:
+class CodecBenchConfig(BenchConfig):
+    """The routing under `RouteTrace`'s names (`num_layers`, `num_experts`), as `random_trace` takes it."""
+
     num_tokens: int = 32768
     num_layers: int = 48
     top_k: int = 8
     num_experts: int = 128
-    repeats: int = 5
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_tokens", "num_layers", "top_k", "num_experts", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        self.require_positive("codec", "repeats", "num_tokens", "num_layers", "top_k", "num_experts")
 
 
 @dataclass(frozen=True, slots=True)

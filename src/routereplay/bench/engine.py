@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.config import BenchConfig
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import interleave, median_ratio, spread, target
 
@@ -24,11 +25,10 @@ CAPTURE_TARGET = 1.05
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class EngineBenchConfig:
+class EngineBenchConfig(BenchConfig):
+    repeats: int = 11
     prompts: int = 256
     max_new_tokens: int = 16
-    repeats: int = 11
-    seed: int = 0
 
 
 def run(config: EngineBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:

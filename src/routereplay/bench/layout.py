@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.config import RoutedBenchConfig
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
 from routereplay.layout import pack, ulysses_shard, unpad
@@ -32,23 +33,18 @@ SPEEDUP_TARGET = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LayoutBenchConfig:
+class LayoutBenchConfig(RoutedBenchConfig):
+    repeats: int = 7
     sequences: int = 64
     seq: int = 4096
-    layers: int = 48
-    top_k: int = 8
-    experts: int = 128
     sp: int = 4
     rank: int = 1
-    repeats: int = 7
-    seed: int = 0
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         check_device("layout", self.device)
-        for name in ("sequences", "seq", "layers", "top_k", "experts", "sp", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"layout bench: {name} must be >= 1, got {getattr(self, name)}")
+        self.require_routing("layout")
+        self.require_positive("layout", "sequences", "seq", "sp")
         if not 0 <= self.rank < self.sp:
             raise ValueError(f"layout bench: rank {self.rank} must be in 0..{self.sp - 1} for sp {self.sp}")
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.config import BenchConfig
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
 
@@ -30,15 +31,14 @@ SET_ORDER_TARGET = 1.01  # order="set" within 1% of order="engine" (issue 26)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReplayBenchConfig:
+class ReplayBenchConfig(BenchConfig):
+    repeats: int = 21
     batch: int = 8
     seq: int = 256
     hidden: int = 256
     layers: int = 8
     experts: int = 32
     top_k: int = 4
-    repeats: int = 21
-    seed: int = 0
     shape: str = "tiny"
     device: str = "cpu"
     dtype: str = "float32"

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from routereplay.bench.config import BenchConfig
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import interleave, median_ratio, spread, target
 
@@ -36,12 +37,10 @@ FORCED_TARGET = 1.05  # forcing every prefix row of a resumed call / the same ca
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VLLMBenchConfig:
+class VLLMBenchConfig(BenchConfig):
     prompts: int = 64
     max_new_tokens: int = 16
-    repeats: int = 5
     sync_repeats: int = 5
-    seed: int = 0
 
 
 def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:

@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from routereplay.bench import scale_model
+from routereplay.bench.config import SampledBenchConfig
 from routereplay.bench.delivery.job import DeliveryJob
 from routereplay.bench.delivery.pipeline import STAGES, ResponsePipeline, expected_rank_rows, response_body
 from routereplay.bench.environment import collect
-from routereplay.bench.store import SampleSource
+from routereplay.bench.store import SampleSource, source_of
 from routereplay.bench.timing import interleave, median_ratio, spread, target
 from routereplay.codec.encoded import EncodedRoutes
 from routereplay.layout import pack, unpad
@@ -48,28 +49,17 @@ ACCESS_CASES = {"routed": 0.0, "unrouted_1pct": 0.01}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DeliveryBenchConfig:
-    samples: int = 64
-    seq: int = 8192
-    min_len: int = 1024
-    layers: int = 48
-    top_k: int = 8
-    experts: int = 128
+class DeliveryBenchConfig(SampledBenchConfig):
     dp: int = 4
     sp: int = 4
     window: int = 64
-    repeats: int = 5
     access_repeats: int = 11
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("samples", "seq", "layers", "top_k", "experts", "dp", "sp", "window", "repeats", "access_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"delivery bench: {name} must be >= 1, got {getattr(self, name)}")
+        self.require_routing("delivery")
+        self.require_positive("delivery", "samples", "seq", "dp", "sp", "window", "access_repeats")
         if not 2 <= self.min_len <= self.seq:
             raise ValueError(f"delivery bench: min_len {self.min_len} must be in [2, seq={self.seq}]")
-        if self.top_k > self.experts:
-            raise ValueError(f"delivery bench: top_k {self.top_k} exceeds experts {self.experts}")
         if self.samples < self.dp:
             raise ValueError(f"delivery bench: {self.samples} samples cannot give each of dp={self.dp} ranks one")
         if self.sp > self.seq - 1 or self.window > self.seq - 1:
@@ -199,15 +189,7 @@ def run(config: DeliveryBenchConfig, progress: Callable[[str], None] | None = No
     report = progress or (lambda _step: None)
     access = random_access(config, report)
     report("generating the batch")
-    source = SampleSource(
-        samples=config.samples,
-        seq=config.seq,
-        min_len=config.min_len,
-        layers=config.layers,
-        top_k=config.top_k,
-        experts=config.experts,
-        seed=config.seed,
-    )
+    source = source_of(config)
     dp = data_parallel(config, source, report)
     end_to_end = pipeline(config, source, report)
     worst_access = max(a["cost_over_share"]["sp_slice"] for a in access)
