@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.config import BenchConfig
+from routereplay.bench.config import BenchConfig, require_positive
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import Timing, measure, target
 from routereplay.codec import blob as codec
@@ -51,7 +51,7 @@ class CodecBenchConfig(BenchConfig):
     num_experts: int = 128
 
     def __post_init__(self) -> None:
-        self.require_positive("codec", "repeats", "num_tokens", "num_layers", "top_k", "num_experts")
+        require_positive(self, "codec", "repeats", "num_tokens", "num_layers", "top_k", "num_experts")
 
 
 @dataclass(frozen=True, slots=True)

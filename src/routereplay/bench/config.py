@@ -18,25 +18,12 @@ class BenchConfig:
     repeats: int = 5
     seed: int = 0
 
-    def require_positive(self, suite: str, *names: str) -> None:
-        """Refuse a size below 1 (or not an int) among `names`, naming the first one."""
-        for name in names:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{suite} bench: {name}={value!r} must be an int >= 1")
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoutedBenchConfig(BenchConfig):
     layers: int = 48
     top_k: int = 8
     experts: int = 128
-
-    def require_routing(self, suite: str) -> None:
-        """Refuse a routing no MoE layer has: a size below 1, or more picks than experts."""
-        self.require_positive(suite, "repeats", "layers", "top_k", "experts")
-        if self.top_k > self.experts:
-            raise ValueError(f"{suite} bench: top_k {self.top_k} exceeds experts {self.experts}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,4 +35,19 @@ class SampledBenchConfig(RoutedBenchConfig):
     min_len: int = 1024
 
 
-__all__ = ["BenchConfig", "RoutedBenchConfig", "SampledBenchConfig"]
+def require_positive(config: BenchConfig, suite: str, *names: str) -> None:
+    """Refuse a size below 1 (or not an int) among `names`, naming the first one."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{suite} bench: {name}={value!r} must be an int >= 1")
+
+
+def require_routing(config: RoutedBenchConfig, suite: str) -> None:
+    """Refuse a routing no MoE layer has: a size below 1, or more picks than experts."""
+    require_positive(config, suite, "repeats", "layers", "top_k", "experts")
+    if config.top_k > config.experts:
+        raise ValueError(f"{suite} bench: top_k {config.top_k} exceeds experts {config.experts}")
+
+
+__all__ = ["BenchConfig", "RoutedBenchConfig", "SampledBenchConfig", "require_positive", "require_routing"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.config import BenchConfig
+from routereplay.bench.config import BenchConfig, require_positive
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import measure, target
 from routereplay.indexer.trace import IndexerTrace
@@ -35,7 +35,7 @@ class IndexerBenchConfig(BenchConfig):
     index_topk: int = 512
 
     def __post_init__(self) -> None:
-        self.require_positive("indexer", "repeats", "num_tokens", "num_layers", "index_topk")
+        require_positive(self, "indexer", "repeats", "num_tokens", "num_layers", "index_topk")
 
 
 def synthetic_choices(num_tokens: int, num_layers: int, index_topk: int, *, recent: bool, seed: int = 0) -> np.ndarray:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from routereplay.bench.config import RoutedBenchConfig
+from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
 from routereplay.layout import pack, ulysses_shard, unpad
@@ -43,8 +43,8 @@ class LayoutBenchConfig(RoutedBenchConfig):
 
     def __post_init__(self) -> None:
         check_device("layout", self.device)
-        self.require_routing("layout")
-        self.require_positive("layout", "sequences", "seq", "sp")
+        require_routing(self, "layout")
+        require_positive(self, "layout", "sequences", "seq", "sp")
         if not 0 <= self.rank < self.sp:
             raise ValueError(f"layout bench: rank {self.rank} must be in 0..{self.sp - 1} for sp {self.sp}")
 

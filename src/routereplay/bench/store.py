@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.config import SampledBenchConfig
+from routereplay.bench.config import SampledBenchConfig, require_positive, require_routing
 from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import target
 from routereplay.store.route_store import RouteStore
@@ -53,8 +53,8 @@ class StoreBenchConfig(SampledBenchConfig):
     samples: int = 512
 
     def __post_init__(self) -> None:
-        self.require_routing("store")
-        self.require_positive("store", "samples", "seq")
+        require_routing(self, "store")
+        require_positive(self, "store", "samples", "seq")
         if self.min_len < 2:
             raise ValueError(
                 f"store bench: min_len must be >= 2 (a sample of one token has no route), got {self.min_len}"

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from routereplay.bench import scale_model
-from routereplay.bench.config import SampledBenchConfig
+from routereplay.bench.config import SampledBenchConfig, require_positive, require_routing
 from routereplay.bench.delivery.job import DeliveryJob
 from routereplay.bench.delivery.pipeline import STAGES, ResponsePipeline, expected_rank_rows, response_body
 from routereplay.bench.environment import collect
@@ -56,8 +56,8 @@ class DeliveryBenchConfig(SampledBenchConfig):
     access_repeats: int = 11
 
     def __post_init__(self) -> None:
-        self.require_routing("delivery")
-        self.require_positive("delivery", "samples", "seq", "dp", "sp", "window", "access_repeats")
+        require_routing(self, "delivery")
+        require_positive(self, "delivery", "samples", "seq", "dp", "sp", "window", "access_repeats")
         if not 2 <= self.min_len <= self.seq:
             raise ValueError(f"delivery bench: min_len {self.min_len} must be in [2, seq={self.seq}]")
         if self.samples < self.dp:
