@@ -33,7 +33,6 @@ one `UpdateRecord` per pass. Text-only batches; one Replayer per model (`routere
 
 from __future__ import annotations
 
-import importlib.metadata
 import warnings
 from typing import Any
 
@@ -41,11 +40,11 @@ import torch
 
 from routereplay.errors import (
     ConfigError,
-    MissingDependencyError,
     MissingRoutesError,
     RowCountError,
     UnsupportedByEngineError,
 )
+from routereplay.integrations.framework import Framework
 from routereplay.integrations.trl.layout import engine_routes, generation_traces
 from routereplay.integrations.trl.state import (
     ENGINE_ROUTES_KEY,
@@ -64,19 +63,19 @@ INSTALL_HINT = "pip install 'routereplay[trl]'"
 TESTED_TRL = "1.16"  # the private methods overridden here are those of TRL 1.16
 
 
+TRL = Framework(
+    module="trl",
+    label="TRL",
+    oldest=(1, 16),
+    needed_by="routereplay.integrations.trl",
+    requirement=f"overrides GRPOTrainer methods of TRL {TESTED_TRL}",
+    install_hint=INSTALL_HINT,
+)
+
+
 def import_trl() -> Any:
     """`trl`, or `MissingDependencyError` naming the extra; refuses a TRL older than the one tested."""
-    try:
-        import trl
-    except ImportError as exc:
-        raise MissingDependencyError(f"routereplay.integrations.trl needs TRL: {INSTALL_HINT} ({exc})") from exc
-    version = importlib.metadata.version("trl")
-    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if major_minor < (1, 16):
-        raise MissingDependencyError(
-            f"routereplay.integrations.trl overrides GRPOTrainer methods of TRL {TESTED_TRL}; trl {version} is "
-            f"installed: {INSTALL_HINT}"
-        )
+    trl, version = TRL.imported()
     if not version.startswith(TESTED_TRL + "."):
         warnings.warn(
             f"routereplay.integrations.trl is tested with TRL {TESTED_TRL}.x and trl {version} is installed; the "
