@@ -11,6 +11,16 @@ from routereplay.cli.main import EXIT_ERROR, main
 pytestmark = pytest.mark.hf
 
 
+def _assert_r3_agrees_with_the_engine(result: dict) -> None:
+    """The nine policy x mode runs are all there; under R3 the disagreement with the engine is 0 for every
+    resume policy, and prefix-replay has no prefix conflict."""
+    runs = {(r["mode"], r["resume_routes"]): r for r in result["policies"]}
+    assert set(runs) == {(m, p) for m in fully_async.MODES for p in fully_async.POLICIES}
+    for policy in fully_async.POLICIES:
+        assert runs[("R3", policy)]["disagreement_old"] == 0.0 == runs[("R3", policy)]["disagreement_update"]
+    assert runs[("R3", "prefix-replay")]["prefix_conflicts"] == 0
+
+
 def test_bench_async_records_every_policy_and_mode(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -22,11 +32,7 @@ def test_bench_async_records_every_policy_and_mode(
         steps=2, prompts_per_step=2, group_size=2, mini_steps=2, throughput_steps=2, repeats=1, train_steps=25
     )
     result = fully_async.run(config)
-    runs = {(r["mode"], r["resume_routes"]): r for r in result["policies"]}
-    assert set(runs) == {(m, p) for m in fully_async.MODES for p in fully_async.POLICIES}
-    for policy in fully_async.POLICIES:
-        assert runs[("R3", policy)]["disagreement_old"] == 0.0 == runs[("R3", policy)]["disagreement_update"]
-        assert runs[("R3", "prefix-replay")]["prefix_conflicts"] == 0
+    _assert_r3_agrees_with_the_engine(result)
     workloads = {"sync_1_thread", "sync_2_threads", "async_threaded", "async_process"}
     for key in ("samples_per_second", "steady_samples_per_second"):
         assert set(result["throughput"][key]) == workloads
@@ -64,11 +70,7 @@ def test_bench_async_with_vllm_records_the_policies_on_a_real_vllm(
         engine="vllm", steps=2, prompts_per_step=2, group_size=2, mini_steps=2, repeats=1, train_steps=25
     )
     result = fully_async.run(config)
-    runs = {(r["mode"], r["resume_routes"]): r for r in result["policies"]}
-    assert set(runs) == {(m, p) for m in fully_async.MODES for p in fully_async.POLICIES}
-    for policy in fully_async.POLICIES:
-        assert runs[("R3", policy)]["disagreement_old"] == 0.0 == runs[("R3", policy)]["disagreement_update"]
-    assert runs[("R3", "prefix-replay")]["prefix_conflicts"] == 0
+    _assert_r3_agrees_with_the_engine(result)
     assert result["throughput"] is None and result["machine"]["vllm"].startswith("0.30")
     text = fully_async.markdown(result)
     assert "in-process vLLM (bf16)" in text and "| R3 | prefix-replay |" in text and "Throughput" not in text
