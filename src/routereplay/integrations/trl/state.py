@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,6 +32,8 @@ from routereplay.errors import ConfigError, MissingRoutesError, ReplayStateError
 from routereplay.metrics import routing_agreement
 from routereplay.runtime import Recording, Replayer
 from routereplay.trace.route_trace import RouteTrace
+
+Member = TypeVar("Member", bound=StrEnum)
 
 OLD_ROUTES_KEY = "router_replay_old_routes"  # (B, S, L, K): the routes the old-log-prob pass used
 ENGINE_ROUTES_KEY = "router_replay_engine_routes"  # (B, S, L, K): the generation's routes, -1 where none
@@ -59,6 +61,16 @@ class Phase(StrEnum):
     UPDATE = "update"  # inside training_step: the optimisation forward and backward
 
 
+def _member(kind: type[Member], value: str | None, refusal: str) -> Member | None:
+    """`value` as a member of `kind` (None stays None); anything else is a `ConfigError` saying `refusal`."""
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(refusal) from None
+
+
 @dataclass(frozen=True, slots=True)
 class ReplaySettings:
     """`router_replay` (None: natural routing, still measured) and the reference model's routing."""
@@ -68,20 +80,18 @@ class ReplaySettings:
 
     @classmethod
     def of(cls, router_replay: str | None, reference_routing: str | None) -> ReplaySettings:
-        try:
-            mode = None if router_replay is None else RouterReplay(router_replay)
-        except ValueError:
-            raise ConfigError(
-                f"router_replay={router_replay!r}: pass 'R2' (replay the trainer's own old-log-prob routing), 'R3' "
-                "(replay the routes the completions were generated with) or None (natural routing, measured)"
-            ) from None
-        try:
-            reference = None if reference_routing is None else ReferenceRouting(reference_routing)
-        except ValueError:
-            raise ConfigError(
-                f"reference_routing={reference_routing!r}: pass 'natural' (the reference model routes on its own) "
-                "or 'replay' (it replays the same routes as the policy)"
-            ) from None
+        mode = _member(
+            RouterReplay,
+            router_replay,
+            f"router_replay={router_replay!r}: pass 'R2' (replay the trainer's own old-log-prob routing), 'R3' "
+            "(replay the routes the completions were generated with) or None (natural routing, measured)",
+        )
+        reference = _member(
+            ReferenceRouting,
+            reference_routing,
+            f"reference_routing={reference_routing!r}: pass 'natural' (the reference model routes on its own) "
+            "or 'replay' (it replays the same routes as the policy)",
+        )
         if mode is None and reference is ReferenceRouting.REPLAY:
             raise ConfigError(
                 "reference_routing='replay' with router_replay=None: there are no routes to replay; pass "
