@@ -19,7 +19,7 @@ import transformers
 
 from routereplay.errors import RouteReplayError
 from routereplay.runtime import attach
-from routereplay.runtime.indexer import unbound_indexers
+from routereplay.runtime.indexer.discovery import unbound_indexers
 from routereplay.testing.hf import models as hf_tiny
 
 BEGIN, END = "<!-- hf-support:begin -->", "<!-- hf-support:end -->"

@@ -1,4 +1,5 @@
-"""The package's shape, read from its source with `ast`: no import cycle, a small root, no shims, layers kept.
+"""The package's shape, read from its source with `ast`: no import cycle, a small root, no shims, layers kept,
+no prefix family (files whose shared name prefix says a folder is missing).
 
 Every `import` and `from ... import` statement counts, at module level, inside functions and under
 `TYPE_CHECKING` alike: a cycle there is still two files that cannot be read one without the other.
@@ -9,6 +10,7 @@ of them, except to the importing module's own enclosing packages (Python runs th
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "routereplay"
@@ -115,6 +117,22 @@ def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def prefix_families(root: Path) -> list[list[str]]:
+    """Files of one folder that share a name prefix (the part before the first `_`): two or more modules
+    (`hf.py`, `hf_child.py`, `hf_process.py`; `batch.py`, `batch_fields.py`), or a module next to a
+    package of that name (`delivery.py`, `delivery/`). Each family as the paths under `root`."""
+    families = []
+    for folder in sorted({path.parent for path in root.rglob("*.py")}):
+        members: dict[str, list[str]] = defaultdict(list)
+        for path in sorted(folder.iterdir()):
+            if path.suffix == ".py" and path.stem not in ("__init__", "__main__"):
+                members[path.stem.lstrip("_").split("_")[0]].append(path.relative_to(root).as_posix())
+            elif path.is_dir() and (path / "__init__.py").is_file():
+                members[path.name].append(path.relative_to(root).as_posix() + "/")
+        families.extend(sorted(names) for names in members.values() if len(names) > 1)
+    return families
+
+
 def in_folder(module: str, folders: tuple[str, ...]) -> bool:
     return any(module == f"{NAME}.{f}" or module.startswith(f"{NAME}.{f}.") for f in folders)
 
@@ -175,3 +193,39 @@ def test_decoders_never_import_engines() -> None:
     edges = graph()
     wire = [m for m in edges if in_folder(m, ("wire",))]
     assert wire and all(not in_folder(m, ("engines",)) for w in wire for m in reachable(edges, w))
+
+
+def test_no_prefix_family() -> None:
+    """The house rule: a name prefix shared by several files means a folder is missing. Make the folder
+    (`runtime/megatron/`: `replayer.py`, `binding.py`, `schedule.py`) or give one file a better noun
+    (`transport/bundle_buffers.py` became `buffers.py`)."""
+    found = prefix_families(PACKAGE)
+    assert found == [], "files that share a name prefix (make a folder, or rename one): " + "; ".join(
+        ", ".join(f"src/routereplay/{name}" for name in family) for family in found
+    )
+
+
+def test_the_family_finder_finds_families(tmp_path: Path) -> None:
+    """The check above can fail: a module next to its `x_*` modules, two `x_*` modules, and a module next to
+    a package of its name are families; a lone `x_y.py`, `__init__.py` and a file in another folder are not."""
+    for name in (
+        "__init__.py",
+        "hf.py",
+        "hf_child.py",
+        "bundle_buffers.py",
+        "bundle_checks.py",
+        "delivery.py",
+        "delivery/__init__.py",
+        "set_order.py",
+        "other/__init__.py",
+        "other/set_ranker.py",
+        "notes_a.txt",
+        "notes_b.txt",
+    ):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("", encoding="utf-8")
+    assert prefix_families(tmp_path) == [
+        ["bundle_buffers.py", "bundle_checks.py"],
+        ["delivery.py", "delivery/"],
+        ["hf.py", "hf_child.py"],
+    ]

@@ -253,7 +253,7 @@ class DeliveryLimitError(DeliveryError):
     """A rank was announced more bytes than its `max_bytes` allows: refused before anything is allocated."""
 
 
-# --- remote inference servers (engines/remote.py, engines/http.py) -----------------------------
+# --- remote inference servers (engines/remote/) ---------------------------------------------------
 
 
 class EngineRequestError(RouteReplayError):
@@ -328,7 +328,7 @@ class WeightSyncError(RouteReplayError):
     """Loading the trainer's weights into a running engine left parameters unloaded or stale KV in its cache."""
 
 
-# --- the built-in engine in a child process (engines/hf_process.py) --------------------------------
+# --- the built-in engine in a child process (engines/hf/process.py) -------------------------------
 
 
 class EngineProcessError(RouteReplayError, RuntimeError):

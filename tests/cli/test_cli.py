@@ -13,7 +13,7 @@ import pytest
 from routereplay import RouteTrace, decode, encode
 from routereplay.cli.main import COMMANDS, EXIT_ERROR, EXIT_INVALID, EXIT_OK, main
 from routereplay.testing.synthetic import random_trace
-from tests.wire import distinct_routes, sglang_generate, vllm_npy_b64, vllm_response
+from tests.wire.payloads import distinct_routes, sglang_generate, vllm_npy_b64, vllm_response
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "routereplay" / "examples"
 

@@ -10,7 +10,7 @@ import pytest
 
 from routereplay.cli.console import show
 from routereplay.cli.main import EXIT_OK, main
-from routereplay.cli.train_tables import render
+from routereplay.cli.step_tables import render
 
 MOONLIGHT = Path(__file__).resolve().parents[2] / "src" / "routereplay" / "examples" / "moonlight_vllm.json"
 

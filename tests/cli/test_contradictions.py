@@ -11,7 +11,7 @@ import pytest
 
 from routereplay import RouteTrace, encode
 from routereplay.cli.main import EXIT_ERROR, EXIT_INVALID, EXIT_OK, main
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 
 @pytest.fixture

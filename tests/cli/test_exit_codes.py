@@ -17,7 +17,7 @@ import pytest
 
 from routereplay import RouteTrace, encode
 from routereplay.cli.main import EXIT_ERROR, EXIT_INVALID, EXIT_OK, main
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "routereplay" / "examples"
 MOONLIGHT = EXAMPLES / "moonlight_vllm.json"  # all 27 layers of Moonlight; MoE layers 1-26, 64 experts, top-6

@@ -15,7 +15,7 @@ from routereplay import RouteTrace, encode
 from routereplay.cli.extras import EXTRAS, Extra, importable, require
 from routereplay.cli.main import EXIT_ERROR
 from routereplay.errors import MissingDependencyError, RouteReplayError
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

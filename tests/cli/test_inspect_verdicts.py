@@ -11,7 +11,7 @@ import pytest
 from routereplay import encode
 from routereplay.cli.main import EXIT_ERROR, EXIT_INVALID, main
 from routereplay.testing.synthetic import random_trace
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 E = 64
 

@@ -18,7 +18,7 @@ from routereplay.atomicfile import atomic_write
 from routereplay.cli.main import EXIT_ERROR, EXIT_OK, main
 from routereplay.cli.outputs import check_output_file, check_output_folder, staged_folder
 from routereplay.errors import ConfigError, OrderLostError, OutputPathError
-from tests.wire import distinct_routes
+from tests.wire.payloads import distinct_routes
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

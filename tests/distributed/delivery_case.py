@@ -16,6 +16,8 @@ L = MoE layers, K = top-k, E = experts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -26,6 +28,7 @@ from routereplay.layout.plan import token_index
 from routereplay.store.route_store import RouteStore
 from routereplay.testing.synthetic import random_trace
 from routereplay.trace.route_trace import RouteTrace
+from routereplay.transport.spans import bundles_for
 
 DP, SP = 2, 2
 WORLD = DP * SP
@@ -99,6 +102,21 @@ def dense_routes(store: RouteStore, seed: int = SEED) -> torch.Tensor:
         trace = store.trace(sample_id)
         routes_BSLK[b, : trace.num_tokens] = torch.from_numpy(trace.experts)
     return routes_BSLK
+
+
+def reference(seed: int = SEED) -> dict[str, Any]:
+    """The single-process view: the store, every rank's plan and bundle, the whole batch's bundle, the
+    dense batch."""
+    store = build_store(seed)
+    S = positions(seed)
+    rank_plans = plans(seed)
+    return {
+        "store": store,
+        "plans": rank_plans,
+        "bundles": bundles_for(store, SAMPLE_IDS, rank_plans, S),
+        "whole": bundles_for(store, SAMPLE_IDS, [token_index(SAMPLES, S).reshape(-1)], S)[0],
+        "dense": dense_routes(store, seed),
+    }
 
 
 def local_plan(plan_P: torch.Tensor, held: list[int], seed: int = SEED) -> torch.Tensor:

@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from routereplay.layout.plan import gather
-from routereplay.transport.spans import bundles_for
 from tests.distributed import delivery_case as case
 from tests.distributed.case import load, save
 from tests.distributed.launch import launch
@@ -43,16 +42,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
-    """The single-process view: the store, every rank's plan and bundle, the dense batch."""
-    store = case.build_store()
-    S = case.positions()
-    plans = case.plans()
-    return {
-        "plans": plans,
-        "bundles": bundles_for(store, case.SAMPLE_IDS, plans, S),
-        "whole": bundles_for(store, case.SAMPLE_IDS, [case.token_index(case.SAMPLES, S).reshape(-1)], S)[0],
-        "dense": case.dense_routes(store),
-    }
+    return case.reference()
 
 
 def test_every_rank_decodes_exactly_its_layout_rows(job: list[dict[str, Any]], reference: dict[str, Any]) -> None:

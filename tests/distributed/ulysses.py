@@ -11,9 +11,11 @@ The all-to-all is `torch.distributed.nn.functional.all_to_all` (list form), whic
 rule (its backward is the reverse all-to-all) and runs on gloo, so gradients of queries, keys and
 values flow back to the ranks that own those positions. Heads are split in contiguous blocks, so
 with grouped-query attention each rank keeps the kv heads of its own query heads (H and G must
-both be multiples of P). No mask is built or used: HF builds none for an attention name it has no
-mask function for, and the only padding allowed is at the end of the sequence, which a causal
-attention never lets a real position see. The caller passes global `position_ids` for RoPE.
+both be multiples of P). By default no mask is built or used: HF builds none for an attention name
+it has no mask function for, and the only padding allowed is at the end of the sequence, which a
+causal attention never lets a real position see. A caller whose rows are packed passes `mask_of`,
+which builds the full-sequence mask from the attention call's keyword arguments (verl's packed rows:
+tests/integrations/verl/fsdp_ulysses.py). The caller passes global `position_ids` for RoPE.
 
 Legend: B = batch rows, S = global positions (padded to a multiple of P), s = S / P positions of a
 shard, H = query heads, G = kv heads, h = H / P and g = G / P heads of a rank, D = head dim,
@@ -33,6 +35,7 @@ from torch import nn
 ATTENTION_NAME = "routereplay_test_ulysses"
 
 AttentionFn = Callable[..., tuple[torch.Tensor, None]]
+MaskFn = Callable[[dict[str, Any]], torch.Tensor]  # attention kwargs -> (B, 1, S, S) bool mask
 
 
 def _all_to_all(chunks: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -58,8 +61,9 @@ def heads_to_seq(x_BhSD: torch.Tensor, group: dist.ProcessGroup | None = None) -
     return torch.cat(received, dim=1)
 
 
-def ulysses_attention(group: dist.ProcessGroup | None = None) -> AttentionFn:
-    """An HF attention function (AttentionInterface signature) doing Ulysses SP over `group`."""
+def ulysses_attention(group: dist.ProcessGroup | None = None, mask_of: MaskFn | None = None) -> AttentionFn:
+    """An HF attention function (AttentionInterface signature) doing Ulysses SP over `group`: causal, or
+    masked by `mask_of(kwargs)` over the full sequence."""
 
     def attention(
         module: nn.Module,
@@ -77,13 +81,15 @@ def ulysses_attention(group: dist.ProcessGroup | None = None) -> AttentionFn:
             raise ValueError(f"attention dropout {dropout} would differ per rank; set attention_dropout=0")
         if kwargs.get("sliding_window") is not None:
             raise ValueError("sliding-window attention is not supported by this Ulysses attention")
+        mask = None if mask_of is None else mask_of(kwargs)
         query_BhSD = seq_to_heads(query_BHsD, group)
         key_BgSD, value_BgSD = seq_to_heads(key_BGsD, group), seq_to_heads(value_BGsD, group)
         out_BhSD = nn.functional.scaled_dot_product_attention(
             query_BhSD,
             key_BgSD,
             value_BgSD,
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scaling,
             enable_gqa=query_BhSD.shape[1] != key_BgSD.shape[1],
         )
@@ -93,9 +99,11 @@ def ulysses_attention(group: dist.ProcessGroup | None = None) -> AttentionFn:
     return attention
 
 
-def use_ulysses(model: nn.Module, group: dist.ProcessGroup | None = None, name: str = ATTENTION_NAME) -> None:
+def use_ulysses(
+    model: nn.Module, group: dist.ProcessGroup | None = None, name: str = ATTENTION_NAME, mask_of: MaskFn | None = None
+) -> None:
     """Register the Ulysses attention under `name` (this process only) and switch `model` to it."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(name, ulysses_attention(group))
+    AttentionInterface.register(name, ulysses_attention(group, mask_of))
     model.set_attn_implementation(name)  # type: ignore[operator]

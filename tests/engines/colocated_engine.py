@@ -10,6 +10,7 @@ A test that syncs other weights into it syncs the original model back (policy ve
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import random
@@ -22,6 +23,9 @@ import torch
 from torch import nn
 
 MAX_MODEL_LEN = 256
+PERTURBATION = (
+    0.05  # std of the noise on trainer weights (init std 0.02): log-probs move ~1-2 nats, every served tensor changes
+)
 
 
 @dataclass(slots=True)
@@ -41,6 +45,18 @@ def bf16_rounded(model: nn.Module) -> nn.Module:
             if tensor.is_floating_point():
                 tensor.copy_(tensor.to(torch.bfloat16).to(tensor.dtype))
     return model
+
+
+def perturbed(model: nn.Module, seed: int) -> nn.Module:
+    """A bf16-rounded copy with seeded noise on every trainable tensor and on DeepSeek-V3's
+    `e_score_correction_bias` buffers: the new weights of a weight sync."""
+    trainer = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in [*trainer.named_parameters(), *trainer.named_buffers()]:
+            if tensor.is_floating_point() and (tensor.requires_grad or name.endswith("e_score_correction_bias")):
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * PERTURBATION)
+    return bf16_rounded(trainer)
 
 
 def rng_states() -> bytes:

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from routereplay.cli.main import EXIT_ERROR
-from routereplay.engines.hf import HFEngine, Rollout, SamplingParams, TokenBudget
-from routereplay.engines.hf_process import HFProcessEngine
+from routereplay.engines.hf import HFEngine, HFProcessEngine, Rollout, SamplingParams, TokenBudget
 from routereplay.errors import (
     ConfigError,
     EngineProcessDiedError,
@@ -355,7 +354,7 @@ def test_interpreter_exit_leaves_no_live_child(tmp_path: Any) -> None:
 
     script = tmp_path / "leave.py"
     script.write_text(
-        "from routereplay.engines.hf_process import HFProcessEngine\n"
+        "from routereplay.engines.hf import HFProcessEngine\n"
         "from tests.runtime.models import tiny_qwen3\n"
         "if __name__ == '__main__':\n"
         "    engine = HFProcessEngine(tiny_qwen3())\n"

@@ -34,7 +34,7 @@ from routereplay.tracefile.io import read_trace
 from routereplay.tracefile.payload import PayloadHints
 from routereplay.wire.limits import DEFAULT_MAX_LAYERS, WireLimits
 from routereplay.wire.payload import load_npy
-from tests.wire import distinct_routes, sglang_b64, sglang_generate, vllm_npy_b64, vllm_response
+from tests.wire.payloads import distinct_routes, sglang_b64, sglang_generate, vllm_npy_b64, vllm_response
 
 HEADER_SLACK = 1 << 20  # bytes of Python bookkeeping allowed when refusing a forged header
 

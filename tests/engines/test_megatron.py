@@ -8,7 +8,7 @@ import torch
 
 from routereplay import Source, decode_megatron
 from routereplay.errors import MissingRoutesError, RowCountError, TraceShapeError
-from tests.wire import distinct_routes, vllm_npy_b64
+from tests.wire.payloads import distinct_routes, vllm_npy_b64
 
 
 def test_response_nested_lists_int16(rng: np.random.Generator) -> None:

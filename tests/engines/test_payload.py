@@ -12,7 +12,7 @@ import pytest
 from routereplay import decode_sglang, decode_vllm
 from routereplay.errors import DtypeError, PayloadEncodingError, PayloadSizeError, PickleRefusedError
 from routereplay.wire.payload import b64_to_bytes, load_npy, npy_bytes
-from tests.wire import distinct_routes, vllm_npy_b64
+from tests.wire.payloads import distinct_routes, vllm_npy_b64
 
 
 class _Boom:

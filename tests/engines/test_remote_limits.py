@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from routereplay.engines.hf import SamplingParams
-from routereplay.engines.http import DEADLINE_PER_TIMEOUT, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_TIMEOUT, HTTPPolicy
 from routereplay.engines.remote import (
     DeadlineExceededError,
     EngineRequestError,
@@ -21,6 +20,12 @@ from routereplay.engines.remote import (
     ResponseTooLargeError,
     SGLangClient,
     VLLMClient,
+)
+from routereplay.engines.remote.http import (
+    DEADLINE_PER_TIMEOUT,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_TIMEOUT,
+    HTTPPolicy,
 )
 from routereplay.errors import ConfigError, PayloadEncodingError, RouteReplayError
 from tests.engines.hostile_server import (

@@ -17,7 +17,7 @@ from routereplay.errors import (
     RowCountError,
     TraceShapeError,
 )
-from tests.wire import distinct_routes, sglang_b64, sglang_generate
+from tests.wire.payloads import distinct_routes, sglang_b64, sglang_generate
 
 SHAPE = {"num_layers": 4, "top_k": 2, "num_experts": 16}
 

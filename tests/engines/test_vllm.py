@@ -21,7 +21,7 @@ from routereplay.errors import (
     TopKMismatchError,
     ZeroLayerError,
 )
-from tests.wire import distinct_routes, vllm_021_response, vllm_npy_b64, vllm_response
+from tests.wire.payloads import distinct_routes, vllm_021_response, vllm_npy_b64, vllm_response
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int16, np.uint8, np.uint16])

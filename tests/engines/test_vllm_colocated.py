@@ -10,7 +10,6 @@ L = layers, K = top-k, T = route rows.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterator
 
@@ -25,14 +24,13 @@ from routereplay.enums import Source
 from routereplay.errors import ConfigError, UnservableModelError, WeightSyncError
 from routereplay.metrics import routing_agreement
 from routereplay.trace.route_trace import RouteTrace
-from tests.engines.colocated_engine import MAX_MODEL_LEN, Colocated, bf16_rounded, prompts, start
+from tests.engines.colocated_engine import MAX_MODEL_LEN, Colocated, bf16_rounded, perturbed, prompts, start
 from tests.runtime.models import experts_inputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
 
 NATURAL_DISAGREEMENT = 0.10  # bf16 vLLM vs fp32 HF routing on the same weights: about 1% of rows measured
 LOGPROB_TOLERANCE = 0.05  # nats, bf16 kernels vs fp32 on bf16 weights under R3: max 0.0097 measured after a sync
-PERTURBATION = 0.05  # std of the noise added to every trainer weight (init std 0.02): log-probs move ~1-2 nats
 
 
 @pytest.fixture(scope="module")
@@ -163,12 +161,7 @@ def test_sync_weights_brings_the_trainers_weights_into_vllm(qwen3: Colocated) ->
     the new policy version; syncing the original weights back restores every vLLM tensor bit for bit."""
     engine = qwen3.engine
     snapshot = engine.llm.apply_model(_tensors)[0]
-    trainer = copy.deepcopy(qwen3.model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for tensor in trainer.parameters():
-            tensor.add_(torch.randn(tensor.shape, generator=generator) * PERTURBATION)
-    bf16_rounded(trainer)
+    trainer = perturbed(qwen3.model, seed=1)
     batch, params = prompts(4, [5, 20, 40]), SamplingParams(max_new_tokens=8, seed=3)
     try:
         stale = logprob_gap(trainer, engine.generate(batch, params))
@@ -252,13 +245,7 @@ def test_deepseek_v3_sync_equals_an_engine_started_on_the_new_weights() -> None:
     from routereplay.testing.vllm_models import tiny_vllm_model, word_tokenizer
 
     model = bf16_rounded(tiny_vllm_model("deepseek_v3"))
-    trainer = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, tensor in [*trainer.named_parameters(), *trainer.named_buffers()]:
-            if tensor.is_floating_point() and (tensor.requires_grad or name.endswith("e_score_correction_bias")):
-                tensor.add_(torch.randn(tensor.shape, generator=generator) * PERTURBATION)
-    bf16_rounded(trainer)
+    trainer = perturbed(model, seed=2)
     batch, params = prompts(7, [5, 33]), SamplingParams(max_new_tokens=8, seed=4)
     config = EngineConfig(max_model_len=MAX_MODEL_LEN)
     with VLLMEngine(model, word_tokenizer(), config=config, policy_version=0) as engine:

@@ -13,7 +13,6 @@ a forced engine must start. Legend: none (no tensors are named by shape).
 
 from __future__ import annotations
 
-import copy
 import errno
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +24,6 @@ from torch import nn
 from routereplay.engines.vllm import cpu_kernels
 from routereplay.engines.vllm.cpu_kernels import MLA_BACKEND, AmxTiles, CpuKernels
 from routereplay.errors import AmxPermissionError
-
-PERTURBATION = 0.05  # std of the noise added to the trainer's weights: every served tensor changes
 
 
 def _cpu_has_amx() -> bool:
@@ -94,18 +91,6 @@ def _tensors(served: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in [*served.named_parameters(), *served.named_buffers()]}
 
 
-def _perturbed(model: nn.Module) -> nn.Module:
-    from tests.engines.colocated_engine import bf16_rounded
-
-    trainer = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, tensor in [*trainer.named_parameters(), *trainer.named_buffers()]:
-            if tensor.is_floating_point() and (tensor.requires_grad or name.endswith("e_score_correction_bias")):
-                tensor.add_(torch.randn(tensor.shape, generator=generator) * PERTURBATION)
-    return bf16_rounded(trainer)
-
-
 @pytest.mark.vllm
 @pytest.mark.hf
 @pytest.mark.xdist_group("vllm-live")
@@ -138,10 +123,10 @@ def test_deepseek_v3_sync_on_an_amx_cpu_takes_the_reference_mla_backend(forced_a
     loads, and every served tensor then equals that of an engine started on the new weights (same forcing)."""
     from routereplay.engines.vllm.colocated import EngineConfig, VLLMEngine
     from routereplay.testing.vllm_models import tiny_vllm_model, word_tokenizer
-    from tests.engines.colocated_engine import MAX_MODEL_LEN, bf16_rounded
+    from tests.engines.colocated_engine import MAX_MODEL_LEN, bf16_rounded, perturbed
 
     model = bf16_rounded(tiny_vllm_model("deepseek_v3"))
-    trainer = _perturbed(model)
+    trainer = perturbed(model, seed=2)
     config = EngineConfig(max_model_len=MAX_MODEL_LEN)
     with pytest.MonkeyPatch.context() as vllms_choice:
         vllms_choice.setattr(cpu_kernels, "mla_backend", lambda config: None)

@@ -21,8 +21,8 @@ import torch
 from routereplay.engines.hf import Rollout, SamplingParams
 from routereplay.errors import ConfigError, ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
-from tests.engines.colocated_engine import Colocated, bf16_rounded, prompts, start
-from tests.engines.test_vllm_colocated import PERTURBATION, hf_logprobs, replayed_mismatch
+from tests.engines.colocated_engine import PERTURBATION, Colocated, bf16_rounded, prompts, start
+from tests.engines.test_vllm_colocated import hf_logprobs, replayed_mismatch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
 

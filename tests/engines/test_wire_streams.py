@@ -17,7 +17,7 @@ import pytest
 from routereplay.errors import MissingRoutesError, PayloadEncodingError, StreamedResponseError
 from routereplay.wire.sglang import decode_sglang
 from routereplay.wire.vllm import decode_vllm
-from tests.wire import distinct_routes, sglang_b64, vllm_npy_b64
+from tests.wire.payloads import distinct_routes, sglang_b64, vllm_npy_b64
 
 E, L, K = 16, 3, 2
 PROMPT, STEPS = 7, 4  # tokens: 7 prompt + 4 generated, one per chunk -> 10 route rows

@@ -17,7 +17,7 @@ from routereplay.bench.indexer import synthetic_choices
 from routereplay.errors import CodecLimitError, ConfigError
 from routereplay.indexer import IndexerLimits, IndexerTrace
 from routereplay.indexer.limits import DEFAULT_MAX_EXPANSION
-from tests.codec_blobs import traced_peak
+from tests.codec.blobs import traced_peak
 from tests.indexer.choices import implicit_blob, random_choices
 
 DENSE_SLACK = 1 << 20  # bytes beyond the output allowed to to_dense(): Python objects, the per-block index arrays

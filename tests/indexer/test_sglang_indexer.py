@@ -21,7 +21,7 @@ from routereplay.errors import (
     TopKMismatchError,
 )
 from routereplay.indexer import IndexerLimits
-from routereplay.wire.sglang_indexer import decode_sglang_indexer
+from routereplay.wire.indexer_topk import decode_sglang_indexer
 from tests.indexer.choices import random_choices
 
 PROMPT, COMPLETION, LAYERS, TOPK = 30, 11, 3, 8

@@ -24,9 +24,8 @@ import torch
 
 from routereplay.errors import DeliveryError
 from routereplay.integrations.ray_routes import fetch_bundle, import_ray, put_bundles, start_route_source
-from routereplay.layout.plan import gather, token_index
+from routereplay.layout.plan import gather
 from routereplay.transport.bundle import RankBundle
-from routereplay.transport.spans import bundles_for
 from tests.distributed import delivery_case as case
 
 pytestmark = pytest.mark.ray
@@ -62,16 +61,7 @@ def ray_runtime() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def batch() -> dict[str, Any]:
-    store = case.build_store()
-    S = case.positions()
-    plans = case.plans()
-    return {
-        "store": store,
-        "plans": plans,
-        "bundles": bundles_for(store, case.SAMPLE_IDS, plans, S),
-        "whole": bundles_for(store, case.SAMPLE_IDS, [token_index(case.SAMPLES, S).reshape(-1)], S)[0],
-        "dense": case.dense_routes(store),
-    }
+    return case.reference()
 
 
 def trainer_rank(box: list[Any], rows: int) -> tuple[bytes, np.ndarray]:

@@ -164,7 +164,7 @@ def test_rows_moved_without_their_routes_are_refused(demo: tuple[Any, Any], tmp_
     """Misaligned rows (issue 14): a training batch whose rows were reordered without the routes (a
     subclass that shuffles some keys only) holds other ids than its routes were laid out for; the
     update refuses it, naming the row, instead of replaying one completion's routes on another."""
-    from routereplay.integrations.trl_state import IDS_KEY, OLD_ROUTES_KEY, check_rows
+    from routereplay.integrations.trl.state import IDS_KEY, OLD_ROUTES_KEY, check_rows
 
     trainer = run(*demo, tmp_path, "R2", max_steps=1)
     batch = dict(trainer._buffered_inputs[0])
@@ -180,10 +180,12 @@ def test_rows_moved_without_their_routes_are_refused(demo: tuple[Any, Any], tmp_
 
 
 def test_missing_trl_names_the_extra() -> None:
-    """Unhelpful ImportError (issue 14): without TRL, importing the integration says which extra to install."""
+    """Unhelpful ImportError (issue 14): without TRL, importing the trainer says which extra to install; the
+    parts that need no TRL (the batch layout, the trainer's state) still import."""
     script = (
         "import sys; sys.modules['trl'] = None\n"
-        "try:\n    import routereplay.integrations.trl\n"
+        "import routereplay.integrations.trl.layout, routereplay.integrations.trl.state\n"
+        "try:\n    from routereplay.integrations.trl import RouterReplayGRPOTrainer\n"
         "except ImportError as exc:\n    print(type(exc).__name__, exc)\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)

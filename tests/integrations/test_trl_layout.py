@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from routereplay.errors import MissingRoutesError, RowCountError, TokenMismatchError
-from routereplay.integrations.trl_layout import engine_routes, generation_traces
+from routereplay.integrations.trl.layout import engine_routes, generation_traces
 
 LAYERS, TOP_K, EXPERTS = (0, 1), 2, 64
 

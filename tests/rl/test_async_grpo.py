@@ -20,6 +20,7 @@ from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer, RolloutWork
 from routereplay.rl.grpo import GRPOConfig
 from routereplay.rl.tasks import AdditionTask
 from routereplay.trace.route_trace import RouteTrace
+from tests.rl.train_command import short_train
 
 pytestmark = pytest.mark.hf
 
@@ -192,36 +193,22 @@ def test_pool_merges_store_traces_with_token_ids(trained: tuple[torch.nn.Module,
     assert trainer.trainer.replayer.stats.checked_sequences > 0
 
 
-def _args(*extra: str) -> list[str]:
-    return [
-        "train",
-        "--steps",
-        "2",
-        "--train-steps",
-        "25",
-        "--prompts-per-step",
-        "4",
-        "--group-size",
-        "2",
-        "--mini-steps",
-        "2",
-        *extra,
-    ]
-
-
 def test_train_async_cli_seeded_json_and_table(
     tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`routereplay train --async` runs from the CLI: JSON records carry the async fields, and the table
     names the resume policy and the async columns."""
     monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    assert main(_args("--async", "--schedule", "seeded", "--sync-tokens", "1,1", "--mode", "R3", "--json")) == EXIT_OK
+    assert (
+        main(short_train("--async", "--schedule", "seeded", "--sync-tokens", "1,1", "--mode", "R3", "--json"))
+        == EXIT_OK
+    )
     history = json.loads(capsys.readouterr().out)
     assert [r["step"] for r in history] == [0, 1]
     for record in history:
         assert record["resume_routes"] == "prefix-replay" and record["rollout_routing_disagreement"] == 0.0
         assert {"policy_version", "aborts", "resumed_samples", "prefix_conflicts", "rows_by_version"} <= set(record)
-    assert main(_args("--async", "--mode", "R3")) == EXIT_OK
+    assert main(short_train("--async", "--mode", "R3")) == EXIT_OK
     out = capsys.readouterr()
     assert "async GRPO, mode R3, resume routes prefix-replay" in out.out and "conflicts" in out.out
     assert "async GRPO steps (R3): done 2/2" in out.err
@@ -238,7 +225,7 @@ def test_train_async_cli_seeded_json_and_table(
 def test_train_async_cli_refusals(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Silent misconfiguration: async flags without --async, and --async against a server whose weights
     are never synced, are refused with the cause before any model is trained."""
-    assert main(_args(*extra)) == EXIT_ERROR
+    assert main(short_train(*extra)) == EXIT_ERROR
     assert message in capsys.readouterr().err
 
 
@@ -247,7 +234,7 @@ def test_sync_tokens_flag_is_checked_when_parsed(value: str, capsys: pytest.Capt
     """Hostile flag values: --sync-tokens takes LOW,HIGH with 0 <= LOW <= HIGH within a bound; anything
     else is an argparse error (exit 2) naming the flag."""
     with pytest.raises(SystemExit) as info:
-        main(_args("--async", "--sync-tokens", value))
+        main(short_train("--async", "--sync-tokens", value))
     assert info.value.code == 2
     assert "argument --sync-tokens" in capsys.readouterr().err
 

@@ -34,22 +34,7 @@ from tests.rl.async_log import AsyncLog, row_versions, watch
 
 pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
 
-TRAIN_STEPS = 60  # a model that runs; rewards do not matter to what is checked here
 ASYNC_KEYS = ("policy_version", "aborts", "resumed_samples", "prefix_conflicts", "rows_by_version")
-
-
-@pytest.fixture(scope="module")
-def servable(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Any, Path]:
-    """(model, tokenizer, checkpoint folder) of a small demo sibling that vLLM's CPU backend serves."""
-    from routereplay.rl.model import train_demo_model
-
-    model, tokenizer = train_demo_model(
-        "qwen3_moe", steps=TRAIN_STEPS, num_experts=16, num_hidden_layers=3, head_dim=64
-    )
-    folder = tmp_path_factory.mktemp("servable-async")
-    model.save_pretrained(folder)  # type: ignore[operator]
-    tokenizer.save_pretrained(folder)
-    return model, tokenizer, folder
 
 
 @pytest.fixture(scope="module")

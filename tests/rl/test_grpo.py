@@ -13,6 +13,7 @@ from routereplay.cli.main import EXIT_OK, main
 from routereplay.engines.hf import HFEngine
 from routereplay.errors import ConfigError
 from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
+from tests.rl.train_command import short_train
 
 pytestmark = pytest.mark.hf
 
@@ -98,20 +99,7 @@ def test_train_cli_two_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    args = [
-        "train",
-        "--mode",
-        mode,
-        "--steps",
-        "2",
-        "--train-steps",
-        "25",
-        "--prompts-per-step",
-        "4",
-        "--group-size",
-        "2",
-    ]
-    args += ["--mini-steps", "2"]
+    args = short_train("--mode", mode)
     plot = tmp_path / "steps.png"
     assert main([*args, "--json", "--plot", str(plot), "--log", str(tmp_path / "log.jsonl")]) == EXIT_OK
     history = json.loads(capsys.readouterr().out)

@@ -21,22 +21,6 @@ from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
 
-TRAIN_STEPS = 60  # enough for a model that runs; rewards do not matter to what is checked here
-
-
-@pytest.fixture(scope="module")
-def servable(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Any, Path]:
-    """(model, tokenizer, checkpoint folder) of a small demo sibling that vLLM's CPU backend serves."""
-    from routereplay.rl.model import train_demo_model
-
-    model, tokenizer = train_demo_model(
-        "qwen3_moe", steps=TRAIN_STEPS, num_experts=16, num_hidden_layers=3, head_dim=64
-    )
-    folder = tmp_path_factory.mktemp("servable-demo")
-    model.save_pretrained(folder)  # type: ignore[operator]
-    tokenizer.save_pretrained(folder)
-    return model, tokenizer, folder
-
 
 def test_grpo_r3_with_colocated_vllm_syncs_every_step(servable: tuple[torch.nn.Module, Any, Path]) -> None:
     """Silent misroute (issue 12 item 3): GRPO syncs the trainer's weights into the colocated vLLM before

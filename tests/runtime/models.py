@@ -1,7 +1,9 @@
-"""Small helpers for runtime tests: a tiny Qwen3-MoE, inputs, and a hook on the experts' input."""
+"""Small helpers for runtime tests: a tiny Qwen3-MoE, a copy with other routers, inputs, and a hook on the
+experts' input."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TypeVar
@@ -32,6 +34,17 @@ def tiny_qwen3(layers: int = 3, experts: int = 8, top_k: int = 2, seed: int = 0)
     )
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def perturbed_routers(model: nn.Module, *, noise: float, seed: int) -> nn.Module:
+    """An eval copy whose router weights (`*gate.weight`) carry seeded Gaussian noise of std `noise`."""
+    other = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in other.named_parameters():
+            if name.endswith("gate.weight"):
+                param.add_(torch.randn(param.shape, generator=generator) * noise)
+    return other.eval()
 
 
 def random_routes(batch: int, positions: int, layers: int, top_k: int, experts: int, seed: int = 0) -> torch.Tensor:

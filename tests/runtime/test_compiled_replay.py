@@ -82,7 +82,10 @@ def _batches() -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     }
 
 
-def _replay(model: torch.nn.Module, replayer: Any, batch: tuple[torch.Tensor, ...]) -> _Pass:
+def _replay(
+    model: torch.nn.Module, replayer: Any, batch: tuple[torch.Tensor, ...], gates: list[torch.nn.Module] | None = None
+) -> _Pass:
+    """One replayed forward + backward; gradients of `gates` (default: every layer's `mlp.gate`)."""
     ids_BS, mask_BS, routes_BSLK = batch
     replayer.stats.reset()
     model.zero_grad(set_to_none=True)
@@ -92,7 +95,8 @@ def _replay(model: torch.nn.Module, replayer: Any, batch: tuple[torch.Tensor, ..
         routes_used = used.routes
     stats = replayer.stats
     counts = (stats.router_calls, stats.replayed_rows, stats.fallback_rows, dict(stats.fallback_rows_by_layer))
-    grads = tuple(layer.mlp.gate.weight.grad.clone() for layer in model.model.layers)
+    gates = gates if gates is not None else [layer.mlp.gate for layer in model.model.layers]
+    grads = tuple(gate.weight.grad.clone() for gate in gates)
     return _Pass(logits.detach(), routes_used, counts, grads)
 
 
@@ -151,28 +155,18 @@ def test_checkpointed_compiled_blocks_recompute_the_replayed_routes() -> None:
         layer.mlp = _Checkpointed(block)
     replayer = attach(model)
     batch = _batches()["fallback in every layer"]
-
-    def run() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], tuple[int, int]]:
-        ids_BS, mask_BS, routes_BSLK = batch
-        replayer.stats.reset()
-        model.zero_grad(set_to_none=True)
-        with replayer.replay(routes_BSLK, attention_mask=mask_BS) as used:
-            logits = model(input_ids=ids_BS, attention_mask=mask_BS).logits
-            logits.float().square().mean().backward()
-            routes_used = used.routes
-        grads = [block.gate.weight.grad.clone() for block in blocks]
-        return logits.detach(), routes_used, grads, (replayer.stats.replayed_rows, replayer.stats.fallback_rows)
-
-    eager = run()
+    gates = [block.gate for block in blocks]
+    eager = _replay(model, replayer, batch, gates)
     assert replayer.stats.recompute_calls == LAYERS  # control: eager recomputed every block's router
     backend = _GraphCounter()
     for block in blocks:
         block.compile(backend=backend, fullgraph=True)
-    compiled = run()
+    compiled = _replay(model, replayer, batch, gates)
     assert backend.graphs == 1, "the checkpointed blocks did not run compiled"
-    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
-    assert all(torch.equal(got, want) for got, want in zip(compiled[2], eager[2], strict=True)), "gradients differ"
-    assert compiled[3] == eager[3]
+    assert torch.equal(compiled.logits, eager.logits) and torch.equal(compiled.routes_BSLK, eager.routes_BSLK)
+    gradients = zip(compiled.gate_grads, eager.gate_grads, strict=True)
+    assert all(torch.equal(got, want) for got, want in gradients), "gradients differ"
+    assert compiled.counts[1:3] == eager.counts[1:3]  # replayed rows, fallback rows
 
 
 def test_compiled_blocks_record_the_routes_eager_record_keeps() -> None:

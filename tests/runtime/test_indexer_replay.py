@@ -1,4 +1,4 @@
-"""DSA indexer record/replay (`runtime/indexer_replayer.py`) on tiny DeepSeek-V3.2 and GLM-MoE-DSA models.
+"""DSA indexer record/replay (`runtime/indexer/replayer.py`) on tiny DeepSeek-V3.2 and GLM-MoE-DSA models.
 
 Guarantees: replaying recorded indexer choices reproduces logits bit for bit (alone and together with
 the router Replayer); forced choices are exactly the keys the attention attends; -1 rows take the
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.hf
 hf_tiny = pytest.importorskip(
     "routereplay.testing.hf.models", reason="needs transformers (pip install 'routereplay[hf]')"
 )
-from routereplay.runtime.indexer_replayer import IndexerReplayer  # noqa: E402
+from routereplay.runtime.indexer.replayer import IndexerReplayer  # noqa: E402
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 BATCH, POSITIONS = 2, 10

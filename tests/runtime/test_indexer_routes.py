@@ -19,7 +19,7 @@ from routereplay.codec import blob as codec
 from routereplay.errors import CodecFormatError, ConfigError
 from routereplay.indexer.trace import IndexerTrace
 from routereplay.store.route_store import RouteStore
-from routereplay.wire.sglang_indexer import decode_sglang_indexer
+from routereplay.wire.indexer_topk import decode_sglang_indexer
 
 pytestmark = pytest.mark.hf
 

@@ -3,12 +3,10 @@
 Files:
 - `codec.py`              Codec benchmark: bytes per (token, layer) row and throughput, against the engines'
                           own forms
-- `delivery.py`           Delivery benchmark: a batch's routes from the driver to each rank, compact against
-                          dense
-- `delivery_job.py`       `DeliveryJob`: one batch's routes delivered to every rank of a real gloo job,
-                          compact vs dense
-- `delivery_pipeline.py`  `ResponsePipeline`: vLLM HTTP response bodies to every rank's replay-ready tensor,
-                          stage by stage
+- `config.py`             The fields every benchmark config starts with (repeats, seed; routing; samples) and
+                          their checks
+- `delivery/`             Delivery benchmark: a batch's routes from the driver to each rank, compact against
+                          dense (`delivery/__init__.py` lists its files)
 - `engine.py`             Engine benchmark: what route capture costs the built-in engine's generation
 - `environment.py`        Facts about this machine and its packages, for `routereplay env` and benchmark
                           records

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.environment import collect
+from routereplay.bench.config import BenchConfig, require_positive
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import Timing, measure, target
 from routereplay.codec import blob as codec
 from routereplay.testing.synthetic import random_trace
@@ -41,18 +42,16 @@ ENCODE_ROWS_PER_S_TARGET = 40e6  # issue 26: encode (validate + rank + pack) at 
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CodecBenchConfig:
+class CodecBenchConfig(BenchConfig):
+    """The routing under `RouteTrace`'s names (`num_layers`, `num_experts`), as `random_trace` takes it."""
+
     num_tokens: int = 32768
     num_layers: int = 48
     top_k: int = 8
     num_experts: int = 128
-    repeats: int = 5
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_tokens", "num_layers", "top_k", "num_experts", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        require_positive(self, "codec", "repeats", "num_tokens", "num_layers", "top_k", "num_experts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,9 +212,7 @@ def markdown(result: dict[str, Any]) -> str:
     """The README / BENCHMARKS.md table for a `run` record."""
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), Python {machine['python']}, "
-        f"numpy {machine['numpy']}, torch {machine['torch']}, by `routereplay bench codec` "
-        f"(`--json` for every figure and its spread).",
+        measured_on(machine, "codec", "Python", "numpy", "torch") + " (`--json` for every figure and its spread).",
         "",
         f"T={config['num_tokens']} tokens x L={config['num_layers']} layers, top-{config['top_k']} of "
         f"E={config['num_experts']} experts, {config['repeats']} repeats (median); entropy bound "

@@ -17,18 +17,18 @@ from typing import Any
 
 import torch
 
-from routereplay.bench.environment import collect
+from routereplay.bench.config import BenchConfig
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import interleave, median_ratio, spread, target
 
 CAPTURE_TARGET = 1.05
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class EngineBenchConfig:
+class EngineBenchConfig(BenchConfig):
+    repeats: int = 11
     prompts: int = 256
     max_new_tokens: int = 16
-    repeats: int = 11
-    seed: int = 0
 
 
 def run(config: EngineBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -63,8 +63,7 @@ def run(config: EngineBenchConfig, progress: Callable[[str], None] | None = None
 def markdown(result: dict[str, Any]) -> str:
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, "
-        f"transformers {machine['transformers']}, by `routereplay bench engine`.",
+        measured_on(machine, "engine", "torch", "transformers") + ".",
         "",
         f"Demo-shaped Qwen3-MoE (8 layers, top-2 of 128 experts), bf16 engine, {config['prompts']} prompts x "
         f"{config['max_new_tokens']} new tokens; {config['repeats']} interleaved repeats (median).",

@@ -13,7 +13,7 @@ Two parts, both on the trained demo model (`rl.model.load_or_train`, cached) and
   intra-op thread, and two) and of async GRPO on the realistic `threaded` schedule (a rollout thread
   and the trainer, one intra-op thread each), with the engine in the rollout thread
   (`async_threaded`, so both share the GIL) and in a child process (`async_process`,
-  `engines.hf_process.HFProcessEngine`; its start-up is inside the timed run, the steady state leaves
+  `engines.hf.HFProcessEngine`; its start-up is inside the timed run, the steady state leaves
   it out), interleaved over `repeats` repeats. The ratios are medians of per-repeat ratios async /
   sync, on the same machine in the same run.
 With `engine="vllm"` (`routereplay bench async --engine vllm`) the `policies` part runs on a real
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from routereplay.bench.environment import collect
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import interleave, median_ratio, spread
 from routereplay.threads import ThreadPolicy
 
@@ -134,8 +134,7 @@ def _throughput_workloads(
     """The four timed runs; each also appends its steady-state seconds per step to `steady[name]`:
     from the end of step 0 to the end of the last step, so the async run's initial fill of the
     pool (and sync's first step) is left out."""
-    from routereplay.engines.hf import HFEngine
-    from routereplay.engines.hf_process import HFProcessEngine
+    from routereplay.engines.hf import HFEngine, HFProcessEngine
     from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer
     from routereplay.rl.grpo import GRPOTrainer
 
@@ -257,8 +256,8 @@ def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None)
 def markdown(result: dict[str, Any]) -> str:
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, by "
-        f"`routereplay bench async`. Trained demo model, "
+        measured_on(machine, "async", "torch")
+        + ". Trained demo model, "
         + ("in-process vLLM (bf16)" if config.get("engine") == "vllm" else "built-in engine (bf16)")
         + f", {config['prompts_per_step']} prompts "
         f"x {config['group_size']} per step, {config['mini_steps']} mini-steps, seeded schedule: a trainer step lasts "

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.environment import collect
+from routereplay.bench.config import BenchConfig, require_positive
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import measure, target
 from routereplay.indexer.trace import IndexerTrace
 
@@ -28,18 +29,13 @@ SINK_KEYS = 4  # recent case: the first keys every query keeps (attention sinks)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class IndexerBenchConfig:
+class IndexerBenchConfig(BenchConfig):
     num_tokens: int = 4096
     num_layers: int = 4
     index_topk: int = 512
-    repeats: int = 5
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_tokens", "num_layers", "index_topk", "repeats"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"IndexerBenchConfig.{name}={value!r} must be an int >= 1")
+        require_positive(self, "indexer", "repeats", "num_tokens", "num_layers", "index_topk")
 
 
 def synthetic_choices(num_tokens: int, num_layers: int, index_topk: int, *, recent: bool, seed: int = 0) -> np.ndarray:
@@ -117,8 +113,7 @@ def markdown(result: dict[str, Any]) -> str:
     """The BENCHMARKS.md table for a `run` record."""
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), numpy {machine['numpy']}, by "
-        "`routereplay bench indexer`.",
+        measured_on(machine, "indexer", "numpy") + ".",
         "",
         f"T={config['num_tokens']} query tokens x L={config['num_layers']} DSA layers, index_topk "
         f"I={config['index_topk']}, {config['repeats']} repeats (median); dense = T x L x I int32.",

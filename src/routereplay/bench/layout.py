@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from routereplay.bench.environment import collect
+from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
 from routereplay.layout import pack, ulysses_shard, unpad
 from routereplay.layout.plan import gather, token_index
@@ -32,23 +33,18 @@ SPEEDUP_TARGET = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LayoutBenchConfig:
+class LayoutBenchConfig(RoutedBenchConfig):
+    repeats: int = 7
     sequences: int = 64
     seq: int = 4096
-    layers: int = 48
-    top_k: int = 8
-    experts: int = 128
     sp: int = 4
     rank: int = 1
-    repeats: int = 7
-    seed: int = 0
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         check_device("layout", self.device)
-        for name in ("sequences", "seq", "layers", "top_k", "experts", "sp", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"layout bench: {name} must be >= 1, got {getattr(self, name)}")
+        require_routing(self, "layout")
+        require_positive(self, "layout", "sequences", "seq", "sp")
         if not 0 <= self.rank < self.sp:
             raise ValueError(f"layout bench: rank {self.rank} must be in 0..{self.sp - 1} for sp {self.sp}")
 
@@ -136,8 +132,7 @@ def run(config: LayoutBenchConfig, progress: Callable[[str], None] | None = None
 def markdown(result: dict[str, Any]) -> str:
     config, machine = result["config"], result["machine"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores, {machine['torch_threads']} torch threads), "
-        f"torch {machine['torch']}, on {config['device']}, by `routereplay bench layout`.",
+        measured_on(machine, "layout", "torch", threads=True, device=config["device"]) + ".",
         "",
         f"Pack + Ulysses SP shard (sp={config['sp']}, rank {config['rank']}) of {config['sequences']} sequences padded "
         f"to {config['seq']} tokens ({result['tokens']} real tokens), "

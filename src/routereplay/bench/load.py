@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from routereplay.bench.environment import collect
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import median_ratio, spread, target
 from routereplay.threads import ThreadPolicy
 
@@ -151,9 +151,8 @@ def markdown(result: dict[str, Any]) -> str:
     config, machine, threads = result["config"], result["machine"], result["threads"]
     load = result["load_average_before"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, "
-        f"transformers {machine['transformers']}, by `routereplay bench load`; intra-op threads: "
-        f"{threads['threads']} ({threads['source']}); load average before the run: "
+        measured_on(machine, "load", "torch", "transformers")
+        + f"; intra-op threads: {threads['threads']} ({threads['source']}); load average before the run: "
         + (", ".join(f"{v:.2f}" for v in load) if load else "n/a")
         + ".",
         "",

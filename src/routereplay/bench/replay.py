@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from routereplay.bench.environment import collect
+from routereplay.bench.config import BenchConfig
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import check_device, interleave, median_ratio, spread, synchronizer, target
 
 RECORD_TARGET = 1.03
@@ -30,15 +31,14 @@ SET_ORDER_TARGET = 1.01  # order="set" within 1% of order="engine" (issue 26)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReplayBenchConfig:
+class ReplayBenchConfig(BenchConfig):
+    repeats: int = 21
     batch: int = 8
     seq: int = 256
     hidden: int = 256
     layers: int = 8
     experts: int = 32
     top_k: int = 4
-    repeats: int = 21
-    seed: int = 0
     shape: str = "tiny"
     device: str = "cpu"
     dtype: str = "float32"
@@ -167,8 +167,7 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
 def markdown(result: dict[str, Any]) -> str:
     config, machine, model = result["config"], result["machine"], result["model"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores, {machine['torch_threads']} torch threads), "
-        f"torch {machine['torch']}, transformers {machine['transformers']}, by `routereplay bench replay`.",
+        measured_on(machine, "replay", "torch", "transformers", threads=True) + ".",
         "",
         f"Qwen3-MoE ({config['shape']}) shape: hidden {model['hidden']}, {config['layers']} layers, "
         f"{model['experts']} experts, top-{model['top_k']}, {config['dtype']} on {config['device']}; "

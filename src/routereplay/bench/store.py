@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.environment import collect
+from routereplay.bench.config import SampledBenchConfig, require_positive, require_routing
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import target
 from routereplay.store.route_store import RouteStore
 from routereplay.testing.synthetic import random_trace
@@ -47,28 +48,19 @@ VOCABULARY = 151_936  # Qwen3's vocabulary: token ids are drawn below it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StoreBenchConfig:
-    samples: int = 512
-    seq: int = 8192
-    min_len: int = 1024
-    layers: int = 48
-    top_k: int = 8
-    experts: int = 128
+class StoreBenchConfig(SampledBenchConfig):
     repeats: int = 3
-    seed: int = 0
+    samples: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("samples", "seq", "min_len", "layers", "top_k", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"store bench: {name} must be >= 1, got {getattr(self, name)}")
+        require_routing(self, "store")
+        require_positive(self, "store", "samples", "seq")
         if self.min_len < 2:
             raise ValueError(
                 f"store bench: min_len must be >= 2 (a sample of one token has no route), got {self.min_len}"
             )
         if self.min_len > self.seq:
             raise ValueError(f"store bench: min_len {self.min_len} exceeds seq {self.seq}")
-        if self.top_k > self.experts:
-            raise ValueError(f"store bench: top_k {self.top_k} exceeds experts {self.experts}")
 
 
 class SampleSource:
@@ -110,7 +102,8 @@ class SampleSource:
         return sum(n - 1 for n in self.lengths) * len(self.layers)
 
 
-def source_of(config: StoreBenchConfig) -> SampleSource:
+def source_of(config: SampledBenchConfig) -> SampleSource:
+    """The samples of the store or the delivery suite's batch."""
     return SampleSource(
         samples=config.samples,
         seq=config.seq,
@@ -216,8 +209,7 @@ def markdown(result: dict[str, Any]) -> str:
     config, machine, peaks, held = result["config"], result["machine"], result["peak_bytes"], result["held_bytes"]
     gib, payload = 2**30, result["payload_bytes"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), numpy {machine['numpy']}, "
-        "by `routereplay bench store` (peak and held bytes from tracemalloc).",
+        measured_on(machine, "store", "numpy") + " (peak and held bytes from tracemalloc).",
         "",
         f"{config['samples']} samples x up to {config['seq']} tokens ({result['tokens']} tokens, lengths uniform in "
         f"[{config['min_len']}, {config['seq']}], padded to {result['padded_length']}), {config['layers']} layers, "

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.environment import collect
+from routereplay.bench.environment import collect, measured_on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,8 +128,8 @@ def run(config: VerlRoutesBenchConfig, progress: Callable[[str], None] | None = 
 def markdown(result: dict[str, Any]) -> str:
     c, machine, sizes = result["config"], result["machine"], result["bytes_per_sample"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, by "
-        f"`routereplay bench verl`. {c['samples']} samples of {c['min_tokens']}-{c['max_tokens']} tokens (mean "
+        measured_on(machine, "verl", "torch")
+        + f". {c['samples']} samples of {c['min_tokens']}-{c['max_tokens']} tokens (mean "
         f"{result['mean_tokens']:,.0f}), {c['layers']} MoE layers, top-{c['top_k']} of {c['experts']}, verl's "
         f"prompt_length {c['prompt_length']} and response_length {c['response_length']}.",
         "",

@@ -29,19 +29,18 @@ from typing import Any
 
 import torch
 
-from routereplay.bench.environment import collect
+from routereplay.bench.config import BenchConfig
+from routereplay.bench.environment import collect, measured_on
 from routereplay.bench.timing import interleave, median_ratio, spread, target
 
 FORCED_TARGET = 1.05  # forcing every prefix row of a resumed call / the same call unforced
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VLLMBenchConfig:
+class VLLMBenchConfig(BenchConfig):
     prompts: int = 64
     max_new_tokens: int = 16
-    repeats: int = 5
     sync_repeats: int = 5
-    seed: int = 0
 
 
 def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -145,8 +144,7 @@ def run(config: VLLMBenchConfig, progress: Callable[[str], None] | None = None) 
 def markdown(result: dict[str, Any]) -> str:
     config, machine, model = result["config"], result["machine"], result["model"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, "
-        f"vLLM {machine['vllm']}, by `routereplay bench vllm`.",
+        measured_on(machine, "vllm", "torch", "vLLM") + ".",
         "",
         f"Demo-shaped Qwen3-MoE served by vLLM (8 layers, top-2 of 128 experts, head_dim {model.get('head_dim')}, "
         f"{model['parameters']:,} parameters), bf16, {config['prompts']} prompts x {config['max_new_tokens']} new "

@@ -19,7 +19,7 @@ with vLLM alike: the resumed prefill is forced to the prefix's sampling routes, 
 routereplay vLLM plugin).
 The table then adds the policy version, stale rows, aborts, resumes, prefix conflicts, dropped groups
 and samples per second. `--schedule seeded` makes the aborts land where a seeded schedule says. With
-the built-in engine, `--async` runs it in a child process (`engines.hf_process.HFProcessEngine`), so
+the built-in engine, `--async` runs it in a child process (`engines.hf.HFProcessEngine`), so
 rollouts and training overlap instead of sharing the GIL; `--rollout-in-thread` keeps it in this
 process (the rollout thread's engine, as before).
 """
@@ -41,8 +41,8 @@ from routereplay.cli.arguments import (
     seed_int,
     token_range,
 )
+from routereplay.cli.step_tables import render, render_async, step_rows
 from routereplay.cli.threads import add_threads_argument
-from routereplay.cli.train_tables import render, render_async, step_rows
 
 # stdout carries the command's table or --json: vLLM's own log (stdout by default) goes to stderr; its level is
 # ERROR unless VLLM_LOGGING_LEVEL is set (engines.vllm.workarounds.quiet_vllm_logs, when vLLM is imported)
@@ -364,7 +364,7 @@ def _engine(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
     from routereplay.runtime import attach
 
     if _engine_process(args):
-        from routereplay.engines.hf_process import HFProcessEngine
+        from routereplay.engines.hf import HFProcessEngine
 
         return HFProcessEngine(model, threads=args.threads)  # the rollouts overlap training outside the GIL
     if args.engine == "hf":

@@ -8,7 +8,7 @@ Files:
 - `limits.py`         `CodecLimits`: ids, expansion and set-table bounds, checked before allocating
 - `subsets.py`        the combinatorial number system: K-subsets <-> ranks (uint64 or exact ints)
 - `column_search.py`  the unranker's column searches: float64 buckets, bucket search, the low-id table
-- `set_ranker.py`     the numpy set-mode ranker: a sorting network over K columns, pair tables
+- `ranker.py`         the numpy set-mode ranker: a sorting network over K columns, pair tables
 - `native.py`         the C kernel (`set_kernel.c`, built at install): validate + rank + pack, and
                       read + check + unrank, on blocks of rows; numpy is the fallback and reference
 - `encoded.py`        `EncodedRoutes`: a resident blob read by row range, and cut into spans unread

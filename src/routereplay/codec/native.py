@@ -4,7 +4,7 @@ Two loops of the set codec run there on blocks of rows, with the same arithmetic
 as the numpy paths, which stay the reference and the fallback:
 
 - `pack_set_rows`: validation fused with encoding. Each row is range-checked, sorted by the merge
-  network of `set_ranker`, checked for repeats and -1 mixing, ranked against `binomial_table` and
+  network of `ranker.py`, checked for repeats and -1 mixing, ranked against `binomial_table` and
   bit-packed, so each id is read once. A bad row stops it; the caller then runs the full validation
   catalogue, which names the fault.
 - `unrank_set_rows`: reads ranks from a payload, checks each below C(E, K) and unranks it with the
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from routereplay.codec.column_search import FLOAT_EXACT, FloatColumn
-from routereplay.codec.set_ranker import MAX_NETWORK_K, merge_network
+from routereplay.codec.ranker import MAX_NETWORK_K, merge_network
 from routereplay.codec.subsets import SEARCH_BUDGET_BYTES, SubsetUnranker
 
 KERNEL_MODULE = "routereplay.codec._set_kernel"

@@ -5,7 +5,7 @@ Raw payload (see `routereplay.codec` for the whole layout): an optional validity
 SET mode: one stream of N ranks of b bits (b > 64: one stream per 64-bit word of the ranks, low
 word first). ORDERED mode: one stream of N * K ids of ceil(log2 E) bits.
 
-Encoding ranks and packs `RANK_CHUNK_ROWS` rows at a time (`set_ranker.SubsetRanker`, then
+Encoding ranks and packs `RANK_CHUNK_ROWS` rows at a time (`ranker.SubsetRanker`, then
 `bitpack.pack_lanes_into` at the chunk's byte offset: a multiple of 8 rows ends on a byte), so its
 working set is one chunk's columns and ranks; ordered ids are packed in the same chunks.
 Decoding writes straight into the one output array. The bitmap, the streams and the ids are
@@ -26,7 +26,7 @@ import numpy as np
 from routereplay.bitpack import MAX_VIEW_BITS, MIN_LANE_PACK_BITS, pack_bits, pack_lanes_into, unpack_bits
 from routereplay.codec.limits import CodecLimits
 from routereplay.codec.native import UnrankPlan, can_unrank_into, may_unrank, unrank_plan, unrank_set_rows
-from routereplay.codec.set_ranker import RANK_CHUNK_ROWS, SubsetRanker
+from routereplay.codec.ranker import RANK_CHUNK_ROWS, SubsetRanker
 from routereplay.codec.subsets import U64_MAX, SubsetUnranker, binomial_table
 from routereplay.enums import CodecMode
 from routereplay.errors import CodecFormatError

@@ -2,7 +2,7 @@
  *
  * Built at install from this file (setup.py, optional: where no C compiler or Python headers exist the
  * build is skipped and `routereplay.codec.native` reports the kernel missing; the numpy paths of
- * rows.py / set_ranker.py / subsets.py are then used, and they are the reference the kernel is tested
+ * rows.py / ranker.py / subsets.py are then used, and they are the reference the kernel is tested
  * against). Bytes are the format's (routereplay.codec.blob): nothing here defines the format.
  *
  * rank_pack(experts, E, table, network, bits, bitmap, stream) -> (routed, bad_row)

@@ -17,7 +17,7 @@ column searches (at most `SEARCH_BUDGET_BYTES` together), the low-id table (at m
 arrays of N (under 60 bytes a rank).
 Output: int16 rows of K % 4 == 0 ids (little-endian, 8-byte aligned rows) get ids 0 .. 3 as one
 uint64 word (the low-id table's word, with id 3 OR-ed in when the table holds three), not four
-strided int16 column writes; `rank_subsets` is the plain reference of `set_ranker.SubsetRanker`.
+strided int16 column writes; `rank_subsets` is the plain reference of `ranker.SubsetRanker`.
 Legend: N = rows, K = top-k, E = experts, J = K + 1 table rows, W = uint64 words of 4 int16 ids.
 """
 

@@ -11,7 +11,7 @@ Files:
 - `blob.py`       the versioned, checksummed blob, every length checked before it is trusted
 - `limits.py`     `IndexerLimits`: tokens, layers, index_topk, entries and expansion a decode accepts
 
-Engine payloads come in through `routereplay.wire.sglang_indexer`.
+Engine payloads come in through `routereplay.wire.indexer_topk`.
 """
 
 from routereplay.indexer.limits import DEFAULT_INDEXER_LIMITS, IndexerLimits

@@ -21,14 +21,14 @@ Legend: P = rows of one rank's layout (its plan's length), W = trainer ranks.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from routereplay.errors import DeliveryError, MissingDependencyError
+from routereplay.errors import DeliveryError
+from routereplay.integrations.framework import Framework
 from routereplay.store.route_store import RouteStore
 from routereplay.store.sample import SampleId
 from routereplay.trace.route_trace import RouteTrace
@@ -40,20 +40,19 @@ OLDEST_RAY = (2, 40)
 Plan = torch.Tensor | np.ndarray
 
 
+RAY = Framework(
+    module="ray",
+    label="Ray",
+    oldest=OLDEST_RAY,
+    needed_by="routereplay.integrations.ray_routes",
+    requirement=f"needs Ray >= {'.'.join(map(str, OLDEST_RAY))}",
+    install_hint=INSTALL_HINT,
+)
+
+
 def import_ray() -> Any:
     """`ray`, or `MissingDependencyError` naming the extra; refuses a Ray older than `OLDEST_RAY`."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise MissingDependencyError(f"routereplay.integrations.ray_routes needs Ray: {INSTALL_HINT} ({exc})") from exc
-    version = importlib.metadata.version("ray")
-    major_minor = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    if major_minor < OLDEST_RAY:
-        raise MissingDependencyError(
-            f"routereplay.integrations.ray_routes needs Ray >= {'.'.join(map(str, OLDEST_RAY))}; ray {version} is "
-            f"installed: {INSTALL_HINT}"
-        )
-    return ray
+    return RAY.imported()[0]
 
 
 def put_bundles(bundles: Sequence[bytes]) -> list[Any]:

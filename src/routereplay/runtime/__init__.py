@@ -14,18 +14,11 @@ Files:
                             intercept in each
 - `family_interceptors.py`  Interceptors of the families that do not select by one top-k over the experts:
                             PhiMoE, Doge
-- `indexer.py`              DeepSeek Sparse Attention (DSA) indexers: finding them, and their choices in one
-                            canonical form
-- `indexer_layout.py`       DSA indexer choices between a padded batch (`indices_BSLI`) and per-sequence
-                            `IndexerTrace`s
-- `indexer_replayer.py`     `IndexerReplayer(model)`: record and replay the top-k of a model's DSA indexers
+- `indexer/`                `IndexerReplayer`: record and replay DeepSeek Sparse Attention (DSA) indexers'
+                            top-k (`indexer/__init__.py` lists its files)
 - `interception.py`         Intercepting the one selection `torch.topk` of a router while its forward runs
-- `megatron.py`             `attach_megatron(model) -> MegatronReplayer`: record and replay the routing of a
-                            Megatron-core MoE model
-- `megatron_binding.py`     Finding the TopKRouters of Megatron-core model chunks, and what a replay
-                            payload's layers mean
-- `megatron_schedule.py`    One record/replay context of the Megatron adapter: the schedule it consumes and
-                            what it routed
+- `megatron/`               `attach_megatron(model) -> MegatronReplayer`: record and replay the routing of a
+                            Megatron-core MoE model (`megatron/__init__.py` lists its files)
 - `modality.py`             Modality routers: a layer whose tokens go to one of several routers by their
                             modality
 - `replayer.py`             `attach(model) -> Replayer`: record and replay the routing of an HF transformers
@@ -37,7 +30,7 @@ Files:
 """
 
 from routereplay.runtime.discovery import Refusal, RouterSite
-from routereplay.runtime.indexer_replayer import IndexerRecording, IndexerReplayer, IndexerStats
+from routereplay.runtime.indexer import IndexerRecording, IndexerReplayer, IndexerStats
 from routereplay.runtime.megatron import MegatronRecording, MegatronReplayer, attach_megatron
 from routereplay.runtime.replayer import AuxLossRouting, Binding, JitterPolicy, Recording, Replayer, ReplayStats, attach
 

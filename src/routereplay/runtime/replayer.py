@@ -22,7 +22,7 @@ engine thread (CUDA backward). A second thread opening a context gets `ForeignTh
 Columns: a layer with several routers (JetMoE, Ernie-4.5-VL) has a column per router, `(layer, slot)`
 (`.columns`); modality routers replay each token in the router that runs for it
 (`runtime/modality.py`). DSA models' indexers are recorded and replayed with the routers
-(`Recording.indexer`, `replay(indexer=...)`, `runtime/indexer_replayer.py`).
+(`Recording.indexer`, `replay(indexer=...)`, `runtime/indexer/replayer.py`).
 
 Alignment: `replay(...)` refuses routes placed on the wrong tokens (`runtime/alignment.py`): a
 routes tensor whose -1 padding disagrees with the attention mask, a trace that stops short of its
@@ -66,9 +66,9 @@ from routereplay.runtime.binding import JITTER_ATTRS, AuxLossRouting, Binding, J
 from routereplay.runtime.call_inputs import attributes, call_ids, call_shape, refuse_kernels
 from routereplay.runtime.discovery import RouterSite, discover
 from routereplay.runtime.family_interceptors import interceptor_for
-from routereplay.runtime.indexer import discover_indexers, unbound_indexers
-from routereplay.runtime.indexer_layout import replay_choices
-from routereplay.runtime.indexer_replayer import IndexerReplayer
+from routereplay.runtime.indexer.choices import replay_choices
+from routereplay.runtime.indexer.discovery import discover_indexers, unbound_indexers
+from routereplay.runtime.indexer.replayer import IndexerReplayer
 from routereplay.runtime.interception import RouterSlot, in_backward, on_thread
 from routereplay.runtime.modality import MODALITY_BLOCKS, checked_counts, rows_of, scatter_rows, token_types
 from routereplay.runtime.routes import (
@@ -197,7 +197,7 @@ class Replayer:
         DSA models (DeepSeek-V3.2, GLM-5): the indexers' key choices are forced too, from the traces'
         `indexer` (`IndexerTrace`) or from `indexer=` (a (B, S, L_dsa, I) int tensor of batch columns,
         -1 rows = the live indexer); without either the indexers run live and are recorded
-        (`Recording.indexer`). Forced choices are the keys attention attends (`runtime/indexer.py`).
+        (`Recording.indexer`). Forced choices are the keys attention attends (`runtime/indexer/discovery.py`).
         """
         order = replay_order(order)
         refuse_meta(attention_mask, "attention_mask")

@@ -22,8 +22,8 @@ from routereplay.enums import ReplayMode, ReplayOrder, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.discovery import RouterSite
-from routereplay.runtime.indexer_layout import IndexerGeometry, indexer_traces
-from routereplay.runtime.indexer_replayer import IndexerRecording
+from routereplay.runtime.indexer.choices import IndexerGeometry, indexer_traces
+from routereplay.runtime.indexer.replayer import IndexerRecording
 from routereplay.runtime.interception import RouterSlot, in_backward
 from routereplay.runtime.modality import take_rows
 from routereplay.runtime.routes import mask_array, routes_to_traces
@@ -292,7 +292,7 @@ class Recording:
     @property
     def indexer(self) -> torch.Tensor | None:
         """DSA models under `record()`: the indexers' (B, S, L_dsa, I) key choices (batch columns, sorted,
-        -1 padded; `runtime/indexer.py`); None for models without indexers and under `replay()`."""
+        -1 padded; `runtime/indexer/discovery.py`); None for models without indexers and under `replay()`."""
         recording = self._session.indexer_recording
         return None if recording is None else recording.indices
 

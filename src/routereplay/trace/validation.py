@@ -56,15 +56,22 @@ def as_route_array(value: Any, num_experts: int) -> np.ndarray:
     if array.shape[2] < 1:
         raise TraceShapeError(f"routes have top_k=0 (shape {array.shape}); a route names >= 1 expert")
     target = canonical_dtype(num_experts)
-    if array.dtype != target and array.size:
-        info = np.iinfo(target)
-        low, high = int(array.min()), int(array.max())
-        if low < info.min or high > info.max:
-            raise ExpertIdRangeError(
-                f"expert ids span [{low}, {high}], which cannot be ids of {num_experts} experts "
-                "(nor -1); check num_experts and the payload dtype"
-            )
+    span = overflow_span(array, target) if array.dtype != target else None
+    if span is not None:
+        raise ExpertIdRangeError(
+            f"expert ids span [{span[0]}, {span[1]}], which cannot be ids of {num_experts} experts "
+            "(nor -1); check num_experts and the payload dtype"
+        )
     return np.ascontiguousarray(array, dtype=target)
+
+
+def overflow_span(array: np.ndarray, dtype: Any) -> tuple[int, int] | None:
+    """(min, max) of an integer `array` when one of its values does not fit `dtype`, else None (also when empty)."""
+    if not array.size:
+        return None
+    info = np.iinfo(dtype)
+    low, high = int(array.min()), int(array.max())
+    return (low, high) if low < info.min or high > info.max else None
 
 
 def as_token_ids(value: Any, num_rows: int) -> np.ndarray:
@@ -154,10 +161,9 @@ def validate_routes(
         all_negative_R = np.logical_and.reduce(negative_KR, axis=0)
         partial_R = np.logical_or.reduce(negative_KR, axis=0) & ~all_negative_R
         if partial_R.any():
-            row, index = divmod(int(np.flatnonzero(partial_R)[0]), num_layers)
+            at, ids = _first_row(trace, where, partial_R)
             raise PartialRowError(
-                f"{location(where, row=row, layer=trace.layers[index], start=trace.start)}: row "
-                f"{x[row, index].tolist()} mixes -1 with expert ids; a row is either fully routed or fully "
+                f"{at}: row {ids} mixes -1 with expert ids; a row is either fully routed or fully "
                 "-1 (no route). The payload was padded or truncated inside the top-k axis"
             )
         routed_R = ~all_negative_R
@@ -168,12 +174,18 @@ def validate_routes(
         if routed_R is not None:
             duplicate_R &= routed_R
         if duplicate_R.any():
-            row, index = divmod(int(np.flatnonzero(duplicate_R)[0]), num_layers)
+            at, ids = _first_row(trace, where, duplicate_R)
             raise DuplicateExpertError(
-                f"{location(where, row=row, layer=trace.layers[index], start=trace.start)}: row "
-                f"{x[row, index].tolist()} names an expert twice ({int(duplicate_R.sum())} such rows); zero "
+                f"{at}: row {ids} names an expert twice ({int(duplicate_R.sum())} such rows); zero "
                 "padding was probably used for 'no route' - use -1 instead"
             )
+
+
+def _first_row(trace: RoutedRows, where: str | int | None, marked_R: np.ndarray) -> tuple[str, list[int]]:
+    """Where the first row `marked_R` marks is, and the ids it holds."""
+    row, index = divmod(int(np.flatnonzero(marked_R)[0]), trace.experts.shape[1])
+    at = location(where, row=row, layer=trace.layers[index], start=trace.start)
+    return at, trace.experts[row, index].tolist()
 
 
 def _check_zero_layers(trace: RoutedRows, where: str | int | None, routed_TL: np.ndarray) -> None:

@@ -137,18 +137,26 @@ def check_recorded(hints: PayloadHints, trace: RouteTrace, where: str) -> None:
         "moe_layers": list(trace.layers),
         "layers": list(trace.layers),
     }
+    told = (
+        "the file records {name}={shown} but {flag} says {asked}; a codec file carries its own model facts: "
+        "drop {flag} (or pass {shown})"
+    )
+    _refuse_contradiction(hints, recorded, where, told)
+
+
+def _refuse_contradiction(hints: PayloadHints, recorded: dict[str, Any], where: str, told: str) -> None:
+    """A ConfigError for the first given hint that differs from `recorded`. Its message is `where`, then
+    `told` filled with the hint's name, its recorded value (`shown`), the hint's value (`asked`), layer
+    lists as compact ranges, and its flag."""
     for name, value in recorded.items():
         given = getattr(hints, name)
         if given is None:
             continue
-        given = [int(x) for x in given] if name in ("moe_layers", "layers") else int(given)
+        given = [int(x) for x in given] if isinstance(value, list) else int(given)
         if given != value:
             shown = compact_ranges(value) if isinstance(value, list) else value
             asked = compact_ranges(given) if isinstance(given, list) else given
-            raise ConfigError(
-                f"{where}: the file records {name}={shown} but {_flag(name)} says {asked}; a codec file carries "
-                f"its own model facts: drop {_flag(name)} (or pass {shown})"
-            )
+            raise ConfigError(f"{where}: " + told.format(name=name, shown=shown, asked=asked, flag=_flag(name)))
 
 
 def with_carried(hints: PayloadHints, document: Any, found: FileFormat, where: str) -> PayloadHints:
@@ -188,18 +196,11 @@ def _check_carried(hints: PayloadHints, carried: dict[str, Any], layers: list[in
     over them (as for a codec file: `check_recorded`)."""
     recorded: dict[str, Any] = {"num_experts": carried["num_experts"], "top_k": carried["top_k"]}
     recorded.update(moe_layers=layers, layers=layers)
-    for name, value in recorded.items():
-        given = getattr(hints, name)
-        if given is None:
-            continue
-        given = [int(x) for x in given] if isinstance(value, list) else int(given)
-        if given != value:
-            shown = compact_ranges(value) if isinstance(value, list) else value
-            asked = compact_ranges(given) if isinstance(given, list) else given
-            raise ConfigError(
-                f"{where}: routereplay wrote this payload with {name}={shown} (its '{CARRIED_FIELD}' object) but "
-                f"{_flag(name)} says {asked}; drop {_flag(name)} (or pass {shown})"
-            )
+    told = (
+        "routereplay wrote this payload with {name}={shown} (its '" + CARRIED_FIELD + "' object) but {flag} "
+        "says {asked}; drop {flag} (or pass {shown})"
+    )
+    _refuse_contradiction(hints, recorded, where, told)
     if hints.start and hints.start != carried["start"]:
         raise ConfigError(
             f"{where}: routereplay wrote this payload with start={carried['start']} (its '{CARRIED_FIELD}' object) but "

@@ -3,7 +3,7 @@
 Files:
 - `bundle.py`       `RankBundle`: one rank's rows cut from encoded pieces, checked like a codec blob,
                     decoded in bounded chunks
-- `bundle_buffers.py` what a bundle reads and writes: its own copy of a refillable buffer, a checked
+- `buffers.py`      what a bundle reads and writes: its own copy of a refillable buffer, a checked
                     `out=` (aligned, plain, apart from the bundle's bytes)
 - `spans.py`        `bundles_for`: a layout plan (token numbers per rank) as spans of samples, cut
                     from a `RouteStore` without decoding

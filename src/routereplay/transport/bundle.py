@@ -35,7 +35,7 @@ Values are checked as they are unpacked (ranks < C(E, K), ids < E). A bundle alw
 another process, so there is no trusted constructor: raise the named limit for a trusted source.
 What was checked is what is decoded: the bundle keeps `bytes` as they are and copies any buffer the
 caller could refill (a reused bytearray) before checking it; `decode(out=)` / `to_torch(out=)` write
-only an aligned, plain output apart from those bytes (`bundle_buffers`).
+only an aligned, plain output apart from those bytes (`buffers.py`).
 
 Legend: P = rows of the rank's layout, L = layers, K = top-k, E = experts, S = spans, n = routed rows.
 """
@@ -59,7 +59,7 @@ from routereplay.codec.subsets import SubsetUnranker, binomial_table
 from routereplay.enums import CodecMode
 from routereplay.errors import ChecksumError, CodecFormatError, CodecLimitError, CodecVersionError, ConfigError
 from routereplay.trace.validation import canonical_dtype
-from routereplay.transport.bundle_buffers import checked_out, checked_out_tensor, owned_bytes
+from routereplay.transport.buffers import checked_out, checked_out_tensor, owned_bytes
 
 MAGIC = b"RRRB"
 VERSION = 1

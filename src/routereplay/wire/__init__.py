@@ -6,7 +6,7 @@ Files:
 - `sglang.py`          `decode_sglang`: `/generate` `meta_info`, OpenAI `sglext` / `sgl_ext`, raw
                        bytes of any routed-experts dtype, tensors
 - `megatron.py`        `decode_megatron`: `moe_topk_indices`, and Megatron-LM 0.20's `["ndarray", {...}]`
-- `sglang_indexer.py`  `decode_sglang_indexer`: SGLang's DSA `meta_info.indexer_topk`
+- `indexer_topk.py`    `decode_sglang_indexer`: SGLang's DSA indexer top-k, `meta_info.indexer_topk`
 - `payload.py`         the containers: strict base64, pickle-free `.npy`, raw bytes, lists, tensors
 - `base64_kernel.c`    strict base64 in C (built at install, optional): `payload.py`'s fast path
 - `assembler.py`       the shape rules every decoder ends in: row count, layer selection, top-k
@@ -16,10 +16,10 @@ Files:
 Nothing here runs a model or imports `routereplay.engines`; the engines import these decoders.
 """
 
+from routereplay.wire.indexer_topk import decode_sglang_indexer
 from routereplay.wire.limits import WireLimits
 from routereplay.wire.megatron import decode_megatron
 from routereplay.wire.sglang import decode_sglang
-from routereplay.wire.sglang_indexer import decode_sglang_indexer
 from routereplay.wire.vllm import decode_vllm
 
 __all__ = ["WireLimits", "decode_megatron", "decode_sglang", "decode_sglang_indexer", "decode_vllm"]

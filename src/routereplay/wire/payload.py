@@ -25,6 +25,7 @@ from routereplay.errors import (
     PayloadSizeError,
     PickleRefusedError,
 )
+from routereplay.trace.validation import overflow_span
 from routereplay.wire.limits import DEFAULT_LIMITS, WIRE_INT_DTYPES, WireLimits, is_int
 
 try:  # the optional C kernel of strict base64 (built at install; see setup.py)
@@ -331,14 +332,13 @@ def unwrap_ndarray(value: Any, what: str) -> np.ndarray:
             f"{what}: ndarray wrapper data is {type(body['data']).__name__}; expected nested lists [T][L][K]"
         )
     array = lists_to_array(body["data"], what)
-    if array.size:
-        info = np.iinfo(dtype)
-        low, high = int(array.min()), int(array.max())
-        if low < info.min or high > info.max:
-            raise DtypeError(
-                f"{what}: ndarray wrapper declares dtype {dtype} but holds {low if low < info.min else high}, "
-                "outside its range; the wrapper was altered in transit"
-            )
+    span = overflow_span(array, dtype)
+    if span is not None:
+        held = span[0] if span[0] < np.iinfo(dtype).min else span[1]
+        raise DtypeError(
+            f"{what}: ndarray wrapper declares dtype {dtype} but holds {held}, "
+            "outside its range; the wrapper was altered in transit"
+        )
     return array.astype(dtype, copy=False)
 
 

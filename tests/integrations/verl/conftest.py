@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integrations.verl.fsdp_case import free_port
+from tests.distributed.launch import free_port
 
 
 @pytest.fixture(scope="module")

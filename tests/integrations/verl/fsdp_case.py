@@ -16,9 +16,7 @@ K = top-k, T = tokens a model call sees.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import socket
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from torch import nn
 
 import routereplay
 from routereplay.testing import tiny_vllm_model
-from tests.runtime.models import experts_inputs
+from tests.runtime.models import experts_inputs, perturbed_routers
 
 FAMILY = "qwen3_moe_dense_first"
 MOE_LAYERS = (1, 2)
@@ -38,12 +36,6 @@ TOP_K = 2
 PROMPT_LENGTHS = (5, 3, 7, 2)
 RESPONSE_LENGTHS = (4, 6, 1, 3)
 PROMPT_WIDTH, RESPONSE_WIDTH = 8, 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -54,13 +46,7 @@ def tiny_model(seed: int = 0) -> nn.Module:
 
 def rollout_model(model: nn.Module, noise: float = 3e-2, seed: int = 1) -> nn.Module:
     """A copy whose numerics differ from the trainer's, as a rollout engine's do: routes differ."""
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in other.named_parameters():
-            if name.endswith("gate.weight"):
-                param.add_(torch.randn(param.shape, generator=generator) * noise)
-    return other.eval()
+    return perturbed_routers(model, noise=noise, seed=seed)
 
 
 def sequences(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -153,7 +139,7 @@ def verl_batch(
         tensors[ROUTES_KEY] = [compact_blob(trace) for trace in traces]
     elif traces is not None:  # BatchForm.DENSE as put_routes writes it: -1 (never 0) for no route, a token digest
         from routereplay.integrations.verl.batch import dense_routed_experts
-        from routereplay.integrations.verl.route_digest import DIGEST_KEY, route_digests
+        from routereplay.integrations.verl.digest import DIGEST_KEY, route_digests
 
         dense = dense_routed_experts(traces, attention_mask, PROMPT_WIDTH, input_ids_BS=input_ids)
         tensors["routed_experts"] = dense

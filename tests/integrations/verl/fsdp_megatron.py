@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-NUM_LAYERS, EXPERTS, TOP_K, HIDDEN = 4, 8, 2, 16
-MOE_LAYERS = (1, 2, 3)
+from tests.runtime.megatron_models import MOE_LAYERS as MOE_LAYERS  # the test reads it here
+from tests.runtime.megatron_models import E, H, K, build_block, make_config
+
+NUM_LAYERS, EXPERTS, TOP_K, HIDDEN = 4, E, K, H  # tests/runtime/megatron_models.py's block (layer 0 dense)
 
 
 @dataclass(slots=True)
@@ -37,29 +39,9 @@ class TargetCapture:
 
 
 def megatron_block() -> tuple[nn.Module, Any]:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    fields: dict[str, Any] = dict(
-        num_layers=NUM_LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=2,
-        ffn_hidden_size=32,
-        moe_ffn_hidden_size=32,
-        num_moe_experts=EXPERTS,
-        moe_router_topk=TOP_K,
-        moe_router_load_balancing_type="none",
-        moe_layer_freq=[0, 1, 1, 1],
-        use_cpu_initialization=True,
-    )
-    scope = (
-        "cuda_graph_modules" if "cuda_graph_modules" in TransformerConfig.__dataclass_fields__ else "cuda_graph_scope"
-    )
-    fields[scope] = []
-    config = TransformerConfig(**fields)
-    torch.manual_seed(0)
-    return TransformerBlock(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False, pp_rank=0)), config
+    """The dense-first block of the Megatron adapter's tests, and its config."""
+    config = make_config()
+    return build_block(config), config
 
 
 def routers(block: nn.Module) -> list[nn.Module]:

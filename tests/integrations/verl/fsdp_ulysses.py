@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed.ulysses import heads_to_seq, seq_to_heads
+from tests.distributed.ulysses import MaskFn, use_ulysses
 
 ATTENTION_NAME = "routereplay_test_verl_ulysses"
 SP_SIZE = 2
@@ -41,34 +41,16 @@ def packed_block_mask(position_ids_BS: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
-def ulysses_packed_attention(group: dist.ProcessGroup) -> Any:
-    def attention(
-        module: nn.Module,
-        query_BHsD: torch.Tensor,
-        key_BGsD: torch.Tensor,
-        value_BGsD: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+def packed_mask_of(group: dist.ProcessGroup) -> MaskFn:
+    """The mask of the global packed row, from the `position_ids` shards every rank's attention call gets."""
+
+    def mask_of(kwargs: dict[str, Any]) -> torch.Tensor:
         position_ids_Bs = kwargs["position_ids"]
         shards = [torch.empty_like(position_ids_Bs) for _ in range(dist.get_world_size(group))]
         dist.all_gather(shards, position_ids_Bs.contiguous(), group=group)
-        mask = packed_block_mask(torch.cat(shards, dim=-1))
-        query_BhSD = seq_to_heads(query_BHsD, group)
-        key_BgSD, value_BgSD = seq_to_heads(key_BGsD, group), seq_to_heads(value_BGsD, group)
-        out_BhSD = nn.functional.scaled_dot_product_attention(
-            query_BhSD,
-            key_BgSD,
-            value_BgSD,
-            attn_mask=mask,
-            scale=scaling,
-            enable_gqa=query_BhSD.shape[1] != key_BgSD.shape[1],
-        )
-        return heads_to_seq(out_BhSD, group).transpose(1, 2).contiguous(), None
+        return packed_block_mask(torch.cat(shards, dim=-1))
 
-    return attention
+    return mask_of
 
 
 def _run(engine: Any, data: Any, model: nn.Module) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -87,7 +69,6 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         import verl.utils.seqlen_balancing as balancing
         import verl.workers.engine.fsdp.transformer_impl as impl
         from torch.distributed.device_mesh import init_device_mesh
-        from transformers import AttentionInterface
         from verl.utils.ulysses import set_ulysses_sequence_parallel_group
 
         from tests.integrations.verl import fsdp_case as case
@@ -111,8 +92,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
         result["one_recorded"] = one.infer_batch(plain)["model_output"]["routed_experts"].values()
         one.routing().close_and_detach()
 
-        AttentionInterface.register(ATTENTION_NAME, ulysses_packed_attention(group))
-        model.set_attn_implementation(ATTENTION_NAME)
+        use_ulysses(model, group, ATTENTION_NAME, packed_mask_of(group))
         set_ulysses_sequence_parallel_group(group)  # what verl's engine contexts do on entry
         sp = case.build_engine(model, "R3", sp_size=SP_SIZE, sp_group=group)
         sp.ulysses_device_mesh = mesh

@@ -18,7 +18,6 @@ Legend: N tokens of a sample, T = N - 1 rows, A = all hidden layers (3), L = MoE
 from __future__ import annotations
 
 import asyncio
-import copy
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +29,7 @@ from torch import nn
 import routereplay
 from routereplay.integrations.verl import RolloutRoutes, RouteGeometry, put_output_routes
 from routereplay.testing.vllm_models import tiny_vllm_model, word_tokenizer
+from tests.runtime.models import perturbed_routers
 
 FAMILY = "qwen3_moe_dense_first"
 PROMPT_LENGTH, RESPONSE_LENGTH = 8, 12  # verl's rollout.prompt_length / response_length
@@ -41,13 +41,7 @@ def tiny_model(seed: int = 0) -> nn.Module:
 
 def updated(model: nn.Module, noise: float = 0.5, seed: int = 7) -> nn.Module:
     """The policy after a weight update: routers perturbed enough to route differently."""
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in other.named_parameters():
-            if name.endswith("gate.weight"):
-                param.add_(torch.randn(param.shape, generator=generator) * noise)
-    return other.eval()
+    return perturbed_routers(model, noise=noise, seed=seed)
 
 
 def engine_routes(model: nn.Module, token_ids: list[int]) -> np.ndarray:

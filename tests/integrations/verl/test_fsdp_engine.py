@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.launch import free_port
 from tests.integrations.verl import fsdp_case as case
 
 pytestmark = pytest.mark.verl
@@ -234,7 +235,7 @@ def test_ulysses_sp_two_ranks_replay_and_record_like_one_rank(tmp_path: object, 
     from routereplay import layout
     from tests.integrations.verl import fsdp_ulysses
 
-    mp.spawn(fsdp_ulysses.rank_main, args=(case.free_port(), str(tmp_path)), nprocs=fsdp_ulysses.SP_SIZE, join=True)
+    mp.spawn(fsdp_ulysses.rank_main, args=(free_port(), str(tmp_path)), nprocs=fsdp_ulysses.SP_SIZE, join=True)
     ranks = [torch.load(f"{tmp_path}/rank{r}.pt") for r in range(fsdp_ulysses.SP_SIZE)]
     cu = ranks[0]["cu_seqlens"]
     used = torch.ones(int(cu[-1]), dtype=torch.bool)

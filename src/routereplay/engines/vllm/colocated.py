@@ -1,6 +1,6 @@
 """A real vLLM running inside the trainer's process: rollouts with routes, and weight sync every step.
 
-`VLLMEngine(model, tokenizer)` has the built-in engine's interface (`engines/hf.HFEngine`), so an RL
+`VLLMEngine(model, tokenizer)` has the built-in engine's interface (`engines.hf.HFEngine`), so an RL
 loop can swap one for the other:
 - `generate(prompts, params) -> list[Rollout]`: token ids, vLLM's own log-prob of every sampled
   token (under the sampling distribution: `logprobs_mode="processed_logprobs"`, as HFEngine), and a
@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from routereplay.engines.hf import Rollout, SamplingParams, check_prompts, checked_params, checked_prefix_routes
+from routereplay.engines.hf.engine import Rollout, SamplingParams, check_prompts, checked_params, checked_prefix_routes
 from routereplay.engines.vllm.checkpoint import CheckpointLayout, check_servable, write_checkpoint
 from routereplay.engines.vllm.cpu_kernels import CpuKernels, choose
 from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, check_forced, encode_forced

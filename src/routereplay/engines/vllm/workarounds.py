@@ -43,15 +43,22 @@ def in_process() -> Iterator[None]:
 
     Restored so that vLLM servers started later from this process (their environment is a copy of
     this one) keep vLLM's default."""
-    saved = os.environ.get(IN_PROCESS_ENV)
-    os.environ[IN_PROCESS_ENV] = "0"
+    with environment_variable(IN_PROCESS_ENV, "0"):
+        yield
+
+
+@contextmanager
+def environment_variable(name: str, value: str) -> Iterator[None]:
+    """`os.environ[name] = value` for the block, then as before (unset again if it was unset)."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop(IN_PROCESS_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[IN_PROCESS_ENV] = saved
+            os.environ[name] = saved
 
 
 @contextmanager
@@ -159,17 +166,13 @@ def quiet_vllm_logs(verbose: bool = False) -> Iterator[None]:
         yield
         return
     logger = logging.getLogger(VLLM_LOGGER)
-    saved_level, saved_env = logger.level, os.environ.get(LOG_LEVEL_ENV)
-    os.environ[LOG_LEVEL_ENV] = level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        if saved_env is None:
-            os.environ.pop(LOG_LEVEL_ENV, None)
-        else:
-            os.environ[LOG_LEVEL_ENV] = saved_env
-        logger.setLevel(saved_level)
+    saved_level = logger.level
+    with environment_variable(LOG_LEVEL_ENV, level):
+        logger.setLevel(level)
+        try:
+            yield
+        finally:
+            logger.setLevel(saved_level)
 
 
 def shutdown_in_process(llm: object) -> None:
@@ -228,6 +231,7 @@ __all__ = [
     "RELOAD_LAYER_FAILED",
     "RELOAD_UNLOADED",
     "VLLM_LOGGER",
+    "environment_variable",
     "file_stdout",
     "forget_cpu_moe_kernels",
     "in_process",

@@ -13,18 +13,24 @@ by token position in a `RouteStore` (provenance kept, duplicated prefixes refuse
 verl's batch as compact per-sample blobs (default) or as verl's own `routed_experts` with -1.
 
 Files:
-- `rollout.py`      `RouteGeometry` (MoE layers of the model, from its HF config), `RolloutRoutes` (decode
-                    vLLM / SGLang routes per engine call, `add_call` / `add_tokens` into a `RouteStore`)
-- `batch.py`        routes on verl's batch: `compact_blob` / `compact_routes` / `put_output_routes` (the
-                    non-tensor column `ROUTES_KEY`, via `AgentLoopOutput.extra_fields`), `padded_routes` /
-                    `dense_routed_experts` (verl's `routed_experts`, -1 for no route), `jagged_routed_experts`,
-                    `routes_for_batch` (either form back for a micro-batch), `put_routes`
-- `micro_batch.py`  the trainer side: a micro-batch's routes in the layout verl's FSDP engine feeds the model
-- `fsdp_engine.py`  verl's FSDP/FSDP2 engine with routereplay R2 / R3 (R2 with rollout routes refused)
-- `route_checks.py` what that engine checks of digest-less `routed_experts`: R3's opt-out
-                    (`ROUTEREPLAY_VERL_UNCHECKED_ROUTES`), R2's token -> routes digests of what it recorded
-- `registration.py` the engine in verl's `EngineRegistry` whenever verl's engines load (`external_lib`, or an
-                    import hook when `VERL_USE_EXTERNAL_MODULES` / any process imports it before `verl.workers`)
+- `rollout.py`         `RouteGeometry` (MoE layers of the model, from its HF config), `RolloutRoutes` (decode
+                       vLLM / SGLang routes per engine call, `add_call` / `add_tokens` into a `RouteStore`)
+- `batch.py`           routes on verl's batch: `compact_blob` / `compact_routes` / `put_output_routes` (the
+                       non-tensor column `ROUTES_KEY`, via `AgentLoopOutput.extra_fields`), `padded_routes` /
+                       `dense_routed_experts` (verl's `routed_experts`, -1 for no route), `jagged_routed_experts`,
+                       `routes_for_batch` (either form back for a micro-batch), `put_routes`
+- `fields.py`          the batch fields those readers touch (`input_ids`, `attention_mask`, `prompts`, the
+                       compact column), each checked before use (`BatchFieldError`)
+- `dense_routes.py`    traces -> verl's dense `routed_experts` layouts, -1 (never 0) where nothing was routed
+- `routed_experts.py`  verl's dense `routed_experts` read back for replay: token-checked, zero padding made -1
+- `digest.py`          the per-sample digest (`DIGEST_KEY`) that ties dense `routed_experts` to the token ids
+- `micro_batch.py`     the trainer side: a micro-batch's routes in the layout verl's FSDP engine feeds the model
+- `fsdp_engine.py`     verl's FSDP/FSDP2 engine with routereplay R2 / R3 (R2 with rollout routes refused)
+- `route_checks.py`    what that engine checks of digest-less `routed_experts`: R3's opt-out
+                       (`ROUTEREPLAY_VERL_UNCHECKED_ROUTES`), R2's token -> routes digests of what it recorded
+- `registration.py`    the engine in verl's `EngineRegistry` whenever verl's engines load (`external_lib`, or
+                       an import hook when `VERL_USE_EXTERNAL_MODULES` / any process imports it before
+                       `verl.workers`)
 
 Importing this package imports no verl: `rollout` / `batch` take verl's objects (`DataProto`, `TensorDict`,
 `AgentLoopOutput`) duck-typed, and `fsdp_engine` imports verl inside the functions that need it (it is not

@@ -12,14 +12,14 @@ Two forms, both in verl's own containers, so verl's padding and micro-batching u
   `select_idxs`, `prepare_dynamic_batch` and `to_tensordict` (a `NonTensorStack`) index it with the rest.
 - `BatchForm.DENSE`: verl's `routed_experts` key and padded layout, int16, -1 (never 0) where nothing was
   routed (`dense_routes.py`), plus a per-sample digest of (token ids, route rows) in
-  `non_tensor_batch[DIGEST_KEY]` (`route_digest.py`) that the reader checks. Only a trainer that reads -1 as
+  `non_tensor_batch[DIGEST_KEY]` (`digest.py`) that the reader checks. Only a trainer that reads -1 as
   "route live" may consume it (routereplay's replayer does).
 
 `routes_for_batch` turns the compact column on a (micro-)batch back into the routes its forward needs: the
 padded `(B, S, L, K)` layout of a `DataProto` / padded `TensorDict`, or the jagged one `left_right_2_no_padding`
 makes (`input_ids` nested), each sample's token ids checked against the trace's. `routed_experts_for_batch`
 (`routed_experts.py`) reads the dense form back: digest checked, verl's zero rows -1 where its masks say so.
-Every field is checked first (`batch_fields.py`), and each compact header against the model's
+Every field is checked first (`fields.py`), and each compact header against the model's
 `RouteGeometry` (or `BatchLimits`) and the batch's other samples before anything is decoded or allocated.
 
 Legend: B samples, S = P + R padded positions, P prompt width, R response width, L MoE layers (or every
@@ -36,7 +36,14 @@ import numpy as np
 from routereplay.codec.blob import decode, encode
 from routereplay.enums import CodecMode, StrEnum
 from routereplay.errors import BatchFieldError, ConfigError, TraceShapeError
-from routereplay.integrations.verl.batch_fields import (
+from routereplay.integrations.verl.dense_routes import (
+    INT16_MAX_EXPERTS,
+    dense_routed_experts,
+    jagged_routed_experts,
+    padded_routes,
+)
+from routereplay.integrations.verl.digest import DIGEST_KEY, route_digests
+from routereplay.integrations.verl.fields import (
     BatchLimits,
     checked_headers,
     checked_input_ids,
@@ -46,13 +53,6 @@ from routereplay.integrations.verl.batch_fields import (
     field,
     tensors_of,
 )
-from routereplay.integrations.verl.dense_routes import (
-    INT16_MAX_EXPERTS,
-    dense_routed_experts,
-    jagged_routed_experts,
-    padded_routes,
-)
-from routereplay.integrations.verl.route_digest import DIGEST_KEY, route_digests
 from routereplay.integrations.verl.routed_experts import VERL_ROUTES_KEY, routed_experts_for_batch
 from routereplay.trace.route_trace import RouteTrace
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from routereplay.errors import BatchFieldError, ConfigError, TokenMismatchError, TraceShapeError
-from routereplay.integrations.verl.batch_fields import (
+from routereplay.integrations.verl.fields import (
     BatchLimits,
     check_samples,
     checked_input_ids,

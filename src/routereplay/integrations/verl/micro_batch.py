@@ -35,8 +35,8 @@ from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, MissingRoutesError, RowCountError, TokenMismatchError
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import routes_for_batch
+from routereplay.integrations.verl.digest import DIGEST_KEY
 from routereplay.integrations.verl.rollout import RouteGeometry
-from routereplay.integrations.verl.route_digest import DIGEST_KEY
 from routereplay.integrations.verl.routed_experts import VERL_ROUTES_KEY, routed_experts_for_batch
 from routereplay.layout import LayerMap, Ragged, pad, ulysses_shard
 from routereplay.layout.ragged import token_starts
@@ -230,7 +230,7 @@ def routes_of(
 
 
 def has_digest(micro_batch: object) -> bool:
-    """Whether the micro-batch's dense routes carry routereplay's token digest (`route_digest.DIGEST_KEY`)."""
+    """Whether the micro-batch's dense routes carry routereplay's token digest (`digest.DIGEST_KEY`)."""
     get = getattr(micro_batch, "get", None)
     return get is not None and get(DIGEST_KEY, None) is not None
 

@@ -1,7 +1,7 @@
 """What the FSDP engine checks about verl's dense `routed_experts` when no digest travels with it.
 
 routereplay's own forms carry their proof: the compact column holds each sample's token ids, the dense
-form a per-sample digest (`route_digest.py`). Two dense tensors reach the engine without one:
+form a per-sample digest (`digest.py`). Two dense tensors reach the engine without one:
 
 - **R3, verl's own agent-loop `routed_experts`** (`enable_rollout_routing_replay=True` with verl's agent
   loop): nothing ties its rows to the tokens, so a tensor shifted by a position, cut, or moved onto
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from routereplay.errors import ConfigError, TokenMismatchError, UncheckedRoutesError
-from routereplay.integrations.verl.route_digest import DIGEST_KEY, route_digest, sample_rows
+from routereplay.integrations.verl.digest import DIGEST_KEY, route_digest, sample_rows
 
 UNCHECKED_ENV = "ROUTEREPLAY_VERL_UNCHECKED_ROUTES"
 # verl's command line (hydra); quoted, as Ray takes only string env_vars (an unquoted 1 is an int: TypeError)

@@ -3,7 +3,7 @@
 Three writers fill `batch["routed_experts"]`, and a reader must know which:
 
 - routereplay's `put_routes(..., form="dense")`: -1 where nothing was routed, and a per-sample digest of
-  (token ids, route rows) in `non_tensor_batch[DIGEST_KEY]` (`route_digest.py`), checked here: routes shifted,
+  (token ids, route rows) in `non_tensor_batch[DIGEST_KEY]` (`digest.py`), checked here: routes shifted,
   cut or reordered apart from the tokens raise `TokenMismatchError`.
 - verl's own agent loop (R3 with `enable_rollout_routing_replay`): ZEROS where nothing was routed
   (`agent_loop.py` l.783-809 fills `[P - len(prompt), P - len(prompt) + rows)` with the last engine call's
@@ -33,14 +33,14 @@ from routereplay.errors import (
     DenseLayerRouteError,
     UncheckedRoutesError,
 )
-from routereplay.integrations.verl.batch_fields import (
+from routereplay.integrations.verl.digest import DIGEST_KEY, check_route_digests, sample_rows
+from routereplay.integrations.verl.fields import (
     checked_input_ids,
     checked_mask,
     checked_prompt_width,
     field,
     tensors_of,
 )
-from routereplay.integrations.verl.route_digest import DIGEST_KEY, check_route_digests, sample_rows
 
 if TYPE_CHECKING:
     import torch
