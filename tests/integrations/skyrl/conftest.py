@@ -44,7 +44,7 @@ def world() -> None:
     pytest.importorskip("skyrl")
     import torch.distributed as dist
 
-    from tests.integrations.verl.fsdp_case import free_port
+    from tests.distributed.launch import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tests.integrations.verl.fsdp_case import MOE_LAYERS, TOP_K, free_port, sorted_rows, tiny_model
+from tests.distributed.launch import free_port
+from tests.integrations.verl.fsdp_case import MOE_LAYERS, TOP_K, sorted_rows, tiny_model
 from tests.runtime.models import experts_inputs
 
 NUM_LAYERS = 3

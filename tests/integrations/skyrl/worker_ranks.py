@@ -7,9 +7,10 @@ must serve it (a sample is found by its tokens wherever it was recorded).
 
 Ulysses SP: SkyRL's `HFModelWrapper` pads and slices the packed row (`ulysses_pad_and_slice_inputs`) and gathers
 the log-probs (`gather_outputs_and_unpad`) over SkyRL's SP group on gloo. Its attention patch needs flash-attn
-(no CPU build), so each rank registers the CPU stand-in of the verl tests (`fsdp_ulysses.ulysses_packed_attention`:
-all-to-all to all positions of this rank's heads, block-causal by the gathered position_ids, and back). Each rank
-runs the whole batch packed without SP first (one rank's work), then with SP 2: R3 dispatch and R2 recording.
+(no CPU build), so each rank registers the tests' CPU stand-in (`tests/distributed/ulysses.py`, masked by
+`fsdp_ulysses.packed_mask_of`: all-to-all to all positions of this rank's heads, block-causal by the gathered
+position_ids, and back). Each rank runs the whole batch packed without SP first (one rank's work), then with
+SP 2: R3 dispatch and R2 recording.
 
 Results go to `rank{r}.pt` for the test (`test_policy_worker_ranks.py`). Legend: N = attended tokens, K = top-k.
 """
@@ -71,10 +72,10 @@ def data_parallel(rank: int, result: dict[str, Any]) -> None:
 def sequence_parallel(rank: int, result: dict[str, Any]) -> None:
     from skyrl.backends.skyrl_train.distributed.ulysses.utils import set_ulysses_sequence_parallel_group
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AttentionInterface
 
+    from tests.distributed.ulysses import use_ulysses
     from tests.integrations.skyrl import worker_case as case
-    from tests.integrations.verl.fsdp_ulysses import ATTENTION_NAME, ulysses_packed_attention
+    from tests.integrations.verl.fsdp_ulysses import ATTENTION_NAME, packed_mask_of
 
     seqs = case.sequences()
     routes = case.random_routes(seqs)
@@ -95,8 +96,7 @@ def sequence_parallel(rank: int, result: dict[str, Any]) -> None:
         one.routing().detach()
 
         group = init_device_mesh("cpu", mesh_shape=(1, WORLD), mesh_dim_names=["dp", "sp"])["sp"].get_group()
-        AttentionInterface.register(ATTENTION_NAME, ulysses_packed_attention(group))
-        model.set_attn_implementation(ATTENTION_NAME)
+        use_ulysses(model, group, ATTENTION_NAME, packed_mask_of(group))
         set_ulysses_sequence_parallel_group(group)  # what SkyRL's _seq_parallel_monkey_patch sets
         sp = case.build_worker(model, case.trainer_config(micro_batch_size=len(seqs), r3=False), remove_padding=True,
                                sp_size=WORLD, world_size=WORLD, rank=rank)  # fmt: skip
