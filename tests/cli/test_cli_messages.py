@@ -43,6 +43,12 @@ def test_choice_and_index_advice_names_index(capsys: pytest.CaptureFixture[str])
     assert error.count("--index") == 2 and "--index 1 picks a choice" in error
 
 
+def test_an_index_out_of_range_names_index(capsys: pytest.CaptureFixture[str]) -> None:
+    """`convert m_vllm.json o.rrt --index 5` said `choices index 5 is out of range` without naming --index."""
+    error = _verdict(["inspect", str(MOONLIGHT), "--num-experts", "64", "--index", "5"], capsys)
+    assert "--index 5 (the choices index) is out of range" in error, error
+
+
 def test_layers_advice_without_a_flag_is_left_out(capsys: pytest.CaptureFixture[str]) -> None:
     """`--moe-layers` beyond the payload advised `pass layers= instead`: the CLI has no such flag."""
     error = _verdict(["inspect", str(MOONLIGHT), "--num-experts", "64", "--moe-layers", "1-30"], capsys)
@@ -92,6 +98,14 @@ def test_retries_and_timeout_advice_is_left_out(tmp_path: Path, capsys: pytest.C
         ("x failed. Check the server, or raise retries=/deadline=", "x failed. Check the server"),
         ("over max_response_bytes=5. Raise the client's max_response_bytes= if expected", "over max_response_bytes=5."),
         ("a; if MoE-only pass layers= instead; b", "a; b"),
+        (
+            "choices index 5 is out of range: the response holds 1 (indices [0])",
+            "--index 5 (the choices index) is out of range: the response holds 1 (indices [0])",
+        ),
+        (
+            "x: requests index 3 is out of range: the response holds 2",
+            "x: --index 3 (the requests index) is out of range: the response holds 2",
+        ),
     ],
 )
 def test_cli_message(library: str, cli: str) -> None:

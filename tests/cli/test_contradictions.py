@@ -115,6 +115,13 @@ def test_train_refuses_url_with_the_built_in_engine(capsys: pytest.CaptureFixtur
     _refused(["train", "--engine", "sglang"], capsys, "--engine sglang needs --url")
 
 
+def test_train_refuses_an_empty_url(capsys: pytest.CaptureFixture[str]) -> None:
+    """`train --url "" --mode R3 --steps 1` trained on the built-in engine and exited 0."""
+    for engine in ([], ["--engine", "sglang"], ["--engine", "vllm"]):
+        _refused(["train", "--url", "", "--mode", "R3", "--steps", "1", *engine], capsys, "--url '' is empty")
+    _refused(["train", "--url", " ", "--steps", "1"], capsys, "--url ' ' is empty")
+
+
 def test_train_mode_lists_its_choices_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["train", "--mode", "r3"])

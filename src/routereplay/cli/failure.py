@@ -90,12 +90,15 @@ _KEYWORD = re.compile(rf"(?<![\w.])(?<!records )(?<!with )({_KEYWORDS})=(-?\d+\b
 _NO_FLAG_ALTERNATIVE = re.compile(r",? or (?:raise|pass|set) \w+=(?:/\w+=)*(?=[\s,;.]|$)")
 _NO_FLAG_ADVICE = re.compile(r"(?<![\w.])\w+=(?=[\s,;)/.]|$)")
 _CLAUSE_BREAK = re.compile(r"(;\s+|\.\s+(?=[A-Z]))")
+# `choices index 5 is out of range` (wire.payload.pick / pick_choice): the index is what --index asked for
+_INDEX_OUT_OF_RANGE = re.compile(r"(?<![\w.-])(choices|requests|results) index (-?\d+) is out of range")
 
 
 def cli_message(text: str) -> str:
     """A library message as the CLI prints it: each Python keyword it advises becomes the flag that sets it
     (`pass start_len=0` -> `pass --start 0`, `choice=1` -> `--index 1`), and advice for a keyword no flag
     sets (`raise retries=/timeout=`, `pass layers=`) is left out rather than pointing at nothing."""
+    text = _INDEX_OUT_OF_RANGE.sub(lambda m: f"--index {m[2]} (the {m[1]} index) is out of range", text)
     text = _NAMED_FLAG.sub(lambda m: m[2] + (f" {m[1]}" if m[1] else ""), text)
     text = _KEYWORD.sub(lambda m: KEYWORD_FLAGS[m[1]] + (f" {m[2]}" if m[2] else ""), text)
     text = _NO_FLAG_ALTERNATIVE.sub("", text)

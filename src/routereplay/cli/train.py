@@ -311,6 +311,11 @@ def _check_engine(args: argparse.Namespace) -> None:
     """Refuse, before any work, an engine choice and a --url that contradict each other."""
     from routereplay.errors import ConfigError
 
+    if args.url is not None and not args.url.strip():
+        raise ConfigError(
+            f"--url {args.url!r} is empty: pass the server's URL (with --engine vllm or --engine sglang), or drop "
+            "--url for the built-in engine"
+        )
     if args.url and args.engine == "hf":
         raise ConfigError(
             f"--url {args.url} names a remote server, but --engine is hf (the default: the built-in engine in "
