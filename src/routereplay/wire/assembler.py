@@ -124,7 +124,7 @@ def assemble(
             f"{location(sequence)}: payload has top-k {top_k}, the model routes to {expect.top_k} "
             "experts per token; a fused shared expert counted as routed, or the wrong model"
         )
-    _check_rows(experts_TLK, expect, sequence)
+    check_rows(experts_TLK, expect, sequence)
     try:
         return _finish(experts_TLK, expect, source, sequence, policy_version, validate)
     except RouteValueError as exc:
@@ -165,13 +165,15 @@ def _finish(
         and experts_TLK.dtype != canonical_dtype(expect.num_experts)
         and experts_TLK.dtype.itemsize >= 4
     ):
-        _check_castable(experts_TLK, expect.num_experts, sequence, expect.start)
+        columns = layers if expect.moe_layers is not None else range(experts_TLK.shape[1])  # payload layer numbers
+        _check_castable(experts_TLK, expect.num_experts, sequence, expect.start, columns)
     segments = (Segment(expect.start, expect.start + rows, source, policy_version),) if rows else ()
     trace = RouteTrace(experts_TLK, expect.num_experts, layers, expect.start, segments)
     return trace.validate(sequence) if validate else trace
 
 
-def _check_rows(experts_TLK: np.ndarray, expect: Expectation, sequence: str | int | None) -> None:
+def check_rows(experts_TLK: np.ndarray, expect: Expectation, sequence: str | int | None) -> None:
+    """Refuse a payload whose row count is not `expect.expected_rows`, naming the likely cause."""
     expected = expect.expected_rows
     if expected is None:
         return
@@ -268,15 +270,19 @@ def _select_layers(
     return experts_TLK, tuple(range(payload_layers))
 
 
-def _check_castable(experts_TLK: np.ndarray, num_experts: int, sequence: str | int | None, start: int) -> None:
+def _check_castable(
+    experts_TLK: np.ndarray, num_experts: int, sequence: str | int | None, start: int, layers: Sequence[int]
+) -> None:
+    """Refuse ids outside [-1, E); `layers` are the payload layer numbers of `experts_TLK`'s columns (dense
+    layers dropped), so the message names the layer the bad id sits in."""
     low, high = int(experts_TLK.min()), int(experts_TLK.max())
     if low < -1 or high >= num_experts:
         bad = low if low < -1 else high
         t, l, _ = np.argwhere(experts_TLK == bad)[0]
         raise ExpertIdRangeError(
-            f"{location(sequence, row=int(t), start=start)}, payload layer {int(l)}: expert id {bad} is "
+            f"{location(sequence, row=int(t), start=start)}, payload layer {int(layers[int(l)])}: expert id {bad} is "
             f"outside [0, {num_experts}) and is not -1; check num_experts and the payload dtype"
         )
 
 
-__all__ = ["Expectation", "assemble", "raise_wrong_split"]
+__all__ = ["Expectation", "assemble", "check_rows", "raise_wrong_split"]

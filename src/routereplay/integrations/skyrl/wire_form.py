@@ -15,7 +15,9 @@ The envelope is checked before its base64 is decoded: a dtype SkyRL writes, a 3-
 `WireLimits`, the decoded size within `max_bytes` and the base64 length exactly the one that shape and
 dtype need (a truncated or padded body is refused unread). Every form then goes through `decode_vllm`
 (ids in [0, E), no duplicates, dense layers dropped by global layer number, the row count of
-`num_tokens - 1 - prompt_start`). SkyRL's narrow dtypes are widened to int32 first: SkyRL picks them from
+`num_tokens - 1 - prompt_start`). SkyRL's narrow dtypes are widened to int32 first, once the shape is
+within `WireLimits` and the row count is the expected one (an envelope's declared count before its base64 is
+decoded, unless only its data can say whether it is a duplicated prefix): SkyRL picks them from
 the call's own largest id (lossless), so they say nothing about the model's expert count, unlike a uint8
 payload that `decode_vllm` alone refuses for E > 256 (vLLM sends uint16 there). The trace then holds
 signed ids whatever dtype each call used, so a uint8 call followed by an int16 call cannot lose ids >= 256
@@ -35,6 +37,7 @@ import numpy as np
 from routereplay.errors import DtypeError, PayloadEncodingError, PayloadSizeError, TraceShapeError, location
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire import decode_vllm
+from routereplay.wire.assembler import Expectation, check_rows
 from routereplay.wire.limits import DEFAULT_LIMITS, WireLimits, is_int
 from routereplay.wire.payload import DEFAULT_MAX_BYTES, b64_to_bytes, pick_choice
 
@@ -55,8 +58,11 @@ def unpack_envelope(
     what: str = "routed_experts",
     max_bytes: int = DEFAULT_MAX_BYTES,
     limits: WireLimits = DEFAULT_LIMITS,
+    expect: Expectation | None = None,
+    sequence: str | int | None = None,
 ) -> np.ndarray:
-    """The (T, L, K) array of one `{data, shape, dtype}` envelope; dtype, shape and sizes checked first."""
+    """The (T, L, K) array of one `{data, shape, dtype}` envelope; dtype, shape and sizes checked first, and with
+    `expect` (its `num_tokens`) the declared row count too, before the base64 is decoded."""
     if not is_envelope(envelope):
         keys = sorted(map(str, envelope))[:6] if isinstance(envelope, Mapping) else type(envelope).__name__
         raise PayloadEncodingError(
@@ -82,6 +88,8 @@ def unpack_envelope(
         )
     shape = tuple(int(n) for n in shape)
     limits.check_shape(shape, what)
+    if expect is not None and not could_repeat_prefix(shape[0], expect):  # refused from the header alone
+        check_rows(np.broadcast_to(np.zeros((), dtype), shape), expect, sequence)
     size = math.prod(shape) * dtype.itemsize
     if size > max_bytes:
         raise PayloadSizeError(
@@ -109,40 +117,58 @@ def unpack_envelope(
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
-def widened(routes: Any) -> Any:
-    """A SkyRL-compacted ndarray (uint8 / int16: the narrowest for its own largest id) as int32; anything else
-    as given."""
+def could_repeat_prefix(rows: int, expect: Expectation) -> bool:
+    """Whether `rows` is the expected count, or too many in a way only the data can diagnose (a duplicated prefix:
+    `check_rows` compares the first rows); any other count is refused from the shape alone."""
+    expected = expect.expected_rows
+    extra = 0 if expected is None else rows - expected
+    return extra == 0 or (extra > 0 and 2 * extra <= rows)
+
+
+def widened(
+    routes: Any, what: str = ROUTES_FIELD, *, limits: WireLimits = DEFAULT_LIMITS, expect: Expectation | None = None,
+    sequence: str | int | None = None,
+) -> Any:  # fmt: skip
+    """A SkyRL-compacted ndarray (uint8 / int16: the narrowest for its own largest id) as int32, its shape within
+    `limits` and its row count the one `expect` needs checked on the narrow array first (the int32 copy is 4x / 2x
+    its size); anything else as given."""
     if isinstance(routes, np.ndarray) and routes.dtype.name in ENVELOPE_DTYPES[:2]:
+        limits.check_shape(routes.shape, what)
+        if expect is not None:
+            check_rows(routes, expect, sequence)
         return routes.astype(np.int32)
     return routes
 
 
 def skyrl_routes(
     value: Any, *, choice: int = 0, sequence: str | int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
-    limits: WireLimits = DEFAULT_LIMITS,
+    limits: WireLimits = DEFAULT_LIMITS, expect: Expectation | None = None,
 ) -> Any:  # fmt: skip
     """One call's routes out of SkyRL's containers: an envelope (or a response / choice holding one) as its
-    array, `InferenceEngineOutput["rollout_expert_indices"][choice]`, SkyRL's compact dtypes `widened`; any other
-    value is returned as given (vLLM's forms, which `decode_vllm` reads)."""
+    array, `InferenceEngineOutput["rollout_expert_indices"][choice]`, SkyRL's compact dtypes `widened` (shape
+    limits and, with `expect`, the row count checked before widening); any other value is returned as given
+    (vLLM's forms, which `decode_vllm` reads)."""
     where = f"{location(sequence)} {ROUTES_FIELD}" if sequence is not None else ROUTES_FIELD
+    rows_at = f"choice {choice}" if sequence is None else sequence  # decode_vllm's name for the sequence
+    checks: dict[str, Any] = {"limits": limits, "expect": expect, "sequence": rows_at}
     if is_envelope(value):
-        return widened(unpack_envelope(value, what=where, max_bytes=max_bytes, limits=limits))
+        return widened(unpack_envelope(value, what=where, max_bytes=max_bytes, **checks), where, **checks)
     if not isinstance(value, Mapping):
-        return widened(value)
+        return widened(value, where, **checks)
     if ENGINE_OUTPUT_FIELD in value:  # SkyRL's InferenceEngineOutput dict: one array per prompt
         arrays = value[ENGINE_OUTPUT_FIELD]
         if arrays is None:
             return None  # decode_vllm names the missing routes
         return skyrl_routes(
             pick_choice(arrays, choice, f"{where} ({ENGINE_OUTPUT_FIELD})"),
-            choice=choice, sequence=sequence, max_bytes=max_bytes, limits=limits,
+            choice=choice, sequence=sequence, max_bytes=max_bytes, limits=limits, expect=expect,
         )  # fmt: skip
     picked: Any = value
     if isinstance(value.get("choices"), (list, tuple)):
         picked = pick_choice(value["choices"], choice, f"{where} response")
     inner = picked.get(ROUTES_FIELD) if isinstance(picked, Mapping) else None
     if is_envelope(inner):
-        return widened(unpack_envelope(inner, what=where, max_bytes=max_bytes, limits=limits))
+        return widened(unpack_envelope(inner, what=where, max_bytes=max_bytes, **checks), where, **checks)
     return value
 
 
@@ -165,7 +191,13 @@ def decode_skyrl(
 
     `prompt_start` is the `routed_experts_prompt_start` the request carried (SkyRL's `RoutedExpertTrace.
     prompt_start` before the call); `num_tokens` is the prompt plus the generated tokens of the call."""
-    routes = skyrl_routes(value, choice=choice, sequence=sequence, max_bytes=max_bytes, limits=limits)
+    expect = Expectation(  # decode_vllm's own, built first: rows and limits are checked before any widening
+        num_experts=num_experts, moe_layers=moe_layers, num_layers=num_layers, top_k=top_k, start=prompt_start,
+        start_name="prompt_start", num_tokens=num_tokens, limits=limits,
+    )  # fmt: skip
+    routes = skyrl_routes(
+        value, choice=choice, sequence=sequence, max_bytes=max_bytes, limits=limits, expect=expect
+    )
     return decode_vllm(
         routes,
         num_experts=num_experts,
