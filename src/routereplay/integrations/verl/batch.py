@@ -45,8 +45,11 @@ from routereplay.integrations.verl.dense_routes import (
 from routereplay.integrations.verl.digest import DIGEST_KEY, route_digests
 from routereplay.integrations.verl.fields import (
     BatchLimits,
+    checked_geometry,
     checked_headers,
     checked_input_ids,
+    checked_limits,
+    checked_mask,
     checked_num_hidden_layers,
     checked_prompt_width,
     compact_blobs,
@@ -110,6 +113,7 @@ def routes_for_batch(
     `limits`) and the batch's other samples bound each blob's header before anything is decoded or allocated.
     The dense form (`routed_experts`) is read by `routed_experts_for_batch`."""
     reader = "routes_for_batch"
+    geometry, limits = checked_geometry(geometry, reader), checked_limits(limits, reader)
     tensors, non_tensor = tensors_of(batch, reader)
     column = non_tensor.get(ROUTES_KEY, None)
     if column is None:
@@ -128,7 +132,12 @@ def routes_for_batch(
         if num_hidden_layers is not None:
             raise ConfigError("num_hidden_layers lays out a padded batch's layer axis; a jagged batch keeps MoE layers")
         return jagged_routed_experts(traces, input_ids, geometry=geometry, limits=limits)
-    mask = field(tensors, "attention_mask", reader, "each sample's prompt and response lengths")
+    mask = checked_mask(
+        field(tensors, "attention_mask", reader, "each sample's prompt and response lengths"),
+        input_ids,
+        len(traces),
+        reader,
+    )
     width = int(input_ids.shape[1])
     prompt_width = checked_prompt_width(
         field(tensors, "prompts", reader, "the prompt width"), width, len(traces), reader
@@ -168,8 +177,14 @@ def put_routes(
         data.non_tensor_batch[ROUTES_KEY] = compact_routes(traces, mode=mode)
         return
     reader = "put_routes"
+    geometry = checked_geometry(geometry, reader)
     input_ids = checked_input_ids(field(data.batch, "input_ids", reader, "the tokens the routes belong to"), reader)
-    mask = field(data.batch, "attention_mask", reader, "each sample's prompt and response lengths")
+    mask = checked_mask(
+        field(data.batch, "attention_mask", reader, "each sample's prompt and response lengths"),
+        input_ids,
+        len(traces),
+        reader,
+    )
     prompts = field(data.batch, "prompts", reader, "the prompt width")
     prompt_width = checked_prompt_width(prompts, int(input_ids.shape[-1]), len(traces), reader)
     routes = dense_routed_experts(

@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from routereplay.errors import BatchFieldError, ConfigError, TokenMismatchError, TraceShapeError
+from routereplay.errors import BatchFieldError, BatchGeometryError, ConfigError, TokenMismatchError, TraceShapeError
 from routereplay.integrations.verl.fields import (
     BatchLimits,
     check_samples,
+    checked_geometry,
     checked_input_ids,
+    checked_limits,
     checked_mask,
     checked_num_hidden_layers,
     checked_prompt_length,
@@ -61,13 +63,23 @@ def padded_routes(
     tokens (a response verl truncated) are left out. `num_hidden_layers` lays the layer axis out over every
     hidden layer (dense layers' columns -1), as verl's Megatron path indexes when the axis has all layers.
     With `input_ids_S` (the sample's padded input ids) every routed row's token id is checked. The trace is
-    checked against `geometry` (or `limits`) before the output is allocated.
+    checked against `geometry` (or `limits`), and `prompt_length + response_length` against
+    `limits.max_positions`, before the output is allocated.
     """
     import torch
 
     if not isinstance(trace, RouteTrace):
         raise ConfigError(f"padded_routes takes a RouteTrace (RolloutRoutes.trace), got {type(trace).__name__}")
+    geometry = checked_geometry(geometry, "padded_routes")
+    limits = checked_limits(limits, "padded_routes")
     _check_lengths(prompt_len, response_len, prompt_length, response_length, sample)
+    if prompt_length + response_length > limits.max_positions:
+        raise BatchGeometryError(
+            f"sample {sample!r}: prompt_length={prompt_length} + response_length={response_length} make "
+            f"{prompt_length + response_length} padded positions, above BatchLimits.max_positions="
+            f"{limits.max_positions}; pass the rollout's own prompt_length / response_length (the widths of "
+            "batch['prompts'] and batch['responses']), or raise the limit if the batch really is that long"
+        )
     num_hidden_layers = checked_num_hidden_layers(num_hidden_layers, geometry)
     check_samples([trace], geometry=geometry, limits=limits, num_hidden_layers=num_hidden_layers, names=[sample])
     if trace.num_experts > INT16_MAX_EXPERTS:
@@ -120,6 +132,7 @@ def dense_routed_experts(
 
     reader = "dense_routed_experts"
     traces = _checked_traces(traces, reader)
+    geometry, limits = checked_geometry(geometry, reader), checked_limits(limits, reader)
     if input_ids_BS is not None:
         input_ids_BS = checked_input_ids(input_ids_BS, reader)
         if input_ids_BS.is_nested:
@@ -161,6 +174,7 @@ def jagged_routed_experts(
 
     reader = "jagged_routed_experts"
     traces = _checked_traces(traces, reader)
+    geometry, limits = checked_geometry(geometry, reader), checked_limits(limits, reader)
     input_ids_BJ = checked_input_ids(input_ids_BJ, reader)
     if not input_ids_BJ.is_nested or input_ids_BJ.size(0) != len(traces):
         raise TraceShapeError(

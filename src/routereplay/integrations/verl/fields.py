@@ -39,14 +39,18 @@ class BatchLimits:
     """What one sample's declared shape may make the readers allocate when no `RouteGeometry` is given.
 
     `max_route_columns` bounds L x K, the int16 entries per position (a 94-layer top-8 model has 752; the
-    default 4096 leaves room): a 62-byte blob declaring K = 32767 would otherwise size (S, L, 32767)."""
+    default 4096 leaves room): a 62-byte blob declaring K = 32767 would otherwise size (S, L, 32767).
+    `max_positions` bounds one sample's padded width, prompt_length + response_length (default 2**20, 8x a
+    128k context): `padded_routes(..., prompt_length=10**12)` would otherwise size a (10**12, L, K) tensor."""
 
     max_route_columns: int = 4096
+    max_positions: int = 1 << 20
 
     def __post_init__(self) -> None:
-        value = self.max_route_columns
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"BatchLimits.max_route_columns={value!r} must be a positive int")
+        for name in ("max_route_columns", "max_positions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"BatchLimits.{name}={value!r} must be a positive int")
 
 
 DEFAULT_LIMITS = BatchLimits()
@@ -167,7 +171,39 @@ def sample_lengths(mask_BS: torch.Tensor, prompt_width: int, reader: str) -> tup
     return prompt_BP.sum(1).tolist(), response_BR.sum(1).tolist()
 
 
+def checked_geometry(geometry: Any, reader: str) -> RouteGeometry | None:
+    """`geometry=` as given: None or a `RouteGeometry`."""
+    from routereplay.integrations.verl.rollout import RouteGeometry
+
+    if geometry is not None and not isinstance(geometry, RouteGeometry):
+        raise ConfigError(
+            f"{reader}: geometry={geometry!r} is a {type(geometry).__name__}, not a RouteGeometry; pass "
+            "RouteGeometry.from_hf_config(model.config) or None"
+        )
+    return geometry
+
+
+def checked_limits(limits: Any, reader: str) -> BatchLimits:
+    """`limits=` as given (None: the defaults), a `BatchLimits`."""
+    if limits is None:
+        return DEFAULT_LIMITS
+    if not isinstance(limits, BatchLimits):
+        raise ConfigError(
+            f"{reader}: limits={limits!r} is a {type(limits).__name__}, not a BatchLimits; pass "
+            "BatchLimits(max_route_columns=..., max_positions=...) or None"
+        )
+    return limits
+
+
+def checked_flag(value: Any, name: str, reader: str) -> bool:
+    """A keyword that switches a check off must be a real bool: `unchecked="no"` is not a yes."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{reader}: {name}={value!r} must be True or False (a {type(value).__name__} is neither)")
+    return bool(value)
+
+
 def checked_num_hidden_layers(num_hidden_layers: Any, geometry: RouteGeometry | None) -> int | None:
+    geometry = checked_geometry(geometry, "num_hidden_layers")
     if num_hidden_layers is None:
         return None
     if not isinstance(num_hidden_layers, (int, np.integer)) or isinstance(num_hidden_layers, bool):
@@ -220,7 +256,8 @@ def check_samples(
     names: list[Any] | None = None,
 ) -> None:
     """Every sample's routes (traces or headers) against the model, the limits and sample 0: `BatchGeometryError`."""
-    limits = DEFAULT_LIMITS if limits is None else limits
+    geometry = checked_geometry(geometry, "geometry")
+    limits = checked_limits(limits, "limits")
     for b, routes in enumerate(samples):
         name = b if names is None else names[b]
         layers, experts, top_k, slots = sample_shape(routes)
@@ -234,10 +271,12 @@ def check_samples(
                 f"E={geometry.num_experts}, K={geometry.top_k}, MoE layers {list(geometry.moe_layers)}: they were "
                 "captured on another model (or the header is corrupt); rebuild them with this model's RouteGeometry"
             )
-        columns = (num_hidden_layers if num_hidden_layers is not None else len(layers)) * top_k
+        laid_out = num_hidden_layers if num_hidden_layers is not None else len(layers)
+        columns = laid_out * top_k
         if geometry is None and columns > limits.max_route_columns:
+            asked = f"num_hidden_layers={num_hidden_layers}" if num_hidden_layers is not None else f"{laid_out} layers"
             raise BatchGeometryError(
-                f"sample {name!r}: routes of {len(layers)} layers x top-{top_k} make {columns} int16 entries per "
+                f"sample {name!r}: routes laid out over {asked} x top-{top_k} make {columns} int16 entries per "
                 f"position, above BatchLimits.max_route_columns={limits.max_route_columns}; pass the model's "
                 "geometry= (RouteGeometry.from_hf_config) or raise the limit if the model really is that wide"
             )
@@ -268,8 +307,11 @@ __all__ = [
     "DEFAULT_LIMITS",
     "BatchLimits",
     "check_samples",
+    "checked_flag",
+    "checked_geometry",
     "checked_headers",
     "checked_input_ids",
+    "checked_limits",
     "checked_mask",
     "checked_num_hidden_layers",
     "checked_prompt_length",

@@ -31,10 +31,13 @@ from routereplay.errors import (
     BatchFieldError,
     BatchGeometryError,
     DenseLayerRouteError,
+    ExpertIdRangeError,
     UncheckedRoutesError,
 )
 from routereplay.integrations.verl.digest import DIGEST_KEY, check_route_digests, sample_rows
 from routereplay.integrations.verl.fields import (
+    checked_flag,
+    checked_geometry,
     checked_input_ids,
     checked_mask,
     checked_prompt_width,
@@ -61,10 +64,13 @@ def routed_experts_for_batch(
     `DataProto`, jagged `(B, j, P, K)` after `left_right_2_no_padding`; -1 wherever no route is known.
 
     `unchecked=True` replays a tensor that carries no digest (verl's own rollout routes, R2's recorded ones)
-    without a token check; `recorded=True` says its rows are all real routes (R2), so no zero row is -1."""
+    without a token check; `recorded=True` says its rows are all real routes (R2), so no zero row is -1.
+    Both must be real bools. With `geometry`, every id must be an expert of the model, in [0, E), or -1."""
     import torch
 
     reader = "routed_experts_for_batch"
+    geometry = checked_geometry(geometry, reader)
+    unchecked, recorded = checked_flag(unchecked, "unchecked", reader), checked_flag(recorded, "recorded", reader)
     tensors, non_tensor = tensors_of(batch, reader)
     routes = field(tensors, VERL_ROUTES_KEY, reader, "the dense routes to replay")
     input_ids = checked_input_ids(field(tensors, "input_ids", reader, "the tokens the routes belong to"), reader)
@@ -87,6 +93,7 @@ def routed_experts_for_batch(
         )
     rows = list(sample_rows(routes, input_ids, mask_BS))  # one route row per token, per sample, or RowCountError
     _check_geometry(routes, geometry, reader)
+    _check_expert_ids(routes, geometry, reader)
 
     digests = non_tensor.get(DIGEST_KEY, None)
     if digests is not None:
@@ -118,6 +125,32 @@ def _check_geometry(routes: torch.Tensor, geometry: RouteGeometry | None, reader
             f"{geometry.num_layers} layers ({len(geometry.moe_layers)} MoE) of top-{geometry.top_k}: the routes "
             "were captured on another model"
         )
+
+
+def _check_expert_ids(routes: torch.Tensor, geometry: RouteGeometry | None, reader: str) -> None:
+    """With the model's geometry, every entry is an expert id in [0, E) or -1 (no route): `ExpertIdRangeError`."""
+    import torch
+
+    if geometry is None:
+        return
+    values = routes.values() if routes.is_nested else routes
+    bad = (values < -1) | (values >= geometry.num_experts)
+    if not bool(bad.any()):
+        return
+    at = [int(i) for i in bad.nonzero()[0]]
+    if routes.is_nested:  # (N, P, K) values: the sample from the offsets, the position within it
+        cu = routes.offsets().to("cpu", torch.int64)  # type: ignore[attr-defined]
+        b = int(torch.searchsorted(cu, at[0], right=True)) - 1
+        where = [b, at[0] - int(cu[b]), *at[1:]]
+    else:
+        where = at
+    b, s, layer, slot = where
+    raise ExpertIdRangeError(
+        f"{reader}: sample {b}, position {s}, layer column {layer}, slot {slot}: expert id "
+        f"{int(values[tuple(at)])} is not an expert of the model (E={geometry.num_experts}: ids in "
+        f"[0, {geometry.num_experts}), -1 for no route); {int(bad.sum())} entries are out of range: the routes "
+        "were captured on another model or the tensor is corrupt"
+    )
 
 
 def _clear_dense_columns(
