@@ -127,7 +127,7 @@ def test_the_acceptance_case_of_ids_30000_on_an_8_expert_model() -> None:
 
 def test_the_route_columns_message_names_num_hidden_layers_as_asked() -> None:
     """It said `routes of 2 layers x top-2 make 2000...0 int16 entries`: the trace's 2 layers, not the flag's."""
-    with pytest.raises(BatchGeometryError, match=r"laid out over num_hidden_layers=10{30} x top-2 make 2(0){30} "):
+    with pytest.raises(BatchGeometryError, match=r"routes of num_hidden_layers=10{30} x top-2 make 2(0){30} "):
         routes_for_batch(_good(), num_hidden_layers=10**30)
 
 

@@ -276,7 +276,7 @@ def check_samples(
         if geometry is None and columns > limits.max_route_columns:
             asked = f"num_hidden_layers={num_hidden_layers}" if num_hidden_layers is not None else f"{laid_out} layers"
             raise BatchGeometryError(
-                f"sample {name!r}: routes laid out over {asked} x top-{top_k} make {columns} int16 entries per "
+                f"sample {name!r}: routes of {asked} x top-{top_k} make {columns} int16 entries per "
                 f"position, above BatchLimits.max_route_columns={limits.max_route_columns}; pass the model's "
                 "geometry= (RouteGeometry.from_hf_config) or raise the limit if the model really is that wide"
             )
