@@ -16,10 +16,12 @@ Trainer side:
 - `policy_worker.py`   SkyRL's `FSDPPolicyWorkerBase` with R3 / R2 (`policy_worker_class`, `install` behind
                        SkyRL's `fsdp_worker.PolicyWorker`); R3 by SkyRL's own key
                        `trainer.policy.megatron_config.moe_enable_routing_replay`, R2 by
-                       `ROUTEREPLAY_SKYRL_ROUTER_REPLAY=R2` in the workers' environment
+                       `ROUTEREPLAY_SKYRL_ROUTER_REPLAY=R2` in the workers' environment (`entrypoint.runtime_env`)
 - `micro_batch.py`     `ModelInputLayout`: routes and token ids laid out as SkyRL's `HFModelWrapper` feeds the model
                        (packed `remove_microbatch_padding`, padded, Ulysses SP), its input ids checked
 - `recorded_routes.py` R2's recordings, found again by each sample's tokens, shared over SkyRL's dp group
+- `entrypoint.py`      `python -m routereplay.integrations.skyrl.entrypoint`: SkyRL's `main_base` with its config
+                       check relaxed only for FSDP R3 (`validate`), the R2 switch in the Ray runtime env, `install`
 
 Importing this package imports no SkyRL: SkyRL is imported inside the functions that need it.
 Tests: `make test-skyrl` (SkyRL 0.4.0 in its own .venv-skyrl: it pins transformers<=5.16.1, hydra-core==1.3.4).

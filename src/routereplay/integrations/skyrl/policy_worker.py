@@ -25,8 +25,9 @@ the final sampled token, a synthetic EOS, tool tokens no later turn evaluated, S
 -1: the live router picks it, counted in `Replayer.stats.fallback_rows`; SkyRL's Megatron path forces dummy
 experts 0..K-1 there instead and masks them out of router accounting only.
 
-Turning it on: in the Ray task that builds the trainer (your entrypoint's `skyrl_entrypoint`, before
-`BasePPOExp(cfg).run()`), call `install()`: SkyRL's `main_base` then builds `PolicyWorker` from this class.
+Turning it on: `python -m routereplay.integrations.skyrl.entrypoint` (`entrypoint.py`: SkyRL's config check,
+relaxed for FSDP R3, and `install(cfg)` in the trainer's Ray task); in an entrypoint of your own, call
+`entrypoint.validate(cfg)` in the driver and `install(cfg)` in the Ray task before `BasePPOExp(cfg).run()`.
 Nothing here imports SkyRL until `policy_worker_class()` / `install()` run. Legend: B = sequences, S = padded
 positions, M = MoE layers, K = top-k.
 """
@@ -286,10 +287,14 @@ def policy_worker_class() -> type:
     return cls
 
 
-def install() -> type:
+def install(cfg: Any = None) -> type:
     """Make SkyRL's FSDP entrypoint build this worker: rebinds `PolicyWorker` in SkyRL's `fsdp_worker` module
     (which `main_base._setup_trainer` imports when it builds the models) to the Ray actor of this class, with
-    SkyRL's own actor options. Call it in the process that builds the trainer; idempotent. Returns the class."""
+    SkyRL's own actor options. Call it in the process that builds the trainer; idempotent. Returns the class.
+
+    `MODE_ENV` is checked here (and against `cfg`'s `MEGATRON_KEY` when SkyRL's config is passed), not first at
+    the workers' first forward; `entrypoint.validate` checks it in the driver too."""
+    replay_mode(getattr(cfg, "trainer", cfg))
     import ray
     from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
 

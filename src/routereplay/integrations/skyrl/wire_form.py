@@ -195,9 +195,7 @@ def decode_skyrl(
         num_experts=num_experts, moe_layers=moe_layers, num_layers=num_layers, top_k=top_k, start=prompt_start,
         start_name="prompt_start", num_tokens=num_tokens, limits=limits,
     )  # fmt: skip
-    routes = skyrl_routes(
-        value, choice=choice, sequence=sequence, max_bytes=max_bytes, limits=limits, expect=expect
-    )
+    routes = skyrl_routes(value, choice=choice, sequence=sequence, max_bytes=max_bytes, limits=limits, expect=expect)
     return decode_vllm(
         routes,
         num_experts=num_experts,

@@ -1,0 +1,107 @@
+"""SkyRL 0.4.0's training entrypoint with routereplay's FSDP policy worker, in place of SkyRL's `main_base`:
+`python -m routereplay.integrations.skyrl.entrypoint <SkyRL's overrides>`.
+
+SkyRL's `main_base.main()` checks the config in the driver (`validate_cfg`) before its Ray task builds the
+trainer, and `validate_inference_engine_cfg` asserts, for `generator.inference_engine.enable_return_routed_experts
+=true`: the vLLM `mp` executor backend ("r3 can hang with the ray backend"), `trainer.strategy=megatron` ("only
+supported with Megatron training backend") and `moe_enable_routing_replay=true`. Calling `install()` in the Ray
+task comes too late for the second assertion. This module keeps SkyRL's checks and drops only that one, for the
+FSDP strategy, where routereplay's worker replays the routes:
+
+- `validate(cfg)`: SkyRL's `validate_cfg` unchanged for every config but FSDP + rollout routes; for that one, the
+  `mp` backend and `moe_enable_routing_replay=true` are required (ConfigError, SkyRL's reasons), `validate_cfg`
+  runs with the routes flag off, and the one other check the flag gates in `validate_cfg` (no
+  `merge_stepwise_output`) is made here. SkyRL's files are not edited;
+- `runtime_env()`: `ROUTEREPLAY_SKYRL_ROUTER_REPLAY` for the Ray task (SkyRL's `prepare_runtime_environment`
+  forwards only variables it names, and `SKYRL_*`); actors the task creates (SkyRL's workers) inherit it;
+- `run_trainer(cfg)`: the Ray task, SkyRL's `skyrl_entrypoint` with `install(cfg)` before `BasePPOExp(cfg).run()`;
+- `main(argv)`: parse with `SkyRLTrainConfig.from_cli_overrides`, `validate`, SkyRL's `initialize_ray`, run the task.
+
+Nothing here imports SkyRL or Ray until a function runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from routereplay.errors import ConfigError
+from routereplay.integrations.skyrl.policy_worker import MEGATRON_KEY, MODE_ENV, install, replay_mode
+
+FSDP_STRATEGIES = ("fsdp", "fsdp2")  # validate_cfg renames fsdp2 to fsdp
+ROUTES_KEY = "generator.inference_engine.enable_return_routed_experts"
+BACKEND_KEY = "generator.inference_engine.distributed_executor_backend"
+
+
+def replays_on_fsdp(cfg: Any) -> bool:
+    """Whether `cfg` asks for rollout routes on an FSDP trainer: the config only routereplay's worker can run."""
+    return cfg.trainer.strategy in FSDP_STRATEGIES and bool(cfg.generator.inference_engine.enable_return_routed_experts)
+
+
+def validate(cfg: Any) -> None:
+    """SkyRL's `validate_cfg(cfg)` (which may update `cfg`, as SkyRL's does), relaxing only its Megatron-only R3
+    assertion for the FSDP strategy; the worker's mode (`MODE_ENV` against `MEGATRON_KEY`) is checked too."""
+    from skyrl.train.utils.utils import validate_cfg
+
+    replay_mode(cfg.trainer)  # a bad ROUTEREPLAY_SKYRL_ROUTER_REPLAY, or R2 with the R3 key, refused in the driver
+    if not replays_on_fsdp(cfg):
+        validate_cfg(cfg)
+        return
+    engine = cfg.generator.inference_engine
+    if engine.distributed_executor_backend != "mp":
+        raise ConfigError(
+            f"{ROUTES_KEY}=true with {BACKEND_KEY}={engine.distributed_executor_backend}: SkyRL refuses rollout routes "
+            f"on vLLM's ray executor backend (it can hang); set {BACKEND_KEY}=mp"
+        )
+    if not cfg.trainer.policy.megatron_config.moe_enable_routing_replay:
+        raise ConfigError(
+            f"{ROUTES_KEY}=true but {MEGATRON_KEY}=false: nothing would consume the rollout's routes (SkyRL's "
+            f"condition too). Set {MEGATRON_KEY}=true for R3, or {ROUTES_KEY}=false"
+        )
+    if cfg.generator.merge_stepwise_output:  # validate_cfg's other check behind the routes flag
+        raise ConfigError(
+            f"{ROUTES_KEY}=true with generator.merge_stepwise_output=true: SkyRL's prefix-aware merging does not "
+            "merge routed experts; set generator.merge_stepwise_output=false"
+        )
+    engine.enable_return_routed_experts = False  # skips exactly the R3 block of validate_inference_engine_cfg
+    try:
+        validate_cfg(cfg)
+    finally:
+        engine.enable_return_routed_experts = True
+
+
+def runtime_env() -> dict[str, Any]:
+    """The Ray runtime env that carries `MODE_ENV` to the trainer task and the workers it creates (empty when
+    unset); pass it as `skyrl_entrypoint.options(runtime_env=runtime_env())` in an entrypoint of your own."""
+    value = os.environ.get(MODE_ENV)
+    return {"env_vars": {MODE_ENV: value}} if value else {}
+
+
+def run_trainer(cfg: Any) -> None:
+    """The trainer task: routereplay's worker installed in this process, then SkyRL's `BasePPOExp(cfg).run()`."""
+    from skyrl.train.entrypoints.main_base import BasePPOExp
+
+    install(cfg)
+    BasePPOExp(cfg).run()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """SkyRL's `main_base.main()` with `validate` for its config check and `run_trainer` for its task."""
+    import ray
+    from skyrl.train.config.config import SkyRLTrainConfig
+    from skyrl.train.utils.utils import initialize_ray
+
+    cfg = SkyRLTrainConfig.from_cli_overrides(list(sys.argv[1:] if argv is None else argv))
+    validate(cfg)
+    initialize_ray(cfg)
+    task = ray.remote(num_cpus=1)(run_trainer)
+    ray.get(task.options(runtime_env=runtime_env()).remote(cfg))
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["main", "replays_on_fsdp", "run_trainer", "runtime_env", "validate"]
