@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from routereplay.errors import ConfigError, TraceShapeError
+from routereplay.errors import ConfigError, LogProbValueError, TraceShapeError
 from routereplay.metrics import logprob_mismatch, routing_agreement
 
 
@@ -86,7 +86,7 @@ def test_chi2_is_never_negative_where_the_sampled_ratios_average_below_one() -> 
     rng = torch.Generator().manual_seed(0)
     for _ in range(200):  # small random samples of near-equal log-probs: never below 0
         d = torch.randn(7, generator=rng, dtype=torch.float64) * 1e-3
-        assert logprob_mismatch(d, torch.zeros(7, dtype=torch.float64))["chi2"] >= 0
+        assert logprob_mismatch(infer[0] + d, infer[0].expand(7))["chi2"] >= 0
 
 
 def test_numpy_inputs_give_the_tensor_results() -> None:
@@ -118,3 +118,28 @@ def test_inputs_that_are_not_arrays_are_a_config_error(bad: object) -> None:
         logprob_mismatch(torch.zeros(3), torch.zeros(3), [True, True, True])  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="tau=.* must be > 1"):
         logprob_mismatch(torch.zeros(3), torch.zeros(3), tau="2")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 0.5])
+@pytest.mark.parametrize("side", ["logp_train", "logp_infer"])
+def test_a_counted_logprob_that_no_distribution_gives_is_refused(side: str, bad: float) -> None:
+    """`logprob_mismatch(tensor([nan]), tensor([0.]))` returned k3_kl=nan silently; a log-prob > 0 was accepted."""
+    good = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.1, 0.3, 0.7]]))
+    broken = good.clone()
+    broken[1, 2] = bad
+    args = (broken, good) if side == "logp_train" else (good, broken)
+    with pytest.raises(LogProbValueError, match=rf"^{side}\[1, 2\] = .* (is not finite|is above 0)"):
+        logprob_mismatch(*args)
+    with pytest.raises(LogProbValueError, match=r"^logp_train\[0\] = nan is not finite"):
+        logprob_mismatch(torch.tensor([float("nan")]), torch.tensor([0.0]))
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False  # a masked-out position may hold anything (padding)
+    assert logprob_mismatch(*args, mask) == logprob_mismatch(good, good.clone(), mask)
+    assert math.isfinite(logprob_mismatch(*args, mask)["k3_kl"])
+
+
+def test_logprob_rounding_above_zero_is_tolerated() -> None:
+    """log(1) computed in float may land a hair above 0: within LOGPROB_TOLERANCE it is a log-prob."""
+    assert logprob_mismatch(torch.tensor([5e-7, -1.0]), torch.tensor([0.0, -1.0]))["tokens"] == 2
+    with pytest.raises(LogProbValueError, match=r"logp_infer\[1\] = 0.001 is above 0"):
+        logprob_mismatch(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 1e-3]))

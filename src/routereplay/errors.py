@@ -426,3 +426,8 @@ class CheckpointError(ConfigError):
     """A model checkpoint folder cannot be loaded: truncated or corrupt weights (an interrupted copy or save), or a
     config transformers does not know. The message names the folder and, for the demo model's cache, the folder to
     delete so that the model is trained again."""
+
+
+class LogProbValueError(RouteReplayError, ValueError):
+    """A log-prob that no distribution gives: NaN, infinite, or above 0 (a probability above 1), at a position the
+    mask counts. The message names the argument, the position and the value."""

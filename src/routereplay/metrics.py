@@ -20,7 +20,10 @@ Rows where either side is -1 (no route) are left out and counted in `unrouted_ro
 
 Pure functions on tensors; they return plain dicts of floats (lists for per-layer values). Every input
 (routes, log-probs, mask) is a torch tensor or a numpy array (read as the same numbers; a numpy array is
-copied, never written); anything else is a `ConfigError` naming the argument.
+copied, never written); anything else is a `ConfigError` naming the argument. A counted log-prob must be
+finite and <= 0 (up to `LOGPROB_TOLERANCE`): NaN, inf or a probability above 1 would turn every measure into nan
+or a wrong number, so it is a `LogProbValueError` naming the position; positions the mask leaves out may hold
+anything (verl's and the trainers' padding).
 Legend: N = tokens (any leading shape, flattened), L = layers, K = top-k.
 """
 
@@ -32,7 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from routereplay.errors import ConfigError, TraceShapeError
+from routereplay.errors import ConfigError, LogProbValueError, TraceShapeError
+
+LOGPROB_TOLERANCE = 1e-6  # a counted log-prob may exceed 0 by this much (float rounding of log(1))
 
 
 def routing_agreement(
@@ -90,6 +95,8 @@ def logprob_mismatch(
     if isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating)) or not tau > 1:
         raise ConfigError(f"tau={tau} must be > 1 (F(tau) counts tokens whose probability ratio exceeds tau)")
     token_N = _mask(mask, logp_train.shape, logp_train.numel())
+    _check_logprobs(logp_train, token_N, "logp_train")
+    _check_logprobs(logp_infer, token_N, "logp_infer")
     train_N = logp_train.reshape(-1).double()[token_N]
     infer_N = logp_infer.reshape(-1).double()[token_N]
     tokens = int(train_N.numel())
@@ -120,6 +127,23 @@ def _tensor(value: object, name: str, what: str) -> torch.Tensor:
     raise ConfigError(f"{name} must be a torch tensor or a numeric numpy array of {what}, got {kind}")
 
 
+def _check_logprobs(logp: torch.Tensor, token_N: torch.Tensor, name: str) -> None:
+    """Every counted log-prob finite and <= LOGPROB_TOLERANCE: `LogProbValueError` naming the first that is not."""
+    logp_N = logp.detach().reshape(-1).double().cpu()
+    bad_N = token_N & (~torch.isfinite(logp_N) | (logp_N > LOGPROB_TOLERANCE))
+    if not bool(bad_N.any()):
+        return
+    first = int(bad_N.nonzero()[0, 0])
+    position = tuple(int(i) for i in np.unravel_index(first, tuple(logp.shape))) if logp.dim() else ()
+    value = float(logp_N[first])
+    why = "is not finite" if not math.isfinite(value) else f"is above 0 (a probability of {math.exp(value):.6g} > 1)"
+    raise LogProbValueError(
+        f"{name}{list(position)} = {value:.6g} {why} (counted positions holding such values: {int(bad_N.sum())}); pass "
+        "log-probs (log_softmax of the logits, gathered at the sampled tokens), and mask out positions that hold "
+        "none (padding)"
+    )
+
+
 def _mask(mask: object, shape: torch.Size, count: int) -> torch.Tensor:
     if mask is None:
         return torch.ones(count, dtype=torch.bool)
@@ -141,4 +165,4 @@ def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x * y).sum()) / denominator if denominator > 0 else 1.0
 
 
-__all__ = ["logprob_mismatch", "routing_agreement"]
+__all__ = ["LOGPROB_TOLERANCE", "logprob_mismatch", "routing_agreement"]
