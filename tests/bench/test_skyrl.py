@@ -32,3 +32,15 @@ def test_bench_skyrl_refuses_bad_sizes() -> None:
         skyrl_routes.SkyRLRoutesBenchConfig(min_tokens=1)
     with pytest.raises(ValueError, match="top_k=9 exceeds experts=8"):
         skyrl_routes.SkyRLRoutesBenchConfig(top_k=9, experts=8)
+
+
+def test_bench_skyrl_honours_the_size_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    sizes = ["--samples", "3", "--max-len", "64", "--layers", "4", "--top-k", "2", "--experts", "16"]
+    assert main(["bench", "skyrl", "--json", *sizes]) == EXIT_OK
+    record = json.loads(capsys.readouterr().out)
+    config = record["config"]
+    assert (config["samples"], config["max_tokens"], config["layers"], config["top_k"], config["experts"]) == (
+        3, 64, 4, 2, 16,
+    )  # fmt: skip
+    assert record["mean_tokens"] <= 64
+    assert record["bytes_per_sample"]["skyrl_generator_uint8"] == (record["mean_tokens"] - 1) * 4 * 2

@@ -60,7 +60,7 @@ def add_parser(subparsers: Any) -> None:
     sizes = parser.add_argument_group("sizes (defaults are the figures quoted in BENCHMARKS.md)")
     sizes.add_argument("--tokens", type=positive_int, default=32768, help="codec: tokens T (default 32768)")
     sizes.add_argument(
-        "--layers", type=positive_int, default=48, help="codec, layout, store: MoE layers L (default 48)"
+        "--layers", type=positive_int, default=48, help="codec, layout, store, skyrl: MoE layers L (default 48)"
     )
     sizes.add_argument("--top-k", type=positive_int, default=8, help="top-k K (default 8)")
     sizes.add_argument("--experts", type=positive_int, default=128, help="experts E (default 128)")
@@ -72,10 +72,13 @@ def add_parser(subparsers: Any) -> None:
     )
     sizes.add_argument("--dp", type=positive_int, default=4, help="delivery: data-parallel gloo ranks (default 4)")
     sizes.add_argument(
-        "--samples", type=positive_int, help="store: samples in the batch (default 512); delivery: (default 64)"
+        "--samples", type=positive_int, help="store: samples in the batch (default 512); delivery, skyrl: (default 64)"
     )
     sizes.add_argument(
-        "--max-len", type=positive_int, default=8192, help="store, delivery: longest sample in tokens (default 8192)"
+        "--max-len",
+        type=positive_int,
+        default=8192,
+        help="store, delivery, skyrl: longest sample in tokens (default 8192)",
     )
     sizes.add_argument(
         "--shape", choices=("tiny", "qwen3-30b-a3b"), default="tiny", help="replay: model layer shapes (default tiny)"
@@ -210,7 +213,15 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
     if name == "skyrl":
         from routereplay.bench import skyrl_routes
 
-        return skyrl_routes, skyrl_routes.SkyRLRoutesBenchConfig(samples=4 if quick else 64, seed=args.seed)
+        return skyrl_routes, skyrl_routes.SkyRLRoutesBenchConfig(
+            layers=args.layers,
+            top_k=args.top_k,
+            experts=args.experts,
+            samples=4 if quick else args.samples or 64,
+            min_tokens=min(1024, args.max_len),
+            max_tokens=args.max_len,
+            seed=args.seed,
+        )
     if name == "vllm":
         import os
 
