@@ -39,6 +39,7 @@ from tests.integrations.verl.test_batch_readers import GEOMETRY, P, _dense, _goo
 NOT_A_BOOL: Any = "no"  # typed Any so the calls below type-check
 ONE: Any = 1
 NOT_A_GEOMETRY: Any = "x"
+NUMPY_TRUE: Any = np.bool_(True)
 
 
 def test_padded_routes_bounds_the_batch_lengths_before_allocating() -> None:
@@ -92,7 +93,7 @@ def test_the_unchecked_opt_out_must_be_a_real_bool(flag: str, value: Any) -> Non
         routed_experts_for_batch(batch, **{flag: value})
     with pytest.raises(UncheckedRoutesError):
         routed_experts_for_batch(batch, unchecked=False)
-    assert routed_experts_for_batch(batch, unchecked=np.bool_(True)).shape == batch.batch["routed_experts"].shape
+    assert routed_experts_for_batch(batch, unchecked=NUMPY_TRUE).shape == batch.batch["routed_experts"].shape
 
 
 @pytest.mark.parametrize("layout", ["padded", "jagged"])
@@ -119,7 +120,8 @@ def test_the_acceptance_case_of_ids_30000_on_an_8_expert_model() -> None:
 
     class Proto:
         def __init__(self) -> None:
-            self.batch, self.non_tensor_batch = batch, {}
+            self.batch: dict[str, Any] = batch
+            self.non_tensor_batch: dict[str, Any] = {}
 
     with pytest.raises(ExpertIdRangeError, match="sample 0, position 0, layer column 0, slot 0: expert id 30000"):
         routed_experts_for_batch(Proto(), unchecked=True, recorded=True, geometry=geometry)
