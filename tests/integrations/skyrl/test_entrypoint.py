@@ -69,6 +69,7 @@ def test_validate_passes_fsdp_r3_on_the_mp_backend_and_builds_the_worker() -> No
         ((*R3,), "distributed_executor_backend=ray.*set generator.inference_engine.distributed_executor_backend=mp"),
         ((*R3[:3], MP), "moe_enable_routing_replay=false: nothing would consume"),
         ((*R3, MP, "generator.merge_stepwise_output=true"), "merge_stepwise_output=true"),
+        ((R3[0], R3[1], R3[3]), "enable_return_routed_experts=false: the rollout would return no routes"),
     ],
 )
 def test_validate_keeps_skyrls_other_r3_conditions(overrides: tuple[str, ...], message: str) -> None:

@@ -46,6 +46,12 @@ def validate(cfg: Any) -> None:
     from skyrl.train.utils.utils import validate_cfg
 
     replay_mode(cfg.trainer)  # a bad ROUTEREPLAY_SKYRL_ROUTER_REPLAY, or R2 with the R3 key, refused in the driver
+    fsdp = cfg.trainer.strategy in FSDP_STRATEGIES
+    if fsdp and cfg.trainer.policy.megatron_config.moe_enable_routing_replay and not replays_on_fsdp(cfg):
+        raise ConfigError(  # SkyRL checks this pair for Megatron only; the FSDP worker would fail at its first pass
+            f"{MEGATRON_KEY}=true (R3) but {ROUTES_KEY}=false: the rollout would return no routes to replay; set "
+            f"{ROUTES_KEY}=true (and {BACKEND_KEY}=mp)"
+        )
     if not replays_on_fsdp(cfg):
         validate_cfg(cfg)
         return
