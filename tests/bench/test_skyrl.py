@@ -30,7 +30,7 @@ def test_bench_skyrl_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_skyrl_refuses_bad_sizes() -> None:
     with pytest.raises(ValueError, match="tokens 1-8192 must satisfy 2 <= min <= max"):
         skyrl_routes.SkyRLRoutesBenchConfig(min_tokens=1)
-    with pytest.raises(ValueError, match="top_k=9 exceeds experts=8"):
+    with pytest.raises(ValueError, match="top_k 9 exceeds experts 8"):
         skyrl_routes.SkyRLRoutesBenchConfig(top_k=9, experts=8)
 
 

@@ -27,27 +27,23 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.environment import collect
+from routereplay.bench.compact_record import compact_rows, compact_timings, set_table
+from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
+from routereplay.bench.environment import collect, measured_on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SkyRLRoutesBenchConfig:
-    layers: int = 48
-    top_k: int = 8
-    experts: int = 128
+class SkyRLRoutesBenchConfig(RoutedBenchConfig):
+    repeats: int = 1  # one pass over the batch
     samples: int = 64
     min_tokens: int = 1024
     max_tokens: int = 8192
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "top_k", "experts", "samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"skyrl bench: {name}={getattr(self, name)} must be >= 1")
+        require_routing(self, "skyrl")
+        require_positive(self, "skyrl", "samples")
         if not 2 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"skyrl bench: tokens {self.min_tokens}-{self.max_tokens} must satisfy 2 <= min <= max")
-        if self.top_k > self.experts:
-            raise ValueError(f"skyrl bench: top_k={self.top_k} exceeds experts={self.experts}")
 
 
 def _envelope_bytes(array_CLK: np.ndarray) -> int:
@@ -61,7 +57,7 @@ def _envelope_bytes(array_CLK: np.ndarray) -> int:
 
 
 def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from routereplay.codec import bits_per_row, decode, encode
+    from routereplay.codec import decode, encode
     from routereplay.integrations.skyrl import RouteGeometry, generator_routes, route_digests
     from routereplay.trace.route_trace import RouteTrace
 
@@ -71,8 +67,7 @@ def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None =
         num_experts=c.experts, num_layers=c.layers, top_k=c.top_k, moe_layers=tuple(range(c.layers))
     )
     rng = np.random.default_rng(c.seed)
-    keys = rng.random((1 << 16, c.experts), dtype=np.float32)
-    sets_QK = np.argpartition(keys, c.top_k, axis=1)[:, : c.top_k].astype(np.int16)
+    sets_QK = set_table(rng, c.experts, c.top_k)
     lengths = [int(n) for n in rng.integers(c.min_tokens, c.max_tokens + 1, size=c.samples)]
     width = max(lengths)  # SkyRL pads the batch to its longest trajectory (left padding)
     envelope = generator = packed = mask = compact = ordered = 0
@@ -118,18 +113,15 @@ def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None =
             "packed_over_compact": (packed + mask) / compact,
             "wire_over_compact": envelope / compact,
         },
-        "set_bits_per_row": bits_per_row(c.experts, c.top_k, "set"),
-        "encode_ms_per_sample": 1e3 * encode_s / n,
-        "decode_ms_per_sample": 1e3 * decode_s / n,
-        "targets": {},
+        **compact_timings(c.experts, c.top_k, encode_s, decode_s, n),
     }
 
 
 def markdown(result: dict[str, Any]) -> str:
     c, machine, sizes = result["config"], result["machine"], result["bytes_per_sample"]
     lines = [
-        f"Measured on {machine['processor']} ({machine['cpu_count']} cores), torch {machine['torch']}, by "
-        f"`routereplay bench skyrl`. {c['samples']} trajectories of {c['min_tokens']}-{c['max_tokens']} tokens (mean "
+        measured_on(machine, "skyrl", "torch")
+        + f". {c['samples']} trajectories of {c['min_tokens']}-{c['max_tokens']} tokens (mean "
         f"{result['mean_tokens']:,.0f}), {c['layers']} MoE layers, top-{c['top_k']} of {c['experts']}, one engine "
         "call each.",
         "",
@@ -138,9 +130,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"| SkyRL `/skyrl/v1/generate` envelope (base64 JSON) | {sizes['skyrl_wire_envelope']:,.0f} |",
         f"| SkyRL generator array (uint8, captured rows) | {sizes['skyrl_generator_uint8']:,.0f} |",
         f"| SkyRL batch `PackedTensor` + `router_padding_mask` | {sizes['skyrl_packed_plus_padding_mask']:,.0f} |",
-        f"| routereplay compact blob, set mode ({result['set_bits_per_row']} bits per row; the default) | "
-        f"{sizes['routereplay_compact_set']:,.0f} |",
-        f"| routereplay compact blob, ordered mode | {sizes['routereplay_compact_ordered']:,.0f} |",
+        *compact_rows(result),
         "",
         f"compact is {result['ratios']['packed_over_compact']:.2f} x smaller than SkyRL's packed batch field and "
         f"{result['ratios']['wire_over_compact']:.2f} x smaller than its wire envelope; encode "

@@ -24,26 +24,24 @@ from typing import Any
 
 import numpy as np
 
+from routereplay.bench.compact_record import compact_rows, compact_timings, set_table
+from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
 from routereplay.bench.environment import collect, measured_on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VerlRoutesBenchConfig:
-    layers: int = 48
-    top_k: int = 8
-    experts: int = 128
+class VerlRoutesBenchConfig(RoutedBenchConfig):
+    repeats: int = 1  # one pass over the batch
     samples: int = 64
     min_tokens: int = 1024
     max_tokens: int = 8192
     prompt_length: int = 2048  # verl rollout.prompt_length
     response_length: int = 6144  # verl rollout.response_length
     tool_fraction: float = 0.0  # share of each response no engine routed
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("layers", "top_k", "experts", "samples", "min_tokens", "prompt_length", "response_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"verl bench: {name}={getattr(self, name)} must be >= 1")
+        require_routing(self, "verl")
+        require_positive(self, "verl", "samples", "min_tokens", "prompt_length", "response_length")
         if not 2 <= self.min_tokens <= self.max_tokens <= self.prompt_length + self.response_length:
             raise ValueError(
                 f"verl bench: tokens {self.min_tokens}-{self.max_tokens} must lie in [2, prompt_length + "
@@ -68,13 +66,12 @@ def _sample_trace(
 
 
 def run(config: VerlRoutesBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from routereplay.codec import bits_per_row, decode
+    from routereplay.codec import decode
     from routereplay.integrations.verl import compact_blob, padded_routes
 
     report = progress or (lambda _name: None)
     rng = np.random.default_rng(config.seed)
-    keys = rng.random((1 << 16, config.experts), dtype=np.float32)
-    sets_QK = np.argpartition(keys, config.top_k, axis=1)[:, : config.top_k].astype(np.int16)
+    sets_QK = set_table(rng, config.experts, config.top_k)
     dense = jagged = engine = compact = ordered = total_tokens = 0
     encode_s = decode_s = 0.0
     for index in range(config.samples):
@@ -118,10 +115,7 @@ def run(config: VerlRoutesBenchConfig, progress: Callable[[str], None] | None = 
         },
         "batch_bytes": {"verl_dense_int16_padded": dense, "routereplay_compact_set": compact},
         "ratios": {"dense_over_compact": dense / compact, "jagged_over_compact": jagged / compact},
-        "set_bits_per_row": bits_per_row(config.experts, config.top_k, "set"),
-        "encode_ms_per_sample": 1e3 * encode_s / n,
-        "decode_ms_per_sample": 1e3 * decode_s / n,
-        "targets": {},
+        **compact_timings(config.experts, config.top_k, encode_s, decode_s, n),
     }
 
 
@@ -138,9 +132,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"| verl dense int16, padded | {sizes['verl_dense_int16_padded']:,.0f} |",
         f"| verl jagged int16 (after `left_right_2_no_padding`) | {sizes['verl_jagged_int16']:,.0f} |",
         f"| vLLM's uint8 ndarray (MoE layers) | {sizes['vllm_uint8_ndarray']:,.0f} |",
-        f"| routereplay compact blob, set mode ({result['set_bits_per_row']} bits per row; the default) | "
-        f"{sizes['routereplay_compact_set']:,.0f} |",
-        f"| routereplay compact blob, ordered mode | {sizes['routereplay_compact_ordered']:,.0f} |",
+        *compact_rows(result),
         "",
         f"compact is {result['ratios']['dense_over_compact']:.2f} x smaller than verl's padded tensor and "
         f"{result['ratios']['jagged_over_compact']:.2f} x smaller than its jagged form; encode "
