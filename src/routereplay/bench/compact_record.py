@@ -8,9 +8,13 @@ route sets, K = top-k.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from routereplay.trace.route_trace import RouteTrace
 
 
 def set_table(rng: np.random.Generator, experts: int, top_k: int) -> np.ndarray:
@@ -19,16 +23,38 @@ def set_table(rng: np.random.Generator, experts: int, top_k: int) -> np.ndarray:
     return np.argpartition(keys, top_k, axis=1)[:, :top_k].astype(np.int16)
 
 
-def compact_timings(experts: int, top_k: int, encode_s: float, decode_s: float, samples: int) -> dict[str, Any]:
-    """The record's tail: set bits per row, encode / decode ms per sample over `samples`, no targets."""
-    from routereplay.codec import bits_per_row
+@dataclass(slots=True)
+class CompactTally:
+    """The compact blobs of a batch, one sample at a time: bytes in both modes, set-mode encode / decode time."""
 
-    return {
-        "set_bits_per_row": bits_per_row(experts, top_k, "set"),
-        "encode_ms_per_sample": 1e3 * encode_s / samples,
-        "decode_ms_per_sample": 1e3 * decode_s / samples,
-        "targets": {},
-    }
+    set_bytes: int = 0
+    ordered_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+    def add(self, trace: RouteTrace) -> None:
+        """Encode `trace` in set mode (timed) and decode it (timed), and encode it in ordered mode."""
+        from routereplay.codec import decode, encode
+
+        began = time.perf_counter()
+        blob = encode(trace)
+        self.encode_s += time.perf_counter() - began
+        began = time.perf_counter()
+        decode(blob)
+        self.decode_s += time.perf_counter() - began
+        self.set_bytes += len(blob)
+        self.ordered_bytes += len(encode(trace, mode="ordered"))
+
+    def timings(self, experts: int, top_k: int, samples: int) -> dict[str, Any]:
+        """The record's tail: set bits per row, encode / decode ms per sample over `samples`, no targets."""
+        from routereplay.codec import bits_per_row
+
+        return {
+            "set_bits_per_row": bits_per_row(experts, top_k, "set"),
+            "encode_ms_per_sample": 1e3 * self.encode_s / samples,
+            "decode_ms_per_sample": 1e3 * self.decode_s / samples,
+            "targets": {},
+        }
 
 
 def compact_rows(result: dict[str, Any]) -> list[str]:
@@ -41,4 +67,4 @@ def compact_rows(result: dict[str, Any]) -> list[str]:
     ]
 
 
-__all__ = ["compact_rows", "compact_timings", "set_table"]
+__all__ = ["CompactTally", "compact_rows", "set_table"]

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from routereplay.bench.compact_record import compact_rows, compact_timings, set_table
+from routereplay.bench.compact_record import CompactTally, compact_rows, set_table
 from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
 from routereplay.bench.environment import collect, measured_on
 
@@ -57,7 +56,6 @@ def _envelope_bytes(array_CLK: np.ndarray) -> int:
 
 
 def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from routereplay.codec import decode, encode
     from routereplay.integrations.skyrl import RouteGeometry, generator_routes, route_digests
     from routereplay.trace.route_trace import RouteTrace
 
@@ -70,8 +68,8 @@ def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None =
     sets_QK = set_table(rng, c.experts, c.top_k)
     lengths = [int(n) for n in rng.integers(c.min_tokens, c.max_tokens + 1, size=c.samples)]
     width = max(lengths)  # SkyRL pads the batch to its longest trajectory (left padding)
-    envelope = generator = packed = mask = compact = ordered = 0
-    encode_s = decode_s = 0.0
+    envelope = generator = packed = mask = 0
+    tally = CompactTally()
     for index, tokens in enumerate(lengths):
         report(f"sample {index + 1}/{c.samples}")
         ids_N = rng.integers(0, 150_000, size=tokens)
@@ -85,14 +83,7 @@ def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None =
         values_NLK[len(array_CLK) :] = np.arange(c.top_k, dtype=array_CLK.dtype)  # its dummy tail route
         packed += values_NLK.nbytes + np.dtype(np.int32).itemsize  # + this trajectory's cu_seqlens entry
         mask += np.zeros(width, dtype=np.bool_).nbytes  # router_padding_mask row
-        began = time.perf_counter()
-        blob = encode(trace)
-        encode_s += time.perf_counter() - began
-        began = time.perf_counter()
-        decode(blob)
-        decode_s += time.perf_counter() - began
-        compact += len(blob)
-        ordered += len(encode(trace, mode="ordered"))
+        tally.add(trace)
     digest = len(route_digests([trace])[0])
     n = c.samples
     return {
@@ -105,15 +96,15 @@ def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None =
             "skyrl_generator_uint8": generator / n,
             "skyrl_packed_tensor": packed / n,
             "skyrl_packed_plus_padding_mask": (packed + mask) / n,
-            "routereplay_compact_set": compact / n,
-            "routereplay_compact_ordered": ordered / n,
+            "routereplay_compact_set": tally.set_bytes / n,
+            "routereplay_compact_ordered": tally.ordered_bytes / n,
             "routereplay_digest": digest,
         },
         "ratios": {
-            "packed_over_compact": (packed + mask) / compact,
-            "wire_over_compact": envelope / compact,
+            "packed_over_compact": (packed + mask) / tally.set_bytes,
+            "wire_over_compact": envelope / tally.set_bytes,
         },
-        **compact_timings(c.experts, c.top_k, encode_s, decode_s, n),
+        **tally.timings(c.experts, c.top_k, n),
     }
 
 

@@ -17,14 +17,13 @@ Legend: T = route rows of a sample, L = MoE layers, K = top-k, Q = the table of 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from routereplay.bench.compact_record import compact_rows, compact_timings, set_table
+from routereplay.bench.compact_record import CompactTally, compact_rows, set_table
 from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
 from routereplay.bench.environment import collect, measured_on
 
@@ -66,14 +65,13 @@ def _sample_trace(
 
 
 def run(config: VerlRoutesBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from routereplay.codec import decode
-    from routereplay.integrations.verl import compact_blob, padded_routes
+    from routereplay.integrations.verl import padded_routes
 
     report = progress or (lambda _name: None)
     rng = np.random.default_rng(config.seed)
     sets_QK = set_table(rng, config.experts, config.top_k)
-    dense = jagged = engine = compact = ordered = total_tokens = 0
-    encode_s = decode_s = 0.0
+    dense = jagged = engine = total_tokens = 0
+    tally = CompactTally()
     for index in range(config.samples):
         report(f"sample {index + 1}/{config.samples}")
         tokens = int(rng.integers(config.min_tokens, config.max_tokens + 1))
@@ -91,14 +89,7 @@ def run(config: VerlRoutesBenchConfig, progress: Callable[[str], None] | None = 
         dense += padded.numel() * padded.element_size()
         jagged += tokens * config.layers * config.top_k * 2  # int16 [n, L, K] after left_right_2_no_padding
         engine += (tokens - 1) * config.layers * config.top_k  # vLLM's uint8 ndarray (E <= 256), MoE layers
-        began = time.perf_counter()
-        blob = compact_blob(trace)
-        encode_s += time.perf_counter() - began
-        began = time.perf_counter()
-        decode(blob)
-        decode_s += time.perf_counter() - began
-        compact += len(blob)
-        ordered += len(compact_blob(trace, mode="ordered"))
+        tally.add(trace)
         total_tokens += tokens
     n = config.samples
     return {
@@ -110,12 +101,12 @@ def run(config: VerlRoutesBenchConfig, progress: Callable[[str], None] | None = 
             "verl_dense_int16_padded": dense / n,
             "verl_jagged_int16": jagged / n,
             "vllm_uint8_ndarray": engine / n,
-            "routereplay_compact_set": compact / n,
-            "routereplay_compact_ordered": ordered / n,
+            "routereplay_compact_set": tally.set_bytes / n,
+            "routereplay_compact_ordered": tally.ordered_bytes / n,
         },
-        "batch_bytes": {"verl_dense_int16_padded": dense, "routereplay_compact_set": compact},
-        "ratios": {"dense_over_compact": dense / compact, "jagged_over_compact": jagged / compact},
-        **compact_timings(config.experts, config.top_k, encode_s, decode_s, n),
+        "batch_bytes": {"verl_dense_int16_padded": dense, "routereplay_compact_set": tally.set_bytes},
+        "ratios": {"dense_over_compact": dense / tally.set_bytes, "jagged_over_compact": jagged / tally.set_bytes},
+        **tally.timings(config.experts, config.top_k, n),
     }
 
 
