@@ -17,6 +17,7 @@ import torch
 from tests.integrations.skyrl.worker_case import (
     MOE_LAYERS,
     TOP_K,
+    WORKER_MARKS,
     build_worker,
     dispatched,
     expected_rows,
@@ -29,11 +30,7 @@ from tests.integrations.skyrl.worker_case import (
     training_batch,
 )
 
-pytestmark = [
-    pytest.mark.skyrl,
-    # SkyRL wraps every pass in torch.autocast(device_type="cuda"), which CPU torch disables with this warning
-    pytest.mark.filterwarnings("ignore:CUDA is not available or torch_xla is imported:UserWarning"),
-]
+pytestmark = WORKER_MARKS
 
 LAYOUTS = pytest.mark.parametrize("remove_padding", [True, False], ids=["packed", "padded"])
 

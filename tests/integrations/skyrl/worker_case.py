@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -31,6 +32,12 @@ from tests.runtime.models import experts_inputs
 NUM_LAYERS = 3
 PROMPT_LENGTHS = (5, 3, 7, 2)
 RESPONSE_LENGTHS = (4, 6, 1, 3)
+
+WORKER_MARKS = [
+    pytest.mark.skyrl,
+    # SkyRL wraps every pass in torch.autocast(device_type="cuda"), which CPU torch disables with this warning
+    pytest.mark.filterwarnings("ignore:CUDA is not available or torch_xla is imported:UserWarning"),
+]  # the worker tests' pytestmark
 
 
 def sequences(seed: int = 0) -> list[tuple[list[int], list[int]]]:
