@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from routereplay.errors import ConfigError, RowCountError, TokenMismatchError
+from routereplay.errors import ConfigError, RowCountError
+from routereplay.integrations.verl.micro_batch import require_fed_tokens
 from routereplay.layout import ulysses_shard
 
 
@@ -74,22 +75,15 @@ class ModelInputLayout:
     def check_tokens(self, sequences_BS: torch.Tensor, model_input_ids: torch.Tensor) -> None:
         """`TokenMismatchError` unless SkyRL fed the model this layout's tokens at every attended position:
         routes placed by `place` would otherwise land on other tokens."""
-        expected = self.place(sequences_BS.to(model_input_ids.device), fill=0)
-        if tuple(expected.shape) != tuple(model_input_ids.shape):
-            raise TokenMismatchError(
-                f"SkyRL fed the model input_ids of shape {tuple(model_input_ids.shape)} but routereplay laid the "
-                f"micro-batch out as {tuple(expected.shape)} (remove_microbatch_padding={self.remove_padding}, SP "
-                f"rank {self.sp_rank} of {self.sp_size}); this SkyRL lays micro-batches out differently (a VLM "
-                "batch?): replay would misplace routes"
-            )
-        differ = self.holds_token(model_input_ids.device) & (expected != model_input_ids)
-        if bool(differ.any()):
-            row, col = (int(i) for i in torch.nonzero(differ)[0])
-            raise TokenMismatchError(
-                f"model input position ({row}, {col}) holds token {int(model_input_ids[row, col])} but routereplay "
-                f"placed token {int(expected[row, col])} (and its route) there; SkyRL's micro-batch layout differs "
-                "from routereplay's (remove_microbatch_padding, Ulysses SP): replay would misplace routes"
-            )
+        require_fed_tokens(
+            self.place(sequences_BS.to(model_input_ids.device), fill=0),
+            model_input_ids,
+            self.holds_token,
+            framework="SkyRL",
+            laid_out=f"remove_microbatch_padding={self.remove_padding}, SP rank {self.sp_rank} of {self.sp_size}",
+            otherwise="this SkyRL lays micro-batches out differently (a VLM batch?)",
+            knobs="remove_microbatch_padding, Ulysses SP",
+        )
 
     def recorded(self, routes_xsMK: torch.Tensor, sp_group: dist.ProcessGroup | None) -> torch.Tensor:
         """(B, S, M, K) int64: what a record pass saw (all SP ranks' shards), -1 where no token was attended."""

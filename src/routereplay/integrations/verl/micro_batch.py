@@ -26,6 +26,7 @@ L = bound MoE layers, K = top-k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,35 @@ def bound_layers(routes_NPK: torch.Tensor, num_layers: int, layers: tuple[int, .
     return LayerMap(num_layers=num_layers, moe_layers=layers).select(routes_NPK, layers, dim=1)
 
 
+def require_fed_tokens(
+    expected: torch.Tensor,
+    model_input_ids: torch.Tensor,
+    holds_token: Callable[[torch.device], torch.Tensor],
+    *,
+    framework: str,
+    laid_out: str,
+    otherwise: str,
+    knobs: str,
+) -> None:
+    """`TokenMismatchError` unless the trainer fed the model `expected` (the micro-batch's token ids as
+    routereplay laid them out) at every position `holds_token` marks: routes placed the same way would otherwise
+    land on other tokens. The first differing position is named; `laid_out` / `otherwise` / `knobs` say which
+    of the framework's settings the layout followed, what a shape mismatch means, and what can differ."""
+    if tuple(expected.shape) != tuple(model_input_ids.shape):
+        raise TokenMismatchError(
+            f"{framework} fed the model input_ids of shape {tuple(model_input_ids.shape)} but routereplay laid the "
+            f"micro-batch out as {tuple(expected.shape)} ({laid_out}); {otherwise}: replay would misplace routes"
+        )
+    differ = holds_token(model_input_ids.device) & (expected != model_input_ids)
+    if bool(differ.any()):
+        row, col = (int(i) for i in torch.nonzero(differ)[0])
+        raise TokenMismatchError(
+            f"model input position ({row}, {col}) holds token {int(model_input_ids[row, col])} but routereplay "
+            f"placed token {int(expected[row, col])} (and its route) there; {framework}'s micro-batch layout differs "
+            f"from routereplay's ({knobs}): replay would misplace routes"
+        )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MicroBatchLayout:
     """Where each token of a verl micro-batch sits in the model input verl builds from it."""
@@ -152,24 +182,16 @@ class MicroBatchLayout:
     def check_tokens(self, input_ids_Bj: torch.Tensor, model_input_ids: torch.Tensor) -> None:
         """Raise `TokenMismatchError` unless verl fed the model this layout's tokens: routes placed by
         `place` would otherwise land on other tokens (verl changed its micro-batch layout)."""
-        values_N = input_ids_Bj.values().to(model_input_ids.device)
-        expected = self.place(values_N, fill=0)
-        if tuple(expected.shape) != tuple(model_input_ids.shape):
-            raise TokenMismatchError(
-                f"verl fed the model input_ids of shape {tuple(model_input_ids.shape)} but routereplay laid the "
-                f"micro-batch out as {tuple(expected.shape)} (remove_padding={self.remove_padding}, SP rank "
-                f"{self.sp_rank} of {self.sp_size}, tail pad {self.tail_pad}); this verl version lays out "
-                "micro-batches differently (a VLM under Ulysses SP is not supported): replay would misplace routes"
-            )
-        held = self.holds_token(model_input_ids.device)
-        differ = held & (expected != model_input_ids)
-        if bool(differ.any()):
-            row, col = (int(i) for i in torch.nonzero(differ)[0])
-            raise TokenMismatchError(
-                f"model input position ({row}, {col}) holds token {int(model_input_ids[row, col])} but routereplay "
-                f"placed token {int(expected[row, col])} (and its route) there; verl's micro-batch layout differs "
-                "from routereplay's (remove_padding, Ulysses SP, pad_to_length): replay would misplace routes"
-            )
+        require_fed_tokens(
+            self.place(input_ids_Bj.values().to(model_input_ids.device), fill=0),
+            model_input_ids,
+            self.holds_token,
+            framework="verl",
+            laid_out=f"remove_padding={self.remove_padding}, SP rank {self.sp_rank} of {self.sp_size}, tail pad "
+            f"{self.tail_pad}",
+            otherwise="this verl version lays out micro-batches differently (a VLM under Ulysses SP is not supported)",
+            knobs="remove_padding, Ulysses SP, pad_to_length",
+        )
 
     def recorded(self, routes_BSLK: torch.Tensor, sp_group: dist.ProcessGroup | None) -> torch.Tensor:
         """(N, L, K): the routes a record pass produced, one row per token of the micro-batch, all SP ranks'."""
