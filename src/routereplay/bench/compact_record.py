@@ -1,9 +1,9 @@
-"""What the batch-routes suites (`bench verl`, `bench skyrl`) report about routereplay's compact blobs.
+"""What the batch-routes suites (`bench verl`, `bench skyrl`) share about routereplay's compact blobs.
 
-Both measure a framework's forms of a batch's routes against one codec blob per sample, and close their
-record and their table the same way: the set codec's bits per (token, layer) row, the encode / decode
-time per sample (one core), and the table rows of the two compact modes. Legend: Q = the table of
-route sets, K = top-k.
+Both draw a batch of samples of drawn lengths (`BatchRoutesBenchConfig`), measure a framework's forms of
+the batch's routes against one codec blob per sample, and close their record and their table the same
+way: the set codec's bits per (token, layer) row, the encode / decode time per sample (one core), and
+the table rows of the two compact modes. Legend: Q = the table of route sets, K = top-k.
 """
 
 from __future__ import annotations
@@ -14,7 +14,23 @@ from typing import Any
 
 import numpy as np
 
+from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
 from routereplay.trace.route_trace import RouteTrace
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchRoutesBenchConfig(RoutedBenchConfig):
+    """A batch of `samples` samples of `min_tokens` to `max_tokens` tokens, measured in one pass."""
+
+    repeats: int = 1  # one pass over the batch
+    samples: int = 64
+    min_tokens: int = 1024
+    max_tokens: int = 8192
+
+    def check_batch(self, suite: str, *sizes: str) -> None:
+        """Refuse a routing no MoE layer has, or a size below 1 among `samples` and `sizes`."""
+        require_routing(self, suite)
+        require_positive(self, suite, "samples", *sizes)
 
 
 def set_table(rng: np.random.Generator, experts: int, top_k: int) -> np.ndarray:
@@ -67,4 +83,4 @@ def compact_rows(result: dict[str, Any]) -> list[str]:
     ]
 
 
-__all__ = ["CompactTally", "compact_rows", "set_table"]
+__all__ = ["BatchRoutesBenchConfig", "CompactTally", "compact_rows", "set_table"]

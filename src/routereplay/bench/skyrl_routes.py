@@ -26,21 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.compact_record import CompactTally, compact_rows, set_table
-from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
+from routereplay.bench.compact_record import BatchRoutesBenchConfig, CompactTally, compact_rows, set_table
 from routereplay.bench.environment import collect, measured_on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SkyRLRoutesBenchConfig(RoutedBenchConfig):
-    repeats: int = 1  # one pass over the batch
-    samples: int = 64
-    min_tokens: int = 1024
-    max_tokens: int = 8192
-
+class SkyRLRoutesBenchConfig(BatchRoutesBenchConfig):
     def __post_init__(self) -> None:
-        require_routing(self, "skyrl")
-        require_positive(self, "skyrl", "samples")
+        self.check_batch("skyrl")
         if not 2 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"skyrl bench: tokens {self.min_tokens}-{self.max_tokens} must satisfy 2 <= min <= max")
 

@@ -23,24 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.compact_record import CompactTally, compact_rows, set_table
-from routereplay.bench.config import RoutedBenchConfig, require_positive, require_routing
+from routereplay.bench.compact_record import BatchRoutesBenchConfig, CompactTally, compact_rows, set_table
 from routereplay.bench.environment import collect, measured_on
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VerlRoutesBenchConfig(RoutedBenchConfig):
-    repeats: int = 1  # one pass over the batch
-    samples: int = 64
-    min_tokens: int = 1024
-    max_tokens: int = 8192
+class VerlRoutesBenchConfig(BatchRoutesBenchConfig):
     prompt_length: int = 2048  # verl rollout.prompt_length
     response_length: int = 6144  # verl rollout.response_length
     tool_fraction: float = 0.0  # share of each response no engine routed
 
     def __post_init__(self) -> None:
-        require_routing(self, "verl")
-        require_positive(self, "verl", "samples", "min_tokens", "prompt_length", "response_length")
+        self.check_batch("verl", "min_tokens", "prompt_length", "response_length")
         if not 2 <= self.min_tokens <= self.max_tokens <= self.prompt_length + self.response_length:
             raise ValueError(
                 f"verl bench: tokens {self.min_tokens}-{self.max_tokens} must lie in [2, prompt_length + "
