@@ -73,6 +73,28 @@ class CompactTally:
         }
 
 
+def table_head(result: dict[str, Any], suite: str, sample: str, samples: str, setting: str) -> list[str]:
+    """The lines above the table: machine, batch (`sample` / `samples` name one / several samples, `setting`
+    ends the sentence with the suite's own facts) and the table's header."""
+    from routereplay.bench.environment import measured_on
+
+    c = result["config"]
+    return [
+        measured_on(result["machine"], suite, "torch")
+        + f". {c['samples']} {samples} of {c['min_tokens']}-{c['max_tokens']} tokens (mean "
+        f"{result['mean_tokens']:,.0f}), {c['layers']} MoE layers, top-{c['top_k']} of {c['experts']}, {setting}.",
+        "",
+        f"| form of a {sample}'s routes | bytes per sample |",
+        "|---|---:|",
+    ]
+
+
+def timing_text(result: dict[str, Any]) -> str:
+    """'encode <ms> ms and decode <ms> ms per sample' from the record's tail."""
+    encode_ms, decode_ms = result["encode_ms_per_sample"], result["decode_ms_per_sample"]
+    return f"encode {encode_ms:.1f} ms and decode {decode_ms:.1f} ms per sample"
+
+
 def compact_rows(result: dict[str, Any]) -> list[str]:
     """The table rows of the set-mode and ordered-mode blobs, bytes per sample from `result`."""
     sizes = result["bytes_per_sample"]
@@ -83,4 +105,4 @@ def compact_rows(result: dict[str, Any]) -> list[str]:
     ]
 
 
-__all__ = ["BatchRoutesBenchConfig", "CompactTally", "compact_rows", "set_table"]
+__all__ = ["BatchRoutesBenchConfig", "CompactTally", "compact_rows", "set_table", "table_head", "timing_text"]

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.compact_record import BatchRoutesBenchConfig, CompactTally, compact_rows, set_table
-from routereplay.bench.environment import collect, measured_on
+from routereplay.bench import compact_record as batch
+from routereplay.bench.environment import collect
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SkyRLRoutesBenchConfig(BatchRoutesBenchConfig):
+class SkyRLRoutesBenchConfig(batch.BatchRoutesBenchConfig):
     def __post_init__(self) -> None:
         self.check_batch("skyrl")
         if not 2 <= self.min_tokens <= self.max_tokens:
@@ -58,11 +58,11 @@ def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None =
         num_experts=c.experts, num_layers=c.layers, top_k=c.top_k, moe_layers=tuple(range(c.layers))
     )
     rng = np.random.default_rng(c.seed)
-    sets_QK = set_table(rng, c.experts, c.top_k)
+    sets_QK = batch.set_table(rng, c.experts, c.top_k)
     lengths = [int(n) for n in rng.integers(c.min_tokens, c.max_tokens + 1, size=c.samples)]
     width = max(lengths)  # SkyRL pads the batch to its longest trajectory (left padding)
     envelope = generator = packed = mask = 0
-    tally = CompactTally()
+    tally = batch.CompactTally()
     for index, tokens in enumerate(lengths):
         report(f"sample {index + 1}/{c.samples}")
         ids_N = rng.integers(0, 150_000, size=tokens)
@@ -102,23 +102,17 @@ def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None =
 
 
 def markdown(result: dict[str, Any]) -> str:
-    c, machine, sizes = result["config"], result["machine"], result["bytes_per_sample"]
+    sizes = result["bytes_per_sample"]
     lines = [
-        measured_on(machine, "skyrl", "torch")
-        + f". {c['samples']} trajectories of {c['min_tokens']}-{c['max_tokens']} tokens (mean "
-        f"{result['mean_tokens']:,.0f}), {c['layers']} MoE layers, top-{c['top_k']} of {c['experts']}, one engine "
-        "call each.",
-        "",
-        "| form of a trajectory's routes | bytes per sample |",
-        "|---|---:|",
+        *batch.table_head(result, "skyrl", "trajectory", "trajectories", "one engine call each"),
         f"| SkyRL `/skyrl/v1/generate` envelope (base64 JSON) | {sizes['skyrl_wire_envelope']:,.0f} |",
         f"| SkyRL generator array (uint8, captured rows) | {sizes['skyrl_generator_uint8']:,.0f} |",
         f"| SkyRL batch `PackedTensor` + `router_padding_mask` | {sizes['skyrl_packed_plus_padding_mask']:,.0f} |",
-        *compact_rows(result),
+        *batch.compact_rows(result),
         "",
         f"compact is {result['ratios']['packed_over_compact']:.2f} x smaller than SkyRL's packed batch field and "
-        f"{result['ratios']['wire_over_compact']:.2f} x smaller than its wire envelope; encode "
-        f"{result['encode_ms_per_sample']:.1f} ms and decode {result['decode_ms_per_sample']:.1f} ms per sample; "
+        f"{result['ratios']['wire_over_compact']:.2f} x smaller than its wire envelope; "
+        f"{batch.timing_text(result)}; "
         f"the packed-field digest is {sizes['routereplay_digest']} bytes per trajectory.",
     ]
     return "\n".join(lines)

@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.bench.compact_record import BatchRoutesBenchConfig, CompactTally, compact_rows, set_table
-from routereplay.bench.environment import collect, measured_on
+from routereplay.bench import compact_record as batch
+from routereplay.bench.environment import collect
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class VerlRoutesBenchConfig(BatchRoutesBenchConfig):
+class VerlRoutesBenchConfig(batch.BatchRoutesBenchConfig):
     prompt_length: int = 2048  # verl rollout.prompt_length
     response_length: int = 6144  # verl rollout.response_length
     tool_fraction: float = 0.0  # share of each response no engine routed
@@ -63,9 +63,9 @@ def run(config: VerlRoutesBenchConfig, progress: Callable[[str], None] | None = 
 
     report = progress or (lambda _name: None)
     rng = np.random.default_rng(config.seed)
-    sets_QK = set_table(rng, config.experts, config.top_k)
+    sets_QK = batch.set_table(rng, config.experts, config.top_k)
     dense = jagged = engine = total_tokens = 0
-    tally = CompactTally()
+    tally = batch.CompactTally()
     for index in range(config.samples):
         report(f"sample {index + 1}/{config.samples}")
         tokens = int(rng.integers(config.min_tokens, config.max_tokens + 1))
@@ -105,23 +105,18 @@ def run(config: VerlRoutesBenchConfig, progress: Callable[[str], None] | None = 
 
 
 def markdown(result: dict[str, Any]) -> str:
-    c, machine, sizes = result["config"], result["machine"], result["bytes_per_sample"]
+    c, sizes = result["config"], result["bytes_per_sample"]
+    setting = f"verl's prompt_length {c['prompt_length']} and response_length {c['response_length']}"
     lines = [
-        measured_on(machine, "verl", "torch")
-        + f". {c['samples']} samples of {c['min_tokens']}-{c['max_tokens']} tokens (mean "
-        f"{result['mean_tokens']:,.0f}), {c['layers']} MoE layers, top-{c['top_k']} of {c['experts']}, verl's "
-        f"prompt_length {c['prompt_length']} and response_length {c['response_length']}.",
-        "",
-        "| form of a sample's routes | bytes per sample |",
-        "|---|---:|",
+        *batch.table_head(result, "verl", "sample", "samples", setting),
         f"| verl dense int16, padded | {sizes['verl_dense_int16_padded']:,.0f} |",
         f"| verl jagged int16 (after `left_right_2_no_padding`) | {sizes['verl_jagged_int16']:,.0f} |",
         f"| vLLM's uint8 ndarray (MoE layers) | {sizes['vllm_uint8_ndarray']:,.0f} |",
-        *compact_rows(result),
+        *batch.compact_rows(result),
         "",
         f"compact is {result['ratios']['dense_over_compact']:.2f} x smaller than verl's padded tensor and "
-        f"{result['ratios']['jagged_over_compact']:.2f} x smaller than its jagged form; encode "
-        f"{result['encode_ms_per_sample']:.1f} ms and decode {result['decode_ms_per_sample']:.1f} ms per sample.",
+        f"{result['ratios']['jagged_over_compact']:.2f} x smaller than its jagged form; "
+        f"{batch.timing_text(result)}.",
     ]
     return "\n".join(lines)
 
