@@ -73,6 +73,13 @@ def test_exit_codes_and_vllms_death_lines_are_read_by_name() -> None:
     )
     assert deaths(log) == [("VllmWorker-0", -4), ("EngineCore_DP0", 1), ("EngineCore_DP0", None)]
     assert deaths("INFO all is well") == []
+    # vLLM may log the death before the worker's status is reaped ("exit code: None"); Python's fault handler
+    # (PYTHONFAULTHANDLER=1 in the server's processes) then names the signal
+    unreaped = "ERROR [multiproc_executor.py:314] Worker proc VllmWorker-0 died unexpectedly (exit code: None)\n"
+    assert deaths(unreaped) == [("VllmWorker-0", None)]
+    assert deaths("Fatal Python error: Illegal instruction\n\nThread 0x01 (most recent call first):\n" + unreaped) == [
+        ("VllmWorker-0", -4)
+    ]
 
 
 def _inner_session(tmp_path: Path, environment: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -54,10 +54,23 @@ LOG_SCAN_CHARS = 1 << 20  # how much of the log's end `deaths` reads for vLLM's 
 LOG_TAIL_LINES = 30  # how many of the log's last lines a `ServerDiedError` quotes
 # vLLM 0.30's own lines when one of a server's processes dies (multiproc_executor.py, v1/utils.py)
 DEATH_LINES = (
-    re.compile(r"Worker proc (?P<name>\S+) died unexpectedly \(exit code: (?P<code>-?\d+)\)"),
+    # "exit code: None" when vLLM logs the death before the worker's status was reaped
+    re.compile(r"Worker proc (?P<name>\S+) died unexpectedly \(exit code: (?P<code>-?\d+|None)\)"),
     re.compile(r"Process (?P<name>\S+) \(PID: \d+\) died with exit code (?P<code>-?\d+)"),
     re.compile(r"Engine core process (?P<name>\S+) (?P<code>)died unexpectedly"),
 )
+# Python's fault handler (PYTHONFAULTHANDLER=1, set for every process of the server) writes one of these to the
+# log when a fatal signal ends a process: it names the signal where vLLM's own line could not
+FATAL_SIGNAL_LINE = re.compile(
+    r"Fatal Python error: (?P<what>Illegal instruction|Segmentation fault|Aborted|Bus error|Floating-point exception)"
+)
+FATAL_SIGNALS = {
+    "Illegal instruction": signal.SIGILL,
+    "Segmentation fault": signal.SIGSEGV,
+    "Aborted": signal.SIGABRT,
+    "Bus error": signal.SIGBUS,
+    "Floating-point exception": signal.SIGFPE,
+}
 SIGNAL_HINTS = {
     signal.SIGILL: "an illegal instruction: on a CPU with AMX, vLLM's AMX kernels ran without the process's AMX "
     "tile permission (routereplay.engines.vllm.cpu_kernels asks for it where the routereplay plugin is installed)",
@@ -87,9 +100,13 @@ def deaths(log: str) -> list[tuple[str, int | None]]:
     for pattern in DEATH_LINES:
         for match in pattern.finditer(log):
             code = match.group("code")
-            found.append((match.start(), match.group("name"), int(code) if code else None))
+            found.append((match.start(), match.group("name"), int(code) if code and code != "None" else None))
+    # a worker whose exit status vLLM had not reaped yet: the fault handler's line names the signal
+    fatal = [-FATAL_SIGNALS[m.group("what")] for m in FATAL_SIGNAL_LINE.finditer(log)]
     named: list[tuple[str, int | None]] = []
     for _, name, code in sorted(found):
+        if code is None and fatal and name.startswith("VllmWorker"):
+            code = fatal[0]
         if (name, code) not in named:
             named.append((name, code))
     return named
@@ -184,7 +201,8 @@ class VLLMServer:
         """Launch the server and wait for `GET /health`; `EngineStartError` (with its log) if it fails."""
         if self._process is not None:
             raise EngineStartError(f"vLLM server {self.url} was already started")
-        environment = {**os.environ, **self.config.environment}
+        # PYTHONFAULTHANDLER: a process ended by a fatal signal (SIGILL, SIGSEGV, ...) says which in the log
+        environment = {"PYTHONFAULTHANDLER": "1", **os.environ, **self.config.environment}
         began = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._process = subprocess.Popen(
