@@ -28,7 +28,7 @@ from routereplay.engines.vllm.forced_routes import (
     moe_layers_of,
     salted,
 )
-from routereplay.engines.vllm.router_forcing import RoutingMethod, RoutingRule, rule_of
+from routereplay.engines.vllm.forcing.router import RoutingMethod, RoutingRule, rule_of
 from routereplay.errors import (
     ConfigError,
     ExpertIdRangeError,
@@ -234,7 +234,7 @@ def test_a_router_that_cannot_be_forced_routes_live_counts_and_logs(caplog: pyte
     live, are counted, and the worker's log names the layer and why (the client then sees ForcingNotAppliedError)."""
     import logging
 
-    from routereplay.engines.vllm.router_forcing import LayerForcing, StepRows
+    from routereplay.engines.vllm.forcing.router import LayerForcing, StepRows
 
     class FusedTopKRouter:
         def _compute_routing(self, hidden: torch.Tensor, logits: torch.Tensor, indices_type: object, **kw: object):

@@ -20,8 +20,8 @@ import torch
 from routereplay import codec
 from routereplay.engines.vllm import forced_routes
 from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced
-from routereplay.engines.vllm.forcing_worker import ForcingWorker
-from routereplay.engines.vllm.router_forcing import LayerForcing, RoutingMethod, RoutingRule
+from routereplay.engines.vllm.forcing.router import LayerForcing, RoutingMethod, RoutingRule
+from routereplay.engines.vllm.forcing.worker import ForcingWorker
 from routereplay.errors import ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
 

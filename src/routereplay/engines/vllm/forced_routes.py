@@ -15,7 +15,7 @@ prompt (at most prompt x MoE layers x K ids, so a small blob cannot declare a hu
 ids, when the blob has them, must be the prompt's. The checked rows stay in the trace's own dtype (int16
 for E <= 32767) until the routing step. Every failure is a `ForcedRoutesError` naming the request and the
 fix. It runs twice: in vLLM's front end before the request is queued (the request fails with HTTP 400, the server serves
-on) and in the worker before use (`forcing_worker`).
+on) and in the worker before use (`forcing.worker`).
 
 Prefix caching: KV blocks are keyed by token ids, not by the routes that computed them. A forced
 request's prompt is salted with a digest of its routes (`salted`, vLLM's own `cache_salt`), so its

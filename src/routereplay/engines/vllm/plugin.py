@@ -37,7 +37,7 @@ from typing import Any
 
 from routereplay.engines.vllm.cpu_kernels import amx_tiles
 from routereplay.engines.vllm.forced_routes import SALT_PREFIX, XARG_KEY, ForcedRoutes, ServedRouting, salted
-from routereplay.engines.vllm.forcing_worker import RUNNER_ATTR, ForcingWorker
+from routereplay.engines.vllm.forcing.worker import RUNNER_ATTR, ForcingWorker
 from routereplay.errors import ForcedRoutesError
 
 PATCHED_MARK = "_routereplay_patched"

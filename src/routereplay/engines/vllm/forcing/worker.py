@@ -13,7 +13,7 @@ mixing forced and unforced requests, and preemption followed by recompute right:
 step schedules, each finds its own row.
 
 Nothing here runs for a step without forced requests but one dictionary lookup per request; the
-routers are wrapped once (`router_forcing.LayerForcing`) and pass through when no row is forced.
+routers are wrapped once (`forcing.router.LayerForcing`) and pass through when no row is forced.
 
 A request whose routes fail the worker's check (the front end passed it, so only a model whose MoE
 layers its config does not describe) is not forced: the error is logged, counted in
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting
-from routereplay.engines.vllm.router_forcing import LayerForcing, StepRows
+from routereplay.engines.vllm.forcing.router import LayerForcing, StepRows
 from routereplay.errors import ForcedRoutesError
 
 RUNNER_ATTR = "_routereplay_forcing"

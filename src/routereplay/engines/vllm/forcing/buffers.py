@@ -1,0 +1,141 @@
+"""Fixed-address forcing state that every wrapped router of one model reads: graph-safe route forcing.
+
+A CUDA graph replays kernels against the addresses it captured, so the forced ids and the per-token
+mask live in device tensors allocated once, sized by the engine's largest step (`max_tokens`, vLLM's
+`max_num_batched_tokens`), and never reallocated: each step overwrites them in place. The wrapped
+routers (`forcing.router`) read `ids_TLK[:n, column]` and `mask_TL[:n, column]` with tensor ops only,
+so the same code is right eagerly, under `torch.compile`, and replayed from a graph.
+
+`load` stages a step's forced rows in host memory (pinned when the device is a GPU) and copies them into
+the device tensors with `non_blocking` copies on the current stream: the step's forward, queued after
+them on the same stream, sees them, and nothing on the device side waits for the host. The only wait is
+on the host, before the staging memory is overwritten, for the previous step's copy (long finished by
+then). Rows not listed in a step are unforced (mask False); their ids are whatever an earlier step left,
+always a valid expert id or 0, and never read (the routers pick ids with `where` before any gather).
+Only the rows up to the highest one written in this step or the one before are copied, so a step that
+forces a few early rows copies a few rows.
+
+`forced` is a host flag for the worker's own bookkeeping (is anything forced this step); the routers
+never branch on it, because a graph replays whatever branch was taken at capture.
+
+Legend: T = token rows of the largest step (`max_tokens`), N = rows a step forces, L = MoE layers
+forced (`moe_layers`, in that order), K = top-k.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from routereplay.errors import ForcedRoutesError
+
+
+class ForcingBuffers:
+    """Fixed-address forcing state every wrapped router of one model reads (graph-safe)."""
+
+    __slots__ = (
+        "_event",
+        "_high",
+        "_staged_ids_TLK",
+        "_staged_mask_TL",
+        "column",
+        "forced",
+        "ids_TLK",
+        "mask_TL",
+        "max_tokens",
+        "moe_layers",
+        "top_k",
+    )
+
+    def __init__(self, max_tokens: int, moe_layers: tuple[int, ...], top_k: int, device: torch.device | str) -> None:
+        if max_tokens < 1 or top_k < 1 or not moe_layers:
+            raise ForcedRoutesError(
+                f"ForcingBuffers(max_tokens={max_tokens}, moe_layers={moe_layers}, top_k={top_k}): need at least "
+                "one token row, one MoE layer and top_k >= 1; pass the engine's max_num_batched_tokens, the "
+                "model's MoE layer numbers and its top-k"
+            )
+        if len(set(moe_layers)) != len(moe_layers):
+            raise ForcedRoutesError(f"ForcingBuffers: MoE layer numbers {moe_layers} repeat; pass each layer once")
+        device = torch.device(device)
+        self.max_tokens = int(max_tokens)
+        self.moe_layers = tuple(int(layer) for layer in moe_layers)
+        self.top_k = int(top_k)
+        self.column = {layer: i for i, layer in enumerate(self.moe_layers)}
+        shape = (self.max_tokens, len(self.moe_layers), self.top_k)
+        self.ids_TLK = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.mask_TL = torch.zeros(shape[:2], dtype=torch.bool, device=device)
+        pin = device.type == "cuda"
+        self._staged_ids_TLK = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
+        self._staged_mask_TL = torch.zeros(shape[:2], dtype=torch.bool, pin_memory=pin)
+        self._event = torch.cuda.Event() if pin else None
+        self._high = 0  # rows [0, _high) of the device tensors may hold a forced row
+        self.forced = False
+
+    def load(self, rows_N: np.ndarray, experts_NLK: np.ndarray) -> None:
+        """Force `experts_NLK[i]` on token row `rows_N[i]` of this step (a layer's row of -1: live there); every
+        other row routes live. Staged on the host, copied in place without a device-side wait."""
+        rows_N = np.asarray(rows_N)
+        experts_NLK = np.asarray(experts_NLK)
+        if rows_N.size == 0 and experts_NLK.size == 0:
+            self.clear()
+            return
+        self._check(rows_N, experts_NLK)
+        self._wait_for_staging()
+        high = int(rows_N.max()) + 1
+        span = max(high, self._high)
+        staged_ids_TLK = self._staged_ids_TLK.numpy()
+        staged_mask_TL = self._staged_mask_TL.numpy()
+        staged_ids_TLK[:span] = 0
+        staged_mask_TL[:span] = False
+        mask_NL = experts_NLK[:, :, 0] >= 0
+        staged_mask_TL[rows_N] = mask_NL
+        staged_ids_TLK[rows_N] = np.where(mask_NL[:, :, None], experts_NLK, 0)
+        self._copy(span)
+        self._high = high
+        self.forced = bool(mask_NL.any())
+
+    def clear(self) -> None:
+        """No forced rows this step (nothing to do when already clear)."""
+        if self._high:
+            self.mask_TL[: self._high].zero_()
+            self._high = 0
+        self.forced = False
+
+    def _check(self, rows_N: np.ndarray, experts_NLK: np.ndarray) -> None:
+        shape = (rows_N.shape[0], len(self.moe_layers), self.top_k) if rows_N.ndim == 1 else None
+        if shape is None or experts_NLK.shape != shape:
+            raise ForcedRoutesError(
+                f"ForcingBuffers.load: rows {rows_N.shape} and experts {experts_NLK.shape} do not fit; pass N row "
+                f"indices and an (N, {len(self.moe_layers)}, {self.top_k}) array (MoE layers {self.moe_layers})"
+            )
+        if not (np.issubdtype(rows_N.dtype, np.integer) and np.issubdtype(experts_NLK.dtype, np.integer)):
+            raise ForcedRoutesError(
+                f"ForcingBuffers.load: rows ({rows_N.dtype}) and experts ({experts_NLK.dtype}) must be integers"
+            )
+        if rows_N.min() < 0 or rows_N.max() >= self.max_tokens:
+            raise ForcedRoutesError(
+                f"ForcingBuffers.load: token rows {rows_N.min()}..{rows_N.max()} are outside the step's "
+                f"[0, {self.max_tokens}) rows; size the buffers by the engine's max_num_batched_tokens"
+            )
+        if len(np.unique(rows_N)) != len(rows_N):
+            raise ForcedRoutesError("ForcingBuffers.load: a token row is listed twice; list each row once")
+        live_NLK = experts_NLK < 0
+        if (live_NLK.any(axis=-1) != live_NLK.all(axis=-1)).any() or (experts_NLK < -1).any():
+            raise ForcedRoutesError(
+                "ForcingBuffers.load: a (row, layer) mixes -1 with expert ids, or holds an id below -1; a layer's "
+                "row is either all expert ids (forced) or all -1 (live)"
+            )
+
+    def _wait_for_staging(self) -> None:
+        """The previous step's copy out of the staging memory has finished (host-side wait, outside a forward)."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def _copy(self, span: int) -> None:
+        self.ids_TLK[:span].copy_(self._staged_ids_TLK[:span], non_blocking=True)
+        self.mask_TL[:span].copy_(self._staged_mask_TL[:span], non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+
+
+__all__ = ["ForcingBuffers"]

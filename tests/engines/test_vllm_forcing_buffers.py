@@ -1,0 +1,105 @@
+"""`ForcingBuffers`: the fixed-address forced ids and mask every wrapped router reads, filled step by step.
+
+Each step's content must be exactly that step's rows (no row left over from an earlier step), at the same
+addresses every step (a CUDA graph reads the addresses it captured). Here on CPU tensors; the copy path is
+the same on a GPU but for pinned staging and the event (tests/engines/test_vllm_forcing_op.py, `gpu`).
+
+Legend: T = token rows, N = forced rows, L = MoE layers, K = top-k.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from routereplay.engines.vllm.forcing import ForcingBuffers
+from routereplay.errors import ForcedRoutesError
+
+LAYERS = (1, 3, 4)
+
+
+def expected(buffers: ForcingBuffers, rows_N: np.ndarray, experts_NLK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    mask_TL = np.zeros((buffers.max_tokens, len(LAYERS)), dtype=bool)
+    ids_TLK = np.zeros((buffers.max_tokens, len(LAYERS), buffers.top_k), dtype=np.int32)
+    for row, experts_LK in zip(rows_N, experts_NLK, strict=True):
+        for col, experts_K in enumerate(experts_LK):
+            if experts_K[0] >= 0:
+                mask_TL[row, col] = True
+                ids_TLK[row, col] = experts_K
+    return mask_TL, ids_TLK
+
+
+def random_step(rng: np.random.Generator, max_tokens: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    rows_N = rng.choice(max_tokens, size=int(rng.integers(0, max_tokens + 1)), replace=False)
+    experts_NLK = np.argsort(rng.random((len(rows_N), len(LAYERS), 16)), axis=-1)[:, :, :top_k]
+    experts_NLK[rng.random((len(rows_N), len(LAYERS))) < 0.3] = -1  # some layers of some rows route live
+    return rows_N, experts_NLK
+
+
+def test_each_step_holds_exactly_its_rows_at_the_same_addresses() -> None:
+    buffers = ForcingBuffers(max_tokens=12, moe_layers=LAYERS, top_k=2, device="cpu")
+    addresses = (buffers.ids_TLK.data_ptr(), buffers.mask_TL.data_ptr())
+    assert buffers.ids_TLK.dtype == torch.int32 and buffers.ids_TLK.shape == (12, 3, 2)
+    assert buffers.mask_TL.dtype == torch.bool and buffers.mask_TL.shape == (12, 3)
+    assert buffers.column == {1: 0, 3: 1, 4: 2}
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # steps of every size, high rows then low rows, some with nothing forced
+        rows_N, experts_NLK = random_step(rng, 12, 2)
+        buffers.load(rows_N, experts_NLK)
+        mask_TL, ids_TLK = expected(buffers, rows_N, experts_NLK)
+        np.testing.assert_array_equal(buffers.mask_TL.numpy(), mask_TL)
+        forced_TL = buffers.mask_TL.numpy()
+        np.testing.assert_array_equal(buffers.ids_TLK.numpy()[forced_TL], ids_TLK[forced_TL])
+        assert (buffers.ids_TLK.numpy() >= 0).all(), "unforced rows hold valid ids too (never read)"
+        assert buffers.forced == bool(mask_TL.any())
+        assert (buffers.ids_TLK.data_ptr(), buffers.mask_TL.data_ptr()) == addresses
+
+
+def test_clear_unforces_every_row_and_a_later_load_starts_clean() -> None:
+    buffers = ForcingBuffers(max_tokens=8, moe_layers=LAYERS, top_k=2, device="cpu")
+    buffers.load(np.array([7, 2]), np.full((2, 3, 2), 5))
+    assert buffers.forced and buffers.mask_TL.sum() == 6
+    buffers.clear()
+    assert not buffers.forced and not buffers.mask_TL.any()
+    buffers.clear()  # already clear: still clear
+    assert not buffers.mask_TL.any()
+    buffers.load(np.array([0]), np.array([[[1, 2], [-1, -1], [3, 4]]]))
+    assert buffers.mask_TL.nonzero().tolist() == [[0, 0], [0, 2]]
+    buffers.load(np.array([], dtype=np.int64), np.zeros((0, 3, 2), dtype=np.int64))
+    assert not buffers.forced and not buffers.mask_TL.any()
+
+
+def test_a_step_whose_rows_are_all_minus_one_forces_nothing() -> None:
+    buffers = ForcingBuffers(max_tokens=4, moe_layers=LAYERS, top_k=2, device="cpu")
+    buffers.load(np.array([1, 3]), np.full((2, 3, 2), -1))
+    assert not buffers.forced and not buffers.mask_TL.any()
+
+
+@pytest.mark.parametrize(
+    ("rows", "experts", "message"),
+    [
+        (np.array([0]), np.zeros((1, 2, 2), dtype=np.int64), r"do not fit.*\(N, 3, 2\)"),
+        (np.array([[0]]), np.zeros((1, 3, 2), dtype=np.int64), r"do not fit"),
+        (np.array([8]), np.zeros((1, 3, 2), dtype=np.int64), r"outside the step's \[0, 8\) rows"),
+        (np.array([-1]), np.zeros((1, 3, 2), dtype=np.int64), r"outside the step's"),
+        (np.array([2, 2]), np.zeros((2, 3, 2), dtype=np.int64), r"listed twice"),
+        (np.array([0]), np.array([[[1, -1], [1, 2], [1, 2]]]), r"mixes -1 with expert ids"),
+        (np.array([0]), np.full((1, 3, 2), -2), r"below -1"),
+        (np.array([0.0]), np.zeros((1, 3, 2)), r"must be integers"),
+    ],
+)
+def test_bad_rows_are_refused_by_name(rows: np.ndarray, experts: np.ndarray, message: str) -> None:
+    buffers = ForcingBuffers(max_tokens=8, moe_layers=LAYERS, top_k=2, device="cpu")
+    with pytest.raises(ForcedRoutesError, match=message):
+        buffers.load(rows, experts)
+    assert not buffers.mask_TL.any(), "a refused load changes nothing"
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "layers", "top_k", "message"),
+    [(0, LAYERS, 2, "at least one token row"), (4, (), 2, "one MoE layer"), (4, (1, 1), 2, "repeat")],
+)
+def test_bad_sizes_are_refused_by_name(max_tokens: int, layers: tuple[int, ...], top_k: int, message: str) -> None:
+    with pytest.raises(ForcedRoutesError, match=message):
+        ForcingBuffers(max_tokens=max_tokens, moe_layers=layers, top_k=top_k, device="cpu")
