@@ -85,6 +85,14 @@ def _has_module(name: str) -> bool:
         return False
 
 
+def _vllm_version() -> str:
+    if not _has_module("vllm"):
+        return ""
+    import vllm
+
+    return str(vllm.__version__)
+
+
 def _has_cuda() -> bool:
     import torch
 
@@ -97,6 +105,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # get_closest_marker, not `in item.keywords`: keywords also hold parametrize ids
             if item.get_closest_marker(marker) is not None and not _has_module(module):
                 item.add_marker(pytest.mark.skip(reason=f"{module} is not installed ({fix})"))
+        if item.get_closest_marker("vllm032") is not None and not _vllm_version().startswith("0.32"):
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs vLLM 0.32 (found {_vllm_version() or 'none'}; make test-vllm032)")
+            )
         if item.get_closest_marker("gpu") is not None and not _has_cuda():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 

@@ -320,6 +320,17 @@ class ForcingNotAppliedError(RouteReplayError):
     lacks the routereplay vLLM plugin, or a layer's router is one the plugin cannot force. The message names rows."""
 
 
+class ForcingSetupError(ConfigError):
+    """A vLLM engine is set up so that route forcing cannot serve it (a monolithic MoE kernel that routes inside
+    the kernel, speculative decoding, data parallel > 1, micro-batching): refused at start-up, before it serves;
+    the message names the layer or setting and the fix."""
+
+
+class VLLMVersionError(ConfigError):
+    """The vLLM found is a version the routereplay plugin has no route-forcing path for (it serves 0.30 and
+    0.31-0.33); the message names the version found and those served."""
+
+
 class EngineStartError(RouteReplayError):
     """A local inference server did not start (it exited, or was not ready in time); the message has its log."""
 

