@@ -28,7 +28,7 @@ from routereplay.engines.vllm.forced_routes import (
     moe_layers_of,
     salted,
 )
-from routereplay.engines.vllm.forcing.router import RoutingMethod, RoutingRule, rule_of
+from routereplay.engines.vllm.forcing import RoutingMethod, RoutingRule, rule_of
 from routereplay.errors import (
     ConfigError,
     ExpertIdRangeError,
@@ -177,7 +177,7 @@ def test_forced_weights_follow_the_routing_method() -> None:
     assert torch.allclose(softmax, probs / probs.sum(-1, keepdim=True), atol=1e-6)
     raw = RoutingRule(RoutingMethod.SOFTMAX_TOPK, renormalize=False).weights(logits, experts)
     assert torch.allclose(raw, probs, atol=1e-6)
-    grouped = RoutingRule(RoutingMethod.GROUPED_TOPK, True, "sigmoid", 2.5).weights(logits, experts)
+    grouped = RoutingRule(RoutingMethod.SCORED_TOPK, True, "sigmoid", 2.5).weights(logits, experts)
     scores = logits.sigmoid().gather(1, experts)
     assert torch.allclose(grouped, 2.5 * scores / scores.sum(-1, keepdim=True), atol=1e-6)
 
@@ -190,11 +190,12 @@ def test_routers_that_cannot_be_forced_are_named() -> None:
     assert rule_of(CPURouter())[0] == RoutingRule(RoutingMethod.SOFTMAX_TOPK, True)
     custom = CPURouter()
     custom.custom_routing_function = len
-    assert rule_of(custom) == (None, "a custom routing function")
+    assert rule_of(custom)[0] is None
+    assert rule_of(custom)[1].startswith("the custom routing function builtins.len (only Llama 4's")
     v4 = CPURouter()
     v4.scoring_func = "sqrtsoftplus"
     assert rule_of(v4)[0] is None and "sqrtsoftplus" in rule_of(v4)[1]
-    assert rule_of(SimpleNamespace())[1].startswith("router SimpleNamespace is not vLLM's CPURouter")
+    assert rule_of(SimpleNamespace())[1].startswith("router SimpleNamespace is none of the routers forced")
 
 
 # --- the client over HTTP ---------------------------------------------------------------------------------------
@@ -230,17 +231,18 @@ def test_client_checks_what_it_can_before_sending() -> None:
 
 
 def test_a_router_that_cannot_be_forced_routes_live_counts_and_logs(caplog: pytest.LogCaptureFixture) -> None:
-    """A GPU router (here a stand-in named like vLLM's FusedTopKRouter) is never forced silently: its rows route
-    live, are counted, and the worker's log names the layer and why (the client then sees ForcingNotAppliedError)."""
+    """A router that cannot be forced (a stand-in named like vLLM's RoutingSimulatorRouter) is never forced
+    silently: its rows route live, are counted, and the worker's log names the layer and why (the client then sees
+    ForcingNotAppliedError)."""
     import logging
 
     from routereplay.engines.vllm.forcing.router import LayerForcing, StepRows
 
-    class FusedTopKRouter:
+    class RoutingSimulatorRouter:
         def _compute_routing(self, hidden: torch.Tensor, logits: torch.Tensor, indices_type: object, **kw: object):
             return torch.full((logits.shape[0], 2), 0.5), torch.tensor([[0, 1]] * logits.shape[0])
 
-    router = FusedTopKRouter()
+    router = RoutingSimulatorRouter()
     forcing = LayerForcing.of(3, router)
     forcing.install()
     forcing.install()  # installing twice keeps one wrapper around the original
@@ -248,7 +250,7 @@ def test_a_router_that_cannot_be_forced_routes_live_counts_and_logs(caplog: pyte
     with caplog.at_level(logging.ERROR, logger="routereplay.vllm.forcing"):
         _weights, ids = router._compute_routing(torch.zeros(3, 4), torch.zeros(3, 8), None)
     assert ids.tolist() == [[0, 1]] * 3 and forcing.live_fallback_rows == 1 and forcing.forced_rows == 0
-    assert "layer 3 cannot be forced (router FusedTopKRouter is not vLLM's CPURouter" in caplog.text
+    assert "layer 3 cannot be forced (router RoutingSimulatorRouter: it routes synthetically" in caplog.text
 
 
 def test_the_front_end_names_every_refusal_with_the_field_and_reserves_its_salt() -> None:

@@ -20,7 +20,7 @@ import torch
 from routereplay import codec
 from routereplay.engines.vllm import forced_routes
 from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced
-from routereplay.engines.vllm.forcing.router import LayerForcing, RoutingMethod, RoutingRule
+from routereplay.engines.vllm.forcing import LayerForcing, RoutingMethod, RoutingRule
 from routereplay.engines.vllm.forcing.worker import ForcingWorker
 from routereplay.errors import ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
@@ -91,7 +91,7 @@ def test_int16_ids_weigh_as_int64_ids() -> None:
     experts = torch.stack([torch.randperm(128, generator=torch.Generator().manual_seed(i))[:8] for i in range(6)])
     for rule in (
         RoutingRule(RoutingMethod.SOFTMAX_TOPK, True),
-        RoutingRule(RoutingMethod.GROUPED_TOPK, True, "sigmoid"),
+        RoutingRule(RoutingMethod.SCORED_TOPK, True, "sigmoid"),
     ):
         assert torch.equal(rule.weights(logits, experts.to(torch.int16)), rule.weights(logits, experts))
 

@@ -2,8 +2,11 @@
 
 Files:
 - `router.py`  one MoE layer's router: `_compute_routing` wrapped; forced rows get the forced ids and the
-               weights the router's own method gives them from the live logits (per-step rows, or
-               graph-safe from `ForcingBuffers` with tensor ops only); which routers are forced, which refused
+               weights the router's own method gives them from the live logits (per-step `StepRows`, or
+               graph-safe from `ForcingBuffers`)
+- `rule.py`    `rule_of`: which vLLM routers are forced and by which `RoutingRule` their weights follow, which
+               are refused and why
+- `op.py`      `force_topk`: the graph-safe forcing op (where / gather / the rule's weights), vLLM-free
 - `buffers.py` `ForcingBuffers`: fixed-address forced ids and per-token mask, filled before each step
 - `worker.py`  the vLLM 0.30 (V1 runner) worker side: which rows of each step are forced, by request and position
 
@@ -11,7 +14,9 @@ Importing this package does not import vLLM.
 """
 
 from routereplay.engines.vllm.forcing.buffers import ForcingBuffers
-from routereplay.engines.vllm.forcing.router import LayerForcing, RoutingMethod, RoutingRule, StepRows, rule_of
+from routereplay.engines.vllm.forcing.op import force_topk
+from routereplay.engines.vllm.forcing.router import LayerForcing, StepRows
+from routereplay.engines.vllm.forcing.rule import RoutingMethod, RoutingRule, rule_of
 from routereplay.engines.vllm.forcing.worker import RUNNER_ATTR, ForcingWorker
 
 __all__ = [
@@ -22,5 +27,6 @@ __all__ = [
     "RoutingMethod",
     "RoutingRule",
     "StepRows",
+    "force_topk",
     "rule_of",
 ]

@@ -1,0 +1,44 @@
+"""The forcing op: a router's live top-k with the masked rows replaced by forced ids and their weights.
+
+`force_topk` is what a wrapped router runs after its live routing when it reads `ForcingBuffers`. It is
+tensor ops only (`where`, `clamp`, `gather`, the rule's softmax / sigmoid), with no host sync, no Python
+branch on tensor values and no shape that depends on them: every row is computed and the mask picks.
+So the same code is right eagerly, traced by `torch.compile` (the buffers' contents change between calls
+without a recompile), and replayed from a CUDA graph captured once (the buffers' addresses are fixed).
+
+The gather index is the dispatched id (forced where masked, live elsewhere) clamped into [0, E): a live
+row may carry -1 (vLLM's padding rows under `VLLM_MOE_SKIP_PADDING`), and a CUDA gather out of range
+is a device-side assert; the weights of unforced rows are discarded by the mask anyway. The forced ids
+themselves are checked against the model before they reach the buffers (`ForcedRoutes.check`).
+
+Importing this module does not import vLLM (the CUDA-graph test runs it on a device without vLLM).
+
+Legend: N = token rows of the step, E = experts, K = top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from routereplay.engines.vllm.forcing.rule import RoutingRule
+
+
+def force_topk(
+    weights_NK: torch.Tensor,
+    ids_NK: torch.Tensor,
+    logits_NE: torch.Tensor,
+    forced_NK: torch.Tensor,
+    mask_N: torch.Tensor,
+    rule: RoutingRule,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(weights_NK, ids_NK)` with each row where `mask_N` is True replaced by `forced_NK` and the weights `rule`
+    gives those ids from `logits_NE`; other rows come back bit-identical. Dtypes and shapes are the live ones."""
+    mask_N1 = mask_N[:, None]
+    ids_NK = torch.where(mask_N1, forced_NK.to(ids_NK.dtype), ids_NK)
+    index_NK = ids_NK.clamp(0, logits_NE.shape[-1] - 1)
+    forced_weights_NK = rule.weights(logits_NE, index_NK)
+    weights_NK = torch.where(mask_N1, forced_weights_NK.to(weights_NK.dtype), weights_NK)
+    return weights_NK, ids_NK
+
+
+__all__ = ["force_topk"]
