@@ -43,7 +43,9 @@ def routes(rows: int, seed: int, start: int = 0, served: ServedRouting = SERVED)
 class Runner:
     """MRv2's CPU-side request bookkeeping for a sequence of steps, and the forcing under test."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, forcing: MRv2Forcing | None = None, served: ServedRouting = SERVED
+    ) -> None:
         import vllm.v1.worker.cpu.buffer_utils as cpu_buffers
         import vllm.v1.worker.gpu.buffer_utils as gpu_buffers
 
@@ -51,7 +53,9 @@ class Runner:
         from vllm.v1.worker.gpu.states import RequestState
 
         self.states = RequestState(8, 128, MAX_TOKENS, 0, 100, torch.device("cpu"))
-        self.forcing = MRv2Forcing(RowMap(SERVED), ForcingBuffers(MAX_TOKENS, SERVED.moe_layers, 2, "cpu"), {}, 0)
+        self.served = served
+        buffers = ForcingBuffers(MAX_TOKENS, served.moe_layers, served.top_k, "cpu")
+        self.forcing = forcing if forcing is not None else MRv2Forcing(RowMap(served), buffers, {}, 0)
         self.position: dict[str, int] = {}  # the test's own truth: each request's next position
 
     def new(self, req_id: str, prompt: list[int], forced: Any = None, computed: int = 0) -> Any:
@@ -119,8 +123,8 @@ class Runner:
     def expect(self, batch: Any, forced: dict[str, RouteTrace]) -> tuple[np.ndarray, np.ndarray]:
         """The step's forced mask (N, L) and ids (N, L, K) by the test's own walk of positions."""
         total = int(batch.query_start_loc_np[-1])
-        mask_NL = np.zeros((total, len(SERVED.moe_layers)), dtype=bool)
-        ids_NLK = np.zeros((total, len(SERVED.moe_layers), SERVED.top_k), dtype=np.int64)
+        mask_NL = np.zeros((total, len(self.served.moe_layers)), dtype=bool)
+        ids_NLK = np.zeros((total, len(self.served.moe_layers), self.served.top_k), dtype=np.int64)
         row = 0
         for req_id, count in zip(batch.req_ids, batch.num_scheduled_tokens, strict=True):
             first = self.position[req_id] - int(count)  # positions already advanced by `step`
