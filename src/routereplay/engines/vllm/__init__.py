@@ -10,7 +10,9 @@ Files:
 - `forced_routes.py`  the forced routes a request carries (codec blob, base64) checked against model and prompt
 - `forcing/`          route forcing: one MoE layer's router (`router.py`), the fixed-address buffers every
                       wrapped router reads (`buffers.py`), the V1 worker side by request and position (`worker.py`)
-- `plugin.py`         the `vllm.general_plugins` entry point: front-end checks and worker forcing
+- `mrv2/`            vLLM 0.31-0.33 (Model Runner V2): step rows mapped to (request, position), the runner hooks
+                      that fill the forcing buffers, start-up refusals, the version dispatch
+- `plugin.py`         the `vllm.general_plugins` entry point: front-end checks and worker forcing, by vLLM version
 
 Importing this package does not import vLLM; `VLLMEngine` and the plugin import it when used.
 """
