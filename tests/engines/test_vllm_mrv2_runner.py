@@ -296,3 +296,31 @@ def test_the_plugin_picks_model_runner_v2_and_its_front_end_refuses_what_it_cann
     monkeypatch.setenv(FORCING_ENV, "off")
     with pytest.raises(ForcedRoutesError, match=r"route forcing is off in this server \(ROUTEREPLAY_FORCING=off\)"):
         plugin.refuse_mrv2(vllm032.config, "request 'x'")
+
+
+@pytest.mark.vllm032
+def test_vllm_032s_own_input_processor_checks_and_salts_forced_requests(vllm032: SimpleNamespace) -> None:
+    """vLLM 0.32's `InputProcessor`, wrapped by vLLM's own plugin loading: on an MRv2 engine a good request is
+    salted with its routes' digest and a bad blob fails by name; on this CPU's real engine config (the V1 runner
+    fallback) a forced request is refused by name, and an unforced one passes untouched."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from routereplay.engines.vllm.forced_routes import SALT_PREFIX, XARG_KEY
+
+    prompt = list(range(10, 22))
+    blob = encode_forced(routes(12, seed=41, served=SERVED))
+
+    def process(config: Any, extra: dict[str, Any]) -> Any:
+        processor = InputProcessor(config)
+        params = SamplingParams(max_tokens=4, extra_args=extra)
+        return processor.process_inputs("r1", {"prompt_token_ids": prompt}, params, ("generate",))
+
+    request = process(vllm032.config, {XARG_KEY: blob})
+    assert str(request.cache_salt).startswith(SALT_PREFIX)
+    with pytest.raises(VLLMValidationError, match=r"request 'r1'.*not base64"):
+        process(vllm032.config, {XARG_KEY: "not base64 !!"})
+    with pytest.raises(VLLMValidationError, match=r"request 'r1'.*cannot be served: vLLM runs its V1 model runner"):
+        process(vllm032.v1_config, {XARG_KEY: blob})
+    assert process(vllm032.v1_config, {}).cache_salt is None
