@@ -171,8 +171,9 @@ def test_speculative_decoding_is_refused_at_start_up_by_name(vllm032: SimpleName
 
 @pytest.mark.vllm032
 def test_parallel_set_ups_forcing_cannot_serve_are_named(vllm032: SimpleNamespace) -> None:
-    """Data parallel, pipeline parallel, prefill context parallel, micro-batching, the V1 runner: each named with
-    its fix (on a copy of vLLM's real `ParallelConfig`); the plain set-up (one rank, MRv2) has no problem."""
+    """Data parallel, sequence-parallel MoE, pipeline and prefill context parallel, micro-batching, the V1 runner:
+    each named with its fix (on a copy of vLLM's real `ParallelConfig`); the plain set-up (one rank, MRv2) has no
+    problem."""
     config = vllm032.config
     assert config_problems(config) == []
     (fallback,) = config_problems(vllm032.v1_config)  # this CPU's real engine config: vLLM fell back to V1
@@ -180,6 +181,9 @@ def test_parallel_set_ups_forcing_cannot_serve_are_named(vllm032: SimpleNamespac
     parallel = copy.copy(config.parallel_config)
     parallel.data_parallel_size, parallel.pipeline_parallel_size = 2, 2
     parallel.enable_dbo = True
+    parallel.enable_expert_parallel, parallel.tensor_parallel_size = True, 2
+    parallel.all2all_backend = "allgather_reducescatter"
+    assert parallel.use_sequence_parallel_moe  # vLLM's own property
     parallel.prefill_context_parallel_size = 2
     wide = SimpleNamespace(
         speculative_config=None, parallel_config=parallel, use_v2_model_runner=False, model_config=config.model_config
@@ -191,6 +195,7 @@ def test_parallel_set_ups_forcing_cannot_serve_are_named(vllm032: SimpleNamespac
         "pipeline_parallel_size is 2",
         "prefill_context_parallel_size is 2",
         "micro-batching is on",
+        "sequence-parallel MoE is on",
         "V1 model runner",
     ):
         assert expected in text

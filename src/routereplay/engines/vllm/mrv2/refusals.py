@@ -19,8 +19,8 @@ Set-ups (`config_problems`, read from `VllmConfig`; the front end checks them pe
   upper bound); refused;
 - data parallel > 1: the MoE layers see tokens gathered across DP ranks, not this rank's step rows;
 - pipeline parallel > 1: a stage holds part of the MoE layers, and a request's routes name all of them;
-- sequence-parallel MoE (expert parallel with tensor parallel > 1 and an all2all backend that shards the
-  batch, `ParallelConfig.use_sequence_parallel_moe`): each rank routes a shard of the step's rows;
+- sequence-parallel MoE (`ParallelConfig.use_sequence_parallel_moe`: expert parallel, tensor parallel > 1,
+  data parallel > 1 and an all2all backend that shards the batch): each rank routes a shard of the rows;
 - prefill context parallel > 1 and micro-batching (`--enable-dbo`, `ubatch_size` > 1): the forward runs on a
   partition of the step's rows;
 - the V1 model runner on vLLM >= 0.31 (`VLLM_USE_V2_MODEL_RUNNER=0`, or a feature that made vLLM fall back):
@@ -77,10 +77,9 @@ def config_problems(vllm_config: Any) -> list[str]:
         )
     if bool(getattr(parallel, "use_sequence_parallel_moe", False)):
         problems.append(
-            f"sequence-parallel MoE is on (expert parallel, tensor parallel {parallel.tensor_parallel_size}, "
-            f"all2all_backend {getattr(parallel, 'all2all_backend', None)!r}): each rank routes a shard of the "
-            "step's rows; run expert parallel with --tensor-parallel-size 1, or tensor parallel without "
-            "--enable-expert-parallel"
+            f"sequence-parallel MoE is on (expert parallel, tensor parallel {parallel.tensor_parallel_size}, data "
+            f"parallel {parallel.data_parallel_size}, all2all_backend {getattr(parallel, 'all2all_backend', None)!r}): "
+            "each rank routes a shard of the step's rows; run one data-parallel rank"
         )
     if bool(getattr(parallel, "use_ubatching", False)):
         problems.append(
