@@ -64,6 +64,20 @@ def test_other_vllm_versions_are_refused_by_name(version: str) -> None:
         forcing_path(version)
 
 
+@pytest.mark.vllm
+def test_the_plugin_refuses_an_unknown_vllm_before_wrapping_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from routereplay.engines.vllm import plugin
+
+    before = InputProcessor.process_inputs
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(VLLMVersionError, match=r"found vLLM '0\.34\.0'"):
+        plugin.register()
+    assert InputProcessor.process_inputs is before
+
+
 # --- a real vLLM 0.32 model on CPU ---------------------------------------------------------------------
 
 
