@@ -23,7 +23,7 @@ before each step, the set-up checked at start-up); any other version stops the p
   reserved prefix is refused (it would reuse forced KV).
 - 0.30: `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
   forward in which some request asks for forcing, the runner's `ForcingWorker` sets every MoE layer's
-  forced rows for the step (`forcing_worker`); they are cleared after the forward, also when it raises.
+  forced rows for the step (`forcing.worker`); they are cleared after the forward, also when it raises.
 
 What comes back is vLLM's own capture (`enable_return_routed_experts`), which sees the ids after
 forcing: forced rows are reported with the forced experts, because those are what was dispatched.
