@@ -241,3 +241,19 @@ def test_finished_requests_drop_their_routes_and_a_step_without_forced_rows_clea
     assert not forced and not runner.forcing.buffers.mask_TL.any()
     assert "a" not in runner.forcing.rows.plans
     assert runner.forcing.rows.rows_of(batch) is None
+
+
+def test_a_streaming_input_update_with_a_longer_prompt_and_routes_is_checked_again(runner: Runner) -> None:
+    """MRv2 re-sends a request whose input grew (streaming input) as new, with its longer prompt: its new routes
+    are checked against that prompt and force the new positions; the same request re-sent unchanged is not."""
+    first = list(range(10, 16))
+    longer = [*first, 40, 41, 42, 43]
+    trace, grown = routes(6, seed=9), routes(10, seed=10)
+    runner.step({"a": 6}, new=[runner.new("a", first, encode_forced(trace))])
+    runner.step({"a": 1})
+    update = runner.new("a", longer, encode_forced(grown), computed=7)
+    batch, forced = runner.step({"a": 3}, new=[update])
+    assert forced and runner.check(batch, {"a": grown}) == 3 * 2  # positions 7..9 of the grown routes
+    assert runner.forcing.rows.forced_requests == 2
+    runner.forcing.rows.admit([update])
+    assert runner.forcing.rows.forced_requests == 2, "the same request, routes and prompt: not checked again"

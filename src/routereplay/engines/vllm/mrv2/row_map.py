@@ -11,7 +11,8 @@ device tensor is read, so filling the forcing buffers never waits for the GPU.
 
 `RowMap` keeps the checked forced routes of the runner's requests, keyed by request id:
 - `admit` sees each request the scheduler hands the runner as new (`scheduled_new_reqs`: a first
-  schedule, and in MRv2 also a request resumed after preemption). A request carrying
+  schedule; in MRv2 also a request resumed after preemption, kept as it was, and a streaming-input update
+  with a longer prompt or other routes, checked again). A request carrying
   `extra_args[XARG_KEY]` is checked once (`ForcedRoutes.parse`, the front end's checks against the
   loaded model) and kept until it finishes; a request that fails the check is counted in
   `refused_requests` and routes live (its client sees the capture differ: `ForcingNotAppliedError`).
@@ -63,6 +64,7 @@ class RowMap:
 
     served: ServedRouting
     plans: dict[str, Any] = field(default_factory=dict)  # request id -> ForcedRoutes | _UNFORCED | ForcedRoutesError
+    asked: dict[str, tuple[Any, int]] = field(default_factory=dict)  # request id -> (its routes text, prompt length)
     forced_requests: int = 0
     refused_requests: int = 0
     steps_forced: int = 0
@@ -73,16 +75,21 @@ class RowMap:
     def admit(self, new_requests: Any) -> None:
         """Check the forced routes of requests scheduled as new (`SchedulerOutput.scheduled_new_reqs`).
 
-        A request already known (resumed after preemption) keeps its plan: same blob, same prompt."""
+        A request already known with the same routes and prompt (resumed after preemption) keeps its plan; one
+        re-sent with another prompt or other routes (MRv2's streaming-input update) is checked again."""
         for data in new_requests:
             request_id = str(data.req_id)
-            if request_id not in self.plans:
+            extra = getattr(getattr(data, "sampling_params", None), "extra_args", None) or {}
+            asked = (extra.get(XARG_KEY), len(getattr(data, "prompt_token_ids", None) or ()))
+            if request_id not in self.plans or self.asked.get(request_id) != asked:
                 self.plans[request_id] = self._parse(request_id, data)
+                self.asked[request_id] = asked
 
     def forget(self, finished_ids: Any) -> None:
         """Drop the plans of requests that finished or were aborted (`SchedulerOutput.finished_req_ids`)."""
         for request_id in finished_ids:
             self.plans.pop(request_id, None)
+            self.asked.pop(request_id, None)
 
     def plan_of(self, request_id: str) -> ForcedRoutes | None:
         plan = self.plans.get(request_id)
