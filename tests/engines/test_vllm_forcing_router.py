@@ -162,7 +162,7 @@ def test_the_wrapped_router_forces_exactly_the_buffers_rows_with_its_own_weights
     router = build(case, bias_E)
     forcing = LayerForcing.of(LAYER, router)
     assert forcing.rule is not None, forcing.unsupported
-    buffers = ForcingBuffers(max_tokens=32, moe_layers=LAYERS, top_k=TOP_K, device="cpu")
+    buffers = ForcingBuffers(max_tokens=32, moe_layers=LAYERS, top_k=TOP_K, device="cpu", capture_weights=True)
     forcing.install(buffers)
     captured: list[torch.Tensor] = []
     router.set_capture_fn(lambda ids: captured.append(ids.clone()))
@@ -171,6 +171,7 @@ def test_the_wrapped_router_forces_exactly_the_buffers_rows_with_its_own_weights
     weights_NK, ids_NK = router._select_experts(hidden_NH, logits_NE)
 
     assert torch.equal(captured[0], ids_NK), "vLLM's capture must see what is dispatched"
+    assert buffers.weights_TLK is not None and torch.equal(buffers.weights_TLK[:ROWS, 1], weights_NK)
     assert weights_NK.dtype == live_weights_NK.dtype and ids_NK.dtype == live_ids_NK.dtype
     forced = {int(row): experts_LK[1].tolist() for row, experts_LK in zip(rows_N, experts_NLK, strict=True)}
     for row in range(ROWS):
@@ -195,14 +196,15 @@ def test_the_wrapped_router_forces_exactly_the_buffers_rows_with_its_own_weights
 
 def test_a_compiled_wrapped_router_follows_two_buffer_contents_without_recompiling() -> None:
     """DeepSeek-V3's `GroupedTopKRouter`, wrapped, under `torch.compile(fullgraph=True)`: two steps with other
-    forced rows reuse one compiled graph (a recompile raises) and dispatch each step's own forced ids."""
+    forced rows reuse one compiled graph (a recompile raises), dispatch each step's own forced ids, and write the
+    weights they return into the buffers' `weights_TLK` (an in-place write the compiled graph keeps)."""
     rng = np.random.default_rng(99)
     bias_E = torch.from_numpy(rng.normal(0, 0.1, EXPERTS).astype(np.float32))
     hidden_NH = torch.randn(ROWS, 8)
     logits_NE = torch.from_numpy(rng.normal(0, 2, (ROWS, EXPERTS)).astype(np.float32))
     _live_weights_NK, live_ids_NK = build("grouped-sigmoid-bias", bias_E)._select_experts(hidden_NH, logits_NE)
     router = build("grouped-sigmoid-bias", bias_E)
-    buffers = ForcingBuffers(max_tokens=32, moe_layers=LAYERS, top_k=TOP_K, device="cpu")
+    buffers = ForcingBuffers(max_tokens=32, moe_layers=LAYERS, top_k=TOP_K, device="cpu", capture_weights=True)
     LayerForcing.of(LAYER, router).install(buffers)
     compiled = torch.compile(router._select_experts, fullgraph=True, dynamic=False)
     try:
@@ -210,10 +212,11 @@ def test_a_compiled_wrapped_router_follows_two_buffer_contents_without_recompili
             for _ in range(2):
                 rows_N, experts_NLK, _kinds = step(rng, "grouped-sigmoid-bias", live_ids_NK)
                 buffers.load(rows_N, experts_NLK)
-                _weights_NK, ids_NK = compiled(hidden_NH, logits_NE)
+                weights_NK, ids_NK = compiled(hidden_NH, logits_NE)
                 forced = {int(r): e[1].tolist() for r, e in zip(rows_N, experts_NLK, strict=True) if e[1, 0] >= 0}
                 expected = [forced.get(row, live_ids_NK[row].tolist()) for row in range(ROWS)]
                 assert ids_NK.tolist() == expected
+                assert buffers.weights_TLK is not None and torch.equal(buffers.weights_TLK[:ROWS, 1], weights_NK)
     finally:
         torch._dynamo.reset()
 
