@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from routereplay.engines.vllm.forcing import ForcingBuffers, LayerForcing, RoutingMethod, RoutingRule, rule_of
+from routereplay.errors import ForcedRoutesError
 
 pytestmark = pytest.mark.vllm032
 
@@ -255,3 +256,18 @@ def test_the_cuda_only_routers_have_rules_and_the_others_are_refused_by_name() -
     for router, reason in refused.items():
         rule, why = rule_of(router)
         assert rule is None and reason in why, (type(router).__name__, why)
+
+
+def test_buffers_that_do_not_fit_the_router_are_refused_by_name() -> None:
+    """Another top-k or a layer without a column fails at install; a step larger than the buffers fails by name
+    (at trace or capture time: it is a shape), never as a broadcasting error inside vLLM."""
+    router = build("cpu-softmax", None)
+    with pytest.raises(ForcedRoutesError, match=r"routes top-4 but the forcing buffers hold top-2"):
+        LayerForcing.of(LAYER, router).install(ForcingBuffers(8, LAYERS, 2, "cpu"))
+    with pytest.raises(
+        ForcedRoutesError, match=r"MoE layer 3 has no column in the forcing buffers \(layers \(0, 7\)\)"
+    ):
+        LayerForcing.of(3, router).install(ForcingBuffers(8, LAYERS, TOP_K, "cpu"))
+    LayerForcing.of(LAYER, router).install(ForcingBuffers(8, LAYERS, TOP_K, "cpu"))
+    with pytest.raises(ForcedRoutesError, match=r"routes 9 token rows, more than the forcing buffers' 8"):
+        router._select_experts(torch.zeros(9, 8), torch.randn(9, EXPERTS))

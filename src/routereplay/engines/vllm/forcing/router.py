@@ -82,6 +82,12 @@ class LayerForcing:
                     f"MoE layer {self.layer} has no column in the forcing buffers (layers {buffers.moe_layers}); "
                     "size ForcingBuffers by every MoE layer the model routes"
                 )
+            top_k = getattr(self.router, "top_k", buffers.top_k)
+            if top_k != buffers.top_k:
+                raise ForcedRoutesError(
+                    f"MoE layer {self.layer} routes top-{top_k} but the forcing buffers hold top-{buffers.top_k} "
+                    "ids; size ForcingBuffers by the model's top-k"
+                )
             self.buffers, self.column = buffers, buffers.column[self.layer]
         current = self.router._compute_routing
         if getattr(current, WRAPPED_MARK, None) is not None:
@@ -109,6 +115,12 @@ class LayerForcing:
             if self.rule is None:  # refused at start-up by the caller (`unsupported`); no per-step count here
                 return weights_NK, ids_NK
             rows = ids_NK.shape[0]
+            if rows > buffers.max_tokens:  # a shape, not a value: fixed at trace and capture time
+                raise ForcedRoutesError(
+                    f"MoE layer {self.layer} routes {rows} token rows, more than the forcing buffers' "
+                    f"{buffers.max_tokens}; size ForcingBuffers by the engine's largest step (max_num_batched_tokens, "
+                    "or the largest CUDA-graph size if larger)"
+                )
             forced_NK = buffers.ids_TLK[:rows, self.column]
             weights_NK, ids_NK = force_topk(
                 weights_NK, ids_NK, router_logits, forced_NK, buffers.mask_TL[:rows, self.column], self.rule
