@@ -56,6 +56,17 @@ def test_each_step_holds_exactly_its_rows_at_the_same_addresses() -> None:
         assert (buffers.ids_TLK.data_ptr(), buffers.mask_TL.data_ptr()) == addresses
 
 
+def test_weights_are_kept_only_when_asked_for_at_a_fixed_address() -> None:
+    assert ForcingBuffers(max_tokens=4, moe_layers=LAYERS, top_k=2, device="cpu").weights_TLK is None
+    buffers = ForcingBuffers(max_tokens=4, moe_layers=LAYERS, top_k=2, device="cpu", capture_weights=True)
+    assert buffers.weights_TLK is not None
+    assert buffers.weights_TLK.dtype == torch.float32 and buffers.weights_TLK.shape == (4, 3, 2)
+    address = buffers.weights_TLK.data_ptr()
+    buffers.load(np.array([1]), np.full((1, 3, 2), 3))
+    buffers.clear()
+    assert buffers.weights_TLK.data_ptr() == address
+
+
 def test_clear_unforces_every_row_and_a_later_load_starts_clean() -> None:
     buffers = ForcingBuffers(max_tokens=8, moe_layers=LAYERS, top_k=2, device="cpu")
     buffers.load(np.array([7, 2]), np.full((2, 3, 2), 5))

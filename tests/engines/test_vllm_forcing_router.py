@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from routereplay.engines.vllm.forcing import ForcingBuffers, LayerForcing, RoutingMethod, RoutingRule, rule_of
+from routereplay.errors import ForcedRoutesError
 
 pytestmark = pytest.mark.vllm032
 
@@ -162,7 +163,7 @@ def test_the_wrapped_router_forces_exactly_the_buffers_rows_with_its_own_weights
     router = build(case, bias_E)
     forcing = LayerForcing.of(LAYER, router)
     assert forcing.rule is not None, forcing.unsupported
-    buffers = ForcingBuffers(max_tokens=32, moe_layers=LAYERS, top_k=TOP_K, device="cpu")
+    buffers = ForcingBuffers(max_tokens=32, moe_layers=LAYERS, top_k=TOP_K, device="cpu", capture_weights=True)
     forcing.install(buffers)
     captured: list[torch.Tensor] = []
     router.set_capture_fn(lambda ids: captured.append(ids.clone()))
@@ -171,6 +172,7 @@ def test_the_wrapped_router_forces_exactly_the_buffers_rows_with_its_own_weights
     weights_NK, ids_NK = router._select_experts(hidden_NH, logits_NE)
 
     assert torch.equal(captured[0], ids_NK), "vLLM's capture must see what is dispatched"
+    assert buffers.weights_TLK is not None and torch.equal(buffers.weights_TLK[:ROWS, 1], weights_NK)
     assert weights_NK.dtype == live_weights_NK.dtype and ids_NK.dtype == live_ids_NK.dtype
     forced = {int(row): experts_LK[1].tolist() for row, experts_LK in zip(rows_N, experts_NLK, strict=True)}
     for row in range(ROWS):
@@ -195,14 +197,15 @@ def test_the_wrapped_router_forces_exactly_the_buffers_rows_with_its_own_weights
 
 def test_a_compiled_wrapped_router_follows_two_buffer_contents_without_recompiling() -> None:
     """DeepSeek-V3's `GroupedTopKRouter`, wrapped, under `torch.compile(fullgraph=True)`: two steps with other
-    forced rows reuse one compiled graph (a recompile raises) and dispatch each step's own forced ids."""
+    forced rows reuse one compiled graph (a recompile raises), dispatch each step's own forced ids, and write the
+    weights they return into the buffers' `weights_TLK` (an in-place write the compiled graph keeps)."""
     rng = np.random.default_rng(99)
     bias_E = torch.from_numpy(rng.normal(0, 0.1, EXPERTS).astype(np.float32))
     hidden_NH = torch.randn(ROWS, 8)
     logits_NE = torch.from_numpy(rng.normal(0, 2, (ROWS, EXPERTS)).astype(np.float32))
     _live_weights_NK, live_ids_NK = build("grouped-sigmoid-bias", bias_E)._select_experts(hidden_NH, logits_NE)
     router = build("grouped-sigmoid-bias", bias_E)
-    buffers = ForcingBuffers(max_tokens=32, moe_layers=LAYERS, top_k=TOP_K, device="cpu")
+    buffers = ForcingBuffers(max_tokens=32, moe_layers=LAYERS, top_k=TOP_K, device="cpu", capture_weights=True)
     LayerForcing.of(LAYER, router).install(buffers)
     compiled = torch.compile(router._select_experts, fullgraph=True, dynamic=False)
     try:
@@ -210,10 +213,11 @@ def test_a_compiled_wrapped_router_follows_two_buffer_contents_without_recompili
             for _ in range(2):
                 rows_N, experts_NLK, _kinds = step(rng, "grouped-sigmoid-bias", live_ids_NK)
                 buffers.load(rows_N, experts_NLK)
-                _weights_NK, ids_NK = compiled(hidden_NH, logits_NE)
+                weights_NK, ids_NK = compiled(hidden_NH, logits_NE)
                 forced = {int(r): e[1].tolist() for r, e in zip(rows_N, experts_NLK, strict=True) if e[1, 0] >= 0}
                 expected = [forced.get(row, live_ids_NK[row].tolist()) for row in range(ROWS)]
                 assert ids_NK.tolist() == expected
+                assert buffers.weights_TLK is not None and torch.equal(buffers.weights_TLK[:ROWS, 1], weights_NK)
     finally:
         torch._dynamo.reset()
 
@@ -252,3 +256,18 @@ def test_the_cuda_only_routers_have_rules_and_the_others_are_refused_by_name() -
     for router, reason in refused.items():
         rule, why = rule_of(router)
         assert rule is None and reason in why, (type(router).__name__, why)
+
+
+def test_buffers_that_do_not_fit_the_router_are_refused_by_name() -> None:
+    """Another top-k or a layer without a column fails at install; a step larger than the buffers fails by name
+    (at trace or capture time: it is a shape), never as a broadcasting error inside vLLM."""
+    router = build("cpu-softmax", None)
+    with pytest.raises(ForcedRoutesError, match=r"routes top-4 but the forcing buffers hold top-2"):
+        LayerForcing.of(LAYER, router).install(ForcingBuffers(8, LAYERS, 2, "cpu"))
+    with pytest.raises(
+        ForcedRoutesError, match=r"MoE layer 3 has no column in the forcing buffers \(layers \(0, 7\)\)"
+    ):
+        LayerForcing.of(3, router).install(ForcingBuffers(8, LAYERS, TOP_K, "cpu"))
+    LayerForcing.of(LAYER, router).install(ForcingBuffers(8, LAYERS, TOP_K, "cpu"))
+    with pytest.raises(ForcedRoutesError, match=r"routes 9 token rows, more than the forcing buffers' 8"):
+        router._select_experts(torch.zeros(9, 8), torch.randn(9, EXPERTS))

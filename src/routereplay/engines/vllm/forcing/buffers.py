@@ -15,6 +15,10 @@ always a valid expert id or 0, and never read (the routers pick ids with `where`
 Only the rows up to the highest one written in this step or the one before are copied, so a step that
 forces a few early rows copies a few rows.
 
+With `capture_weights`, the wrapped routers also write the combine weights they return (after forcing) into
+`weights_TLK` (float32, fixed address, rows [0, n) of each step), so a worker can hand back the engine's
+own weights beside vLLM's routed-experts capture. Rows past the step's n keep an earlier step's values.
+
 `forced` is a host flag for the worker's own bookkeeping (is anything forced this step); the routers
 never branch on it, because a graph replays whatever branch was taken at capture.
 
@@ -45,9 +49,18 @@ class ForcingBuffers:
         "max_tokens",
         "moe_layers",
         "top_k",
+        "weights_TLK",
     )
 
-    def __init__(self, max_tokens: int, moe_layers: tuple[int, ...], top_k: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        moe_layers: tuple[int, ...],
+        top_k: int,
+        device: torch.device | str,
+        *,
+        capture_weights: bool = False,
+    ) -> None:
         if max_tokens < 1 or top_k < 1 or not moe_layers:
             raise ForcedRoutesError(
                 f"ForcingBuffers(max_tokens={max_tokens}, moe_layers={moe_layers}, top_k={top_k}): need at least "
@@ -64,6 +77,8 @@ class ForcingBuffers:
         shape = (self.max_tokens, len(self.moe_layers), self.top_k)
         self.ids_TLK = torch.zeros(shape, dtype=torch.int32, device=device)
         self.mask_TL = torch.zeros(shape[:2], dtype=torch.bool, device=device)
+        # the combine weights the wrapped routers returned this step (float32), when asked for
+        self.weights_TLK = torch.zeros(shape, dtype=torch.float32, device=device) if capture_weights else None
         pin = device.type == "cuda"
         self._staged_ids_TLK = torch.zeros(shape, dtype=torch.int32, pin_memory=pin)
         self._staged_mask_TL = torch.zeros(shape[:2], dtype=torch.bool, pin_memory=pin)

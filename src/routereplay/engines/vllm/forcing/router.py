@@ -15,7 +15,8 @@ Two ways to say which rows a step forces:
   gather, no host sync, no branch on tensor values), so it is right eagerly, under `torch.compile` and
   replayed from a CUDA graph. A router `rule_of` refuses (`unsupported` says why) passes through live:
   the caller must refuse such a model at start-up by name (`LayerForcing.unsupported`), because nothing
-  can be counted per step without a host sync.
+  can be counted per step without a host sync. With `capture_weights` buffers, the combine weights
+  returned (after forcing) are also written in place into `buffers.weights_TLK`.
 - `StepRows` (`layer.step`, vLLM 0.30's V1 worker, eager): the step's rows and ids, indexed in place;
   rows asked of a router that cannot be forced route live, are counted and logged, and the engine's
   client sees the capture differ from what it asked (`ForcingNotAppliedError`).
@@ -81,6 +82,12 @@ class LayerForcing:
                     f"MoE layer {self.layer} has no column in the forcing buffers (layers {buffers.moe_layers}); "
                     "size ForcingBuffers by every MoE layer the model routes"
                 )
+            top_k = getattr(self.router, "top_k", buffers.top_k)
+            if top_k != buffers.top_k:
+                raise ForcedRoutesError(
+                    f"MoE layer {self.layer} routes top-{top_k} but the forcing buffers hold top-{buffers.top_k} "
+                    "ids; size ForcingBuffers by the model's top-k"
+                )
             self.buffers, self.column = buffers, buffers.column[self.layer]
         current = self.router._compute_routing
         if getattr(current, WRAPPED_MARK, None) is not None:
@@ -108,10 +115,19 @@ class LayerForcing:
             if self.rule is None:  # refused at start-up by the caller (`unsupported`); no per-step count here
                 return weights_NK, ids_NK
             rows = ids_NK.shape[0]
+            if rows > buffers.max_tokens:  # a shape, not a value: fixed at trace and capture time
+                raise ForcedRoutesError(
+                    f"MoE layer {self.layer} routes {rows} token rows, more than the forcing buffers' "
+                    f"{buffers.max_tokens}; size ForcingBuffers by the engine's largest step (max_num_batched_tokens, "
+                    "or the largest CUDA-graph size if larger)"
+                )
             forced_NK = buffers.ids_TLK[:rows, self.column]
-            return force_topk(
+            weights_NK, ids_NK = force_topk(
                 weights_NK, ids_NK, router_logits, forced_NK, buffers.mask_TL[:rows, self.column], self.rule
             )
+            if buffers.weights_TLK is not None:  # the combine weights dispatched, kept for the worker (in place)
+                buffers.weights_TLK[:rows, self.column].copy_(weights_NK)
+            return weights_NK, ids_NK
         step = self.step
         if step is None or step.rows_N.numel() == 0:
             return weights_NK, ids_NK
