@@ -3,8 +3,9 @@
 vLLM 0.31-0.33 (Model Runner V2, `vllm/v1/worker/gpu/`) flattens a step's scheduled tokens into one
 batch. Its `InputBatch` says whose tokens sit where: batch index i belongs to request `req_ids[i]`, its
 tokens are rows `query_start_loc_np[i] .. query_start_loc_np[i + 1]` of the flattened step, and the first
-of them is at sequence position `num_computed_tokens_np[i]` (the CPU mirror the runner computes the
-device-side positions from; exact without speculative decoding, which forcing refuses). vLLM's own
+of them is at sequence position `num_computed_tokens_np[i]`: the host mirror of the computed-token count
+from which MRv2's `_prepare_pos_seq_lens_kernel` writes the device-side positions (count + offset in the
+request's rows); the two are equal without speculative decoding, which forcing refuses. vLLM's own
 routed-experts output maps rows to requests the same way (`AuxOutputWorkerConnector.prepare_output` keeps
 `token_starts = num_computed_tokens_np` and `query_start_loc`). Everything here is host-side numpy: no
 device tensor is read, so filling the forcing buffers never waits for the GPU.
