@@ -32,8 +32,8 @@ from routereplay.indexer.trace import IndexerTrace, check_indexer, merged_indexe
 from routereplay.trace.provenance import MergePolicy, Segment, check_segments, merge_rows
 from routereplay.trace.validation import (
     as_route_array,
-    as_weights,
     as_token_ids,
+    as_weights,
     check_slots,
     validate_routes,
 )

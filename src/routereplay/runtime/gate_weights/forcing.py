@@ -184,8 +184,8 @@ class WeightsCapture:
             recorded = self.steps.get(index, {})
             if len(recorded) != self.columns:
                 raise ReplayStateError(
-                    f"forward step {index} recorded the weights of {len(recorded)} of {self.columns} layers: an experts "
-                    "module ran outside its MoE block's forward, or not at all"
+                    f"forward step {index} recorded the weights of {len(recorded)} of {self.columns} layers: an "
+                    "experts module ran outside its MoE block's forward, or not at all"
                 )
             stacked = torch.stack([recorded[c] for c in range(self.columns)], dim=1)
             out.append(stacked.reshape(batch, positions, self.columns, -1))
