@@ -90,7 +90,7 @@ def as_weights(value: Any, experts_TLK: np.ndarray) -> np.ndarray:
     if bad_TLK.any():
         t, layer, k = (int(i) for i in np.argwhere(bad_TLK)[0])
         raise WeightsValueError(
-            f"weight {k} of row {t}, layer column {layer} is {weights_TLK[t, layer, k]!r}: combine weights are "
+            f"weight {k} of row {t}, layer column {layer} is {float(weights_TLK[t, layer, k])}: combine weights are "
             "finite, >= 0, and 0 where the route is -1"
         )
     return weights_TLK
