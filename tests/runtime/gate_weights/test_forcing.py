@@ -161,3 +161,24 @@ def test_recording_without_weights_says_how_to_get_them() -> None:
         model(input_ids=torch.zeros((1, 3), dtype=torch.long))
     with pytest.raises(routereplay.errors.ReplayStateError, match=r"record\(weights=True\)"):
         _ = rec.weights
+
+
+@pytest.mark.parametrize("grad", ["frozen", "live"])
+def test_checkpoint_recompute_replays_the_same_weights(grad: str) -> None:
+    """Activation checkpointing re-runs the experts in backward: the recompute gets the same given weights,
+    so every gradient equals the one without checkpointing."""
+    ids, mask = batch()
+    grads = []
+    for checkpointed in (False, True):
+        model = tiny_qwen3()
+        routes, weights = engine_side(perturbed_routers(model, noise=0.5, seed=1), ids, mask)
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        model.train()
+        replayer = routereplay.attach(model)
+        with replayer.replay(routes, mask, weights=weights, weights_grad=grad, check_alignment=False):
+            model(input_ids=ids, attention_mask=mask).logits.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
