@@ -110,9 +110,12 @@ def gate_weights_probe(model: nn.Module) -> Iterator[dict[int, list[tuple[torch.
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, layer: int = int(found[-1])) -> None:
             values = [v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)]
-            ids = next(v for v in values if not v.is_floating_point() and v.dim() == 2)
-            weights = next(v for v in values if v.is_floating_point() and v.shape == ids.shape)
-            seen.setdefault(layer, []).append((ids.detach().clone(), weights.detach().clone()))
+            ids = next((v for v in values if not v.is_floating_point() and v.dim() == 2), None)
+            weights = next(
+                (v for v in values if ids is not None and v.is_floating_point() and v.shape == ids.shape), None
+            )
+            if ids is not None and weights is not None:  # shared experts (no routing) take neither
+                seen.setdefault(layer, []).append((ids.detach().clone(), weights.detach().clone()))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:

@@ -55,9 +55,19 @@ def test_weights_on_minus_one_rows_are_refused() -> None:
 def test_rows_not_summing_as_a_normalising_router_are_refused() -> None:
     replayer, routes, weights = setup(norm=True)
     weights[1, 3, 2] = torch.tensor([0.6, 0.6])
-    refused(replayer, routes, weights, WeightsSumError, r"position 3, layer 2 sum to 1.2, but .* normalises")
+    refused(
+        replayer,
+        routes,
+        weights,
+        WeightsSumError,
+        r"position 3, layer 2 sum to 1.2, but the layer.s other rows to 1, and .* every top-2 row to one value",
+    )
     with replayer.replay(routes, weights=weights.clamp(max=0.5)):
-        pass  # rows summing to 1 open
+        pass  # rows summing to one value open
+    model = replayer.model
+    with pytest.raises(WeightsSumError, match="all sum to one value, but some given rows do not"):
+        with torch.no_grad(), replayer.replay(routes, weights=torch.full(routes.shape, 0.4)):  # one value: 0.8
+            model(input_ids=torch.zeros((2, 5), dtype=torch.long))  # the router's own rows sum to 1
 
 
 def test_a_router_normalising_without_saying_so_is_checked_at_its_call() -> None:

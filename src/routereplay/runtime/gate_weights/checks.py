@@ -6,10 +6,11 @@ engine's); replay maps each one to its expert id, so set order and engine order 
 route is -1 keeps the live weights and must hold zeros there. Refused, by name, before the context opens:
 - a shape other than the routes' or a non-float dtype (`WeightsShapeError`);
 - NaN, infinite or negative weights, or non-zero weights on a -1 route row (`WeightsValueError`);
-- for a router that normalises its top-k (`norm_topk_prob=True` on the router, its block or their
-  config), a row that does not sum to its scaling factor (`routed_scaling_factor`, default 1) within
-  `SUM_RTOL` (`WeightsSumError`). Routers that do not say are checked at their first experts call
-  (`runtime/gate_weights/forcing.py`).
+- for a router that says it normalises its top-k (`norm_topk_prob=True` on the router, its block or
+  their config), rows of one layer that do not all sum to one value within `SUM_RTOL`
+  (`WeightsSumError`). The value itself (1, or a scaling factor applied before the experts, as
+  DeepSeek-V3 does, or after them, as Beam does) is checked against the router's own rows at each
+  experts call (`runtime/gate_weights/forcing.py`).
 
 Legend: B = batch rows, S = positions, L = bound layers, K = top-k.
 """
@@ -55,17 +56,20 @@ def checked_weights(weights: Any, routes_BSLK: torch.Tensor, sites: Sequence[Rou
     _refuse(weights_BSLK < 0, "is negative", sites)
     _refuse((weights_BSLK != 0) & missing_BSL[..., None], "is non-zero on a row whose route is -1", sites)
     for column, site in enumerate(sites):
-        scale = normalised_sum(site)
-        if scale is None:
+        if not says_normalised(site):
             continue
         sums_BS = weights_BSLK[:, :, column].sum(-1)
-        off_BS = ~missing_BSL[:, :, column] & ((sums_BS - scale).abs() > SUM_RTOL * scale)
+        routed_BS = ~missing_BSL[:, :, column]
+        if not bool(routed_BS.any()):
+            continue
+        level = float(sums_BS[routed_BS].median())
+        off_BS = routed_BS & ((sums_BS - level).abs() > SUM_RTOL * abs(level))
         if bool(off_BS.any()):
             b, s = (int(i) for i in off_BS.nonzero()[0])
             raise WeightsSumError(
                 f"weights of batch row {b}, position {s}, layer {site.layer} sum to {float(sums_BS[b, s]):.6g}, but "
-                f"{site.family} normalises its top-{site.top_k} to {scale:g}: pass the weights the engine's experts "
-                "received (normalised, scaled) for these routes"
+                f"the layer's other rows to {level:.6g}, and {site.family} normalises every top-{site.top_k} row to "
+                "one value: pass the weights the engine's experts received (normalised, scaled) for these routes"
             )
     return weights_BSLK
 
@@ -110,16 +114,13 @@ def traces_to_weights(
     return weights_BSLK
 
 
-def normalised_sum(site: RouterSite) -> float | None:
-    """What each row of the router's weights sums to when it says it normalises them, else None."""
+def says_normalised(site: RouterSite) -> bool:
+    """True when the router says it normalises its top-k weights (`norm_topk_prob=True` on the router, its
+    block or their config): every row then sums to one value (1, or a scaling factor applied before or
+    after the experts, which the family decides), checked across the given rows."""
     owners = [site.router, site.block, getattr(site.router, "config", None), getattr(site.block, "config", None)]
     flags = [getattr(o, "norm_topk_prob", None) for o in owners if o is not None]
-    flag = next((f for f in flags if isinstance(f, bool)), None)
-    if flag is not True:
-        return None
-    scales = [getattr(o, "routed_scaling_factor", None) for o in owners if o is not None]
-    scale = next((float(s) for s in scales if isinstance(s, (int, float)) and not isinstance(s, bool)), 1.0)
-    return scale
+    return next((f for f in flags if isinstance(f, bool)), None) is True
 
 
 def _refuse(bad_BSLK: torch.Tensor, what: str, sites: Sequence[RouterSite]) -> None:
@@ -132,4 +133,4 @@ def _refuse(bad_BSLK: torch.Tensor, what: str, sites: Sequence[RouterSite]) -> N
     )
 
 
-__all__ = ["SUM_RTOL", "checked_weights", "normalised_sum", "replay_weights", "traces_to_weights"]
+__all__ = ["SUM_RTOL", "checked_weights", "replay_weights", "says_normalised", "traces_to_weights"]

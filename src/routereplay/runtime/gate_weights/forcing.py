@@ -13,8 +13,8 @@ to the router on those rows (`WeightsGrad`):
   prime-rl #3523 "Total Router Recall");
 - `"live"`: value = given weights, gradient = the live weights' (`w_given + (w_live - w_live.detach())`),
   the gradient plain replay gives.
-A router that does not say it normalises (`checks.normalised_sum` is None) is checked at its calls:
-when the live rows of a call (2 or more) all sum to the same value, the given rows must too
+Every call is checked against the router's own rows: when the live rows of a call (2 or more) all
+sum to one value (a normalising router, its scaling included), the given rows must sum to it too
 (`WeightsSumError`); on CPU at once, elsewhere at the context's exit (no host sync in a step).
 
 Capture (`WeightsCapture`): the (T, K) weights each experts call received, per forward step, as
@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from routereplay.enums import StrEnum
 from routereplay.errors import BatchShapeError, ConfigError, ReplayStateError, WeightsSumError
-from routereplay.runtime.gate_weights.checks import SUM_RTOL, normalised_sum
+from routereplay.runtime.gate_weights.checks import SUM_RTOL
 from routereplay.runtime.gate_weights.experts import ExpertsSite
 from routereplay.runtime.interception import in_backward
 
@@ -112,7 +112,7 @@ class WeightsReplay:
                 f"hold {ids_TK.shape[0]}; weights must be aligned with the input like the routes"
             )
         mapped_TK, rows_T1 = mapped_weights(index_TK, ids_TK, given_TK)
-        if normalised_sum(site.site) is None and not in_backward():
+        if not in_backward():
             self._check_sums(site, live_TK, mapped_TK, rows_T1)
         mapped_TK = mapped_TK.to(live_TK.dtype)
         if self.grad is WeightsGrad.LIVE:
