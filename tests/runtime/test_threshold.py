@@ -115,3 +115,29 @@ def test_sparsemixer_routers_refuse_threshold_by_name() -> None:
     with pytest.raises(ConfigError, match="PhimoeTopKRouter"):
         with replayer.replay(routes, threshold=0.1):
             pass
+
+
+def test_rows_a_threshold_gives_back_keep_the_live_weights() -> None:
+    trainer = tiny_qwen3()
+    engine = perturbed_routers(trainer, noise=0.4, seed=2)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    engine_replayer = routereplay.attach(engine)
+    with torch.no_grad(), engine_replayer.record(weights=True) as rec:
+        engine(input_ids=ids)
+    replayer = routereplay.attach(trainer)
+    with torch.no_grad(), replayer.replay(rec.routes, weights=rec.weights, threshold=0.0) as used:
+        with gate_weights_probe(trainer) as seen:
+            trainer(input_ids=ids)
+        routes_used = used.routes
+    with torch.no_grad(), replayer.record(weights=True) as live:  # the trainer's own routing and weights
+        trainer(input_ids=ids)
+    layer = replayer.layers[0]  # the first layer sees the same hidden states in both runs
+    got_ids, got_weights = seen[layer][0]
+    replaced_T = (routes_used[:, :, 0].sort(-1).values != rec.routes[:, :, 0].sort(-1).values).any(-1).reshape(-1)
+    kept_T = ~replaced_T
+    assert replaced_T.any() and kept_T.any()
+    live_weights = live.weights[:, :, 0].reshape(got_weights.shape)
+    given_weights = rec.weights[:, :, 0].reshape(got_weights.shape)
+    assert torch.equal(got_weights[replaced_T], live_weights[replaced_T])  # live ids, live weights
+    assert torch.equal(got_ids[replaced_T], live.routes[:, :, 0].reshape(got_ids.shape)[replaced_T].long())
+    assert torch.equal(got_weights[kept_T].sum(-1), given_weights[kept_T].sum(-1))  # kept rows: given weights
