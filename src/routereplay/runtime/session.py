@@ -349,7 +349,7 @@ class Recording:
             self.routes, attention_mask, self.layers, self.num_experts, source, policy_version, input_ids, self.slots
         )
         if self._weights is not None:  # record(weights=True): each trace carries its rows' combine weights
-            weights_BSLK = self.weights.numpy()
+            weights_BSLK = self.weights.cpu().numpy()
             mask_BS = mask_array(attention_mask)[:, : weights_BSLK.shape[1]]
             traces = [t.with_weights(weights_BSLK[b, mask_BS[b]]) for b, t in enumerate(traces)]
         indexer, owner = self.indexer, self._session.replayer.indexer
