@@ -91,3 +91,13 @@ def _crc(data: bytes) -> bytes:
     import zlib
 
     return zlib.crc32(data).to_bytes(4, "little")
+
+
+def test_encoded_routes_keep_the_ids_only() -> None:
+    from routereplay.codec.encoded import EncodedRoutes
+
+    trace = weighted_trace()
+    encoded = EncodedRoutes.encode(RouteTrace(trace.experts, 8).with_weights(trace.weights))
+    assert encoded.trace().weights is None and np.array_equal(
+        np.sort(encoded.trace().experts, 2), trace.sorted_rows().experts
+    )
