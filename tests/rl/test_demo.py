@@ -48,6 +48,25 @@ def test_demo_table_and_cached_model(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert json.loads(capsys.readouterr().out)["model"]["source"].startswith("cached")
 
 
+def test_demo_threshold_mode_reports_its_replace_rate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "report"
+    assert main(["demo", *SMALL, "--threshold", "0", "--json", "--report", str(report)]) == EXIT_OK
+    record = json.loads(capsys.readouterr().out)
+    modes = record["modes"]
+    assert list(modes) == ["off", "R3", "R3-threshold"]
+    # margin 0: every row the trainer would not choose goes back to it, so the mode routes like `off`
+    assert modes["R3-threshold"]["replace_rate"] > 0 and modes["R3-threshold"]["k3_kl"] == modes["off"]["k3_kl"]
+    per_layer = modes["R3-threshold"]["replaced_rows_by_layer"]
+    assert sorted(int(layer) for layer in per_layer) == record["model"]["layers"]
+    assert "replace_rate" not in modes["R3"]
+    assert "Replace rate (threshold)" in (report / "report.html").read_text()
+    assert main(["demo", *SMALL, "--threshold", "0", "--no-report"]) == EXIT_OK
+    assert "Replace rate" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["demo", *SMALL, "--threshold", "-1", "--no-report"])
+    assert "must be a finite number in [0, inf)" in capsys.readouterr().err
+
+
 def test_demo_deepseek_v3_arch(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", *SMALL, "--arch", "deepseek_v3", "--no-report", "--json"]) == EXIT_OK
     record = json.loads(capsys.readouterr().out)

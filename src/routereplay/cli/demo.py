@@ -16,6 +16,7 @@ from typing import Any
 
 from routereplay.cli.arguments import (
     add_json_argument,
+    bounded_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -77,6 +78,12 @@ def add_parser(subparsers: Any) -> None:
     rollout.add_argument(
         "--engine-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="engine precision"
     )
+    rollout.add_argument(
+        "--threshold",
+        type=bounded_float(0.0),
+        help="also score mode R3-threshold: engine routes kept only within this margin of the trainer's live top-k "
+        "(selection score), with its replace rate (docs/replay.md)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument(
         "--report",
@@ -130,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         engine_dtype=args.engine_dtype,
         threads=args.threads,
         engine=args.engine,
+        threshold=args.threshold,
     )
     with phase_progress() as report:
         result = run_demo(config, report)
@@ -202,7 +210,9 @@ def _render(result: dict[str, Any]) -> None:
         table.add_column(mode, justify="right")
     table.add_column("R3 / off", justify="right")
     for key, label, _meaning in METRIC_ROWS:
-        if key not in modes.get("off", {}):
+        if key not in modes.get("off", {}) and key != "replace_rate":
+            continue
+        if not any(key in record for record in modes.values()):
             continue
         values = [modes[mode].get(key) for mode in modes]
         off, r3 = modes["off"].get(key), modes.get("R3", {}).get(key)

@@ -119,8 +119,8 @@ class EncodedRoutes:
     def encode(
         cls, trace: RouteTrace, *, mode: CodecMode | str = CodecMode.SET, unrankers: UnrankerCache | None = None
     ) -> EncodedRoutes:
-        """Encode `trace` (its token ids are dropped) and keep it resident."""
-        if trace.token_ids is not None:
+        """Encode `trace` (its token ids and combine weights are dropped) and keep it resident."""
+        if trace.token_ids is not None or trace.weights is not None:
             trace = RouteTrace(
                 trace.experts, trace.num_experts, trace.layers, trace.start, trace.segments, slots=trace.slots
             )

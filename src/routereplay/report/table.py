@@ -23,6 +23,7 @@ PERCENT_METRICS = frozenset(
         "drift",
         "update_drift",
         "update_routing_disagreement",
+        "replace_rate",
     }
 )
 # Metrics that are small and span orders of magnitude.
@@ -49,6 +50,11 @@ METRIC_ROWS: tuple[tuple[str, str, str], ...] = (
         "mean over GRPO update mini-steps of the routing disagreement with the engine's routes",
     ),
     ("update_drift", "Drift old pass → updates (GRPO)", "routing change between the old-log-prob pass and the updates"),
+    (
+        "replace_rate",
+        "Replace rate (threshold)",
+        "replayed rows a threshold gave back to the live router (`demo --threshold`)",
+    ),
     ("fallback_rows", "Fallback rows", "(token, layer) rows without engine routes (-1), routed live and counted"),
     (
         "compared_rows",

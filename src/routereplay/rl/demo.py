@@ -27,13 +27,14 @@ from routereplay.engines.hf import HFEngine, SamplingParams
 from routereplay.errors import ConfigError
 from routereplay.metrics import logprob_mismatch, routing_agreement
 from routereplay.rl.model import Arch, load_checkpoint, load_or_train
-from routereplay.rl.scoring import engine_logprobs, engine_routes, score
+from routereplay.rl.scoring import ScoredBatch, batch_of, engine_logprobs, engine_routes, logprobs_of, score
 from routereplay.rl.tasks import AdditionTask
 from routereplay.runtime import attach
 from routereplay.threads import ThreadPolicy
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total); every phase is reported up to its total
 SCORING = "scoring (trainer, off then R3)"
+THRESHOLD_MODE = "R3-threshold"  # `DemoConfig.threshold`: R3 kept only within the margin (runtime/threshold.py)
 ENGINES = ("hf", "vllm")
 
 
@@ -52,6 +53,7 @@ class DemoConfig:
     trainer_dtype: str = "float32"
     threads: int | None = None  # intra-op threads (None: OMP_NUM_THREADS if set, else 1; routereplay.threads)
     engine: str = "hf"  # "hf": the built-in engine; "vllm": a real vLLM in this process (routereplay[vllm])
+    threshold: float | None = None  # also score mode "R3-threshold": replay(threshold=...) with its replace rate
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -126,30 +128,39 @@ def _compare(
     replayer = attach(model)
     modes: dict[str, dict[str, Any]] = {}
     deltas: dict[str, list[float]] = {}
-    for index, (mode, replay) in enumerate((("off", False), ("R3", True))):
-        report(SCORING, index, 2)  # one phase for both modes, so its bar reaches 2/2
+    scorings = [("off", False), ("R3", True)] + ([(THRESHOLD_MODE, True)] if config.threshold is not None else [])
+    for index, (mode, replay) in enumerate(scorings):
+        report(SCORING, index, len(scorings))  # one phase for every mode, so its bar reaches its total
         replayer.stats.reset()
-        scored = score(
-            model, rollouts, task.pad_token_id, replayer=replayer, replay=replay, temperature=config.temperature
-        )
+        if mode == THRESHOLD_MODE:
+            scored = thresholded_score(model, rollouts, task.pad_token_id, replayer, config)
+        else:
+            scored = score(
+                model, rollouts, task.pad_token_id, replayer=replayer, replay=replay, temperature=config.temperature
+            )
         infer_BS = engine_logprobs(rollouts, scored.ids_BS.shape)
         engine_BSLK = engine_routes(rollouts, scored.ids_BS.shape, len(replayer.layers), replayer.top_k)
         assert scored.routes_BSLK is not None
         routing = routing_agreement(scored.routes_BSLK, engine_BSLK, scored.mask_BS.bool())
         mismatch = logprob_mismatch(scored.logprobs_BS, infer_BS, scored.response_BS, tau=2.0)
         modes[mode] = {**routing, **mismatch, "fallback_rows": replayer.stats.fallback_rows}
+        if mode == THRESHOLD_MODE:  # rows the threshold gave back to the live router, overall and per layer
+            modes[mode]["replace_rate"] = replayer.stats.replace_rate
+            modes[mode]["replaced_rows_by_layer"] = dict(replayer.stats.replaced_rows_by_layer)
         deltas[mode] = (scored.logprobs_BS - infer_BS)[scored.response_BS].tolist()
-    report(SCORING, 2, 2)
+    report(SCORING, len(scorings), len(scorings))
     replayer.detach()
     steps: list[dict[str, Any]] = []
     if config.rl_steps:
         # R2 replays the trainer's own routing: its old-log-prob pass routes naturally, so against the
         # engine it measures exactly like `off`; it differs in the updates (drift), measured below
-        modes = {"off": modes["off"], "R2": dict(modes["off"]), "R3": modes["R3"]}
+        modes = {"off": modes["off"], "R2": dict(modes["off"]), **{m: r for m, r in modes.items() if m != "off"}}
         deltas["R2"] = deltas["off"]
         steps = _rl_comparison(model, task, config, report, None if config.engine == "hf" else engine)
         for mode, record in modes.items():
             rows = [row for row in steps if row["mode"] == mode]
+            if not rows:  # R3-threshold scores the rollouts only (no GRPO run of its own)
+                continue
             record["update_drift"] = sum(row["drift"] for row in rows) / len(rows)
             record["update_routing_disagreement"] = sum(row["routing_disagreement"] for row in rows) / len(rows)
     text_config = model.config.get_text_config()  # type: ignore[union-attr, operator]
@@ -172,6 +183,19 @@ def _compare(
         "dlogp": deltas,
         "steps": steps,
     }
+
+
+def thresholded_score(
+    model: torch.nn.Module, rollouts: Any, pad_token_id: int, replayer: Any, config: DemoConfig
+) -> ScoredBatch:
+    """The trainer's log-probs replaying the engine's traces with `replay(threshold=config.threshold)`."""
+    batch = batch_of(rollouts, pad_token_id)
+    with (
+        torch.no_grad(),
+        replayer.replay(batch.traces, batch.mask_BS, input_ids=batch.ids_BS, threshold=config.threshold) as used,
+    ):
+        logprobs_BS = logprobs_of(model, batch, config.temperature)
+    return ScoredBatch(batch.ids_BS, batch.mask_BS, batch.response_BS, logprobs_BS, used.routes)
 
 
 def _rl_comparison(

@@ -14,6 +14,8 @@ Files:
                             intercept in each
 - `family_interceptors.py`  Interceptors of the families that do not select by one top-k over the experts:
                             PhiMoE, Doge
+- `gate_weights/`           Weights replay and capture: the combine weights the experts of an HF MoE block
+                            receive (`gate_weights/__init__.py` lists its files)
 - `indexer/`                `IndexerReplayer`: record and replay DeepSeek Sparse Attention (DSA) indexers'
                             top-k (`indexer/__init__.py` lists its files)
 - `interception.py`         Intercepting the one selection `torch.topk` of a router while its forward runs
@@ -25,6 +27,8 @@ Files:
                             MoE model
 - `routes.py`               Batch routes <-> per-sequence traces, and the checks a replay batch must pass
 - `set_order.py`            Set order in replay: a forced set in the live router's order, and its fast path
+- `threshold.py`            Threshold replay: force an engine's row only where the trainer's own router nearly
+                            agrees with it
 - `session.py`              One record or replay context of a `Replayer`: its state, what it captured, and
                             the counters
 """
