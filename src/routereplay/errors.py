@@ -114,6 +114,26 @@ class ZeroLayerError(RouteValueError):
     """Every routed row of an MoE layer is all zeros: the engine's capture failed for that layer."""
 
 
+class WeightsError(RouteValueError):
+    """Combine weights given to `replay(weights=...)` (or carried by traces) are impossible for the routes."""
+
+
+class WeightsShapeError(WeightsError):
+    """Combine weights whose shape or dtype differ from the routes they belong to ((B, S, L, K) float)."""
+
+
+class WeightsValueError(WeightsError):
+    """A combine weight is NaN, infinite or negative, or is non-zero on a row whose route is -1."""
+
+
+class WeightsSumError(WeightsError):
+    """A row of combine weights does not sum as its router normalises (norm_topk_prob: to the scaling factor)."""
+
+
+class WeightsUnsupportedError(ConfigError):
+    """Weights replay (or threshold replay) asked of a router whose experts' gate weights cannot be reached."""
+
+
 # --- the compact codec ------------------------------------------------------------------------
 
 

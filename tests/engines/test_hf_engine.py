@@ -112,3 +112,23 @@ def test_every_engine_refuses_empty_prompts_before_any_work(prompts: list[list[i
     for engine in engines:
         with pytest.raises(ConfigError, match="at least one prompt"):
             engine.generate(prompts, SamplingParams())
+
+
+def test_captured_weights_are_the_experts_and_replay_into_the_trainer() -> None:
+    model = tiny_qwen3()
+    engine = HFEngine(model, dtype=torch.float32, capture_weights=True)
+    rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=2))
+    replayer = attach(model)
+    scored = score(model, rollouts, pad_token_id=0, replayer=replayer)
+    traces = [r.trace for r in rollouts]
+    assert all(t is not None and t.weights is not None for t in traces)
+    with torch.no_grad(), replayer.record(weights=True) as rec:  # the trainer's own full-sequence pass
+        model(input_ids=scored.ids_BS, attention_mask=scored.mask_BS)
+    live = rec.traces(scored.mask_BS)
+    for trace, mine in zip(traces, live, strict=True):
+        assert trace is not None and trace.weights is not None and mine.weights is not None
+        rows = trace.num_tokens
+        assert torch.allclose(torch.as_tensor(trace.weights), torch.as_tensor(mine.weights[:rows]), atol=1e-5)
+    with pytest.raises(ConfigError, match="needs capture=True"):
+        HFEngine(model, capture=False, capture_weights=True)
+    assert HFEngine(model).generate(PROMPTS, SamplingParams(max_new_tokens=2))[0].trace.weights is None  # type: ignore[union-attr]

@@ -93,3 +93,30 @@ def experts_inputs(model: nn.Module) -> AbstractContextManager[dict[int, list[to
         return int(found[-1]) if found else None
 
     return _experts_capture(model, layer_of)
+
+
+@contextmanager
+def gate_weights_probe(model: nn.Module) -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """(expert ids, gate weights) each `*Experts` module receives, by global layer: read from the call's
+    arguments (the first 2-D int tensor, then the first float tensor of the same shape), so the truth is
+    what the model's experts compute with. Open it inside the replay context: forward pre-hooks run in the
+    order they were registered, and the replay's own hooks must have run first."""
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    handles = []
+    for name, module in model.named_modules():
+        found = LAYER_PATH.findall(name)
+        if not found or not type(module).__name__.endswith("Experts"):
+            continue
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, layer: int = int(found[-1])) -> None:
+            values = [v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)]
+            ids = next(v for v in values if not v.is_floating_point() and v.dim() == 2)
+            weights = next(v for v in values if v.is_floating_point() and v.shape == ids.shape)
+            seen.setdefault(layer, []).append((ids.detach().clone(), weights.detach().clone()))
+
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -18,6 +18,8 @@ Files:
                           framework glue
 - `load.py`               Load benchmark: the demo's CPU paths on a quiet machine and with busy processes
                           sharing the cores
+- `options.py`            Replay options benchmark: what each replay option (ids, ids + weights, threshold)
+                          does to the engine / trainer mismatch on the demo
 - `record.py`             BENCHMARKS.md and the README benchmark table, written from the records of
                           `routereplay bench all`
 - `replay.py`             Replay benchmark: forward + backward time of a training step with routers off,

@@ -18,14 +18,14 @@ from routereplay.cli.threads import add_threads_argument
 SUITES = ("codec", "layout", "store", "delivery", "indexer", "replay", "engine")  # what `bench all` runs
 # run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm];
 # `async` trains the demo model (cached) and runs nine GRPO runs
-SEPARATE_SUITES = ("load", "vllm", "async", "verl", "skyrl")
+SEPARATE_SUITES = ("load", "vllm", "async", "verl", "skyrl", "replay-options")
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run a benchmark suite (codec, layout, store, delivery, indexer, replay, engine, load, vllm, async, "
-        "verl, skyrl, all) and print medians",
+        "verl, skyrl, replay-options, all) and print medians",
         description=(
             "Run a benchmark suite; every ratio is measured side by side in the same run. "
             "`codec`: bytes per (token, layer) row and encode/decode speed of routereplay's codec against JSON lists, "
@@ -52,6 +52,9 @@ def add_parser(subparsers: Any) -> None:
             "`skyrl`: bytes per sample of a SkyRL 0.4.0 batch's routes, routereplay's compact blobs against SkyRL's "
             "wire envelope, generator array and packed batch field (Qwen3-30B-A3B shape; no SkyRL needed; not part of "
             "`all`). "
+            "`replay-options`: the demo's engine / trainer mismatch (k3 KL, mean |delta log p|, routing disagreement, "
+            "replace rate) under off, R3 ids, R3 ids + combine weights and threshold replay, side by side, and the "
+            "bytes per row of the weights (not part of `all`). "
             "`all`: every suite, then BENCHMARKS.md (--output) and the README table (--readme). "
             "Progress goes to stderr."
         ),
@@ -97,7 +100,7 @@ def add_parser(subparsers: Any) -> None:
         choices=("hf", "vllm"),
         default="hf",
         help="async: the rollout engine of the resume-policy runs: hf (built-in) or vllm (in-process vLLM; "
-        "prefix-replay forced inside vLLM; no throughput part)",
+        "prefix-replay forced inside vLLM; no throughput part); replay-options: hf only for now",
     )
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -203,6 +206,12 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
             throughput_steps=2 if quick else 6,
             repeats=repeats or 3,
             seed=args.seed,
+        )
+    if name == "replay-options":
+        from routereplay.bench import options
+
+        return options, options.OptionsBenchConfig(
+            engine=args.engine, prompts=64 if quick else 1024, max_new_tokens=3 if quick else 5, seed=args.seed
         )
     if name == "engine":
         return engine, engine.EngineBenchConfig(prompts=8 if quick else 256, repeats=repeats or 11, seed=args.seed)

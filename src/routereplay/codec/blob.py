@@ -122,7 +122,7 @@ def encode(
     stored = _zstd_compress(raw, level) if compress else raw
     flags = (FLAG_ZSTD if compress else 0) | (FLAG_MISSING_ROWS if has_missing else 0)
     flags |= FLAG_TOKEN_IDS if trace.token_ids is not None else 0
-    return pack_blob(trace, mode, flags, len(raw), stored)
+    return pack_blob(trace, mode, flags, len(raw), stored, _stored_weights(trace, mode))
 
 
 def decode(
@@ -159,6 +159,9 @@ def decode(
     token_ids = None
     if head.has_token_ids:  # bounds checked by parse_header: they sit just before the payload lengths
         token_ids = np.frombuffer(data, "<i4", T, token_ids_offset(offset, T)).astype(np.int64)
+    weights = None
+    if head.weights_offset >= 0:  # bounds checked by parse_header; RouteTrace checks the values
+        weights = np.frombuffer(data, "<f2", T * L * K, head.weights_offset).reshape(T, L, K).astype(np.float32)
     try:
         return RouteTrace(
             experts_TLK,
@@ -170,9 +173,27 @@ def decode(
             slots=head.slots,
             ordered=head.mode is CodecMode.ORDERED,
             indexer=head.indexer,
+            weights=weights,
         )
     except RouteReplayError as error:
         raise CodecFormatError(f"blob decodes to an invalid trace: {error}") from error
+
+
+def _stored_weights(trace: RouteTrace, mode: CodecMode) -> np.ndarray | None:
+    """The trace's weights as float16, aligned with its ids as they decode (set mode: ids ascending)."""
+    if trace.weights is None:
+        return None
+    weights_TLK = trace.weights
+    if mode is CodecMode.SET:
+        weights_TLK = np.take_along_axis(weights_TLK, np.argsort(trace.experts, axis=2, kind="stable"), axis=2)
+    with np.errstate(over="raise"):
+        try:
+            return weights_TLK.astype(np.float16)
+        except FloatingPointError:
+            raise ConfigError(
+                f"a combine weight ({float(weights_TLK.max()):g}) exceeds float16's range (65504): the codec stores "
+                "weights in half precision; rescale them or encode the trace without weights"
+            ) from None
 
 
 def header_info(blob: bytes | bytearray | memoryview, *, limits: CodecLimits | None = None) -> CodecHeader:

@@ -8,7 +8,8 @@ Version 1 layout, all integers little-endian (offsets in bytes):
     6   u8    flags: bit 0 = payload is zstd-compressed, bit 1 = some rows are all -1 (bitmap present),
               bit 2 = token ids present (a blob without it decodes with `token_ids` None),
               bit 3 = router slot names present (layers holding several routers, `RouteTrace.slots`),
-              bit 4 = DSA indexer choices present (`RouteTrace.indexer`)
+              bit 4 = DSA indexer choices present (`RouteTrace.indexer`),
+              bit 5 = combine weights present (`RouteTrace.weights`)
     7   u8    reserved, 0
     8   u64   T          16  u32 L          20  u16 K          22  u32 E          26  u64 start
     34  L x u32           global layer numbers
@@ -16,6 +17,9 @@ Version 1 layout, all integers little-endian (offsets in bytes):
         u32               segment count S, then S x (u64 begin, u64 end, i64 policy_version
                           (-1 = None), u16 n, n bytes UTF-8 source name)
         u64 n, n bytes    the `IndexerTrace` blob (its own checksum), only when flag bit 4 is set
+        T x L x K f16     combine weights, only when flag bit 5 is set: IEEE half precision, row-major,
+                          weight k of row (t, l) belongs to the k-th id that row decodes to (set mode:
+                          ids ascending), 0 on -1 rows; 2 * K bytes per (token, layer) row
         T x i32           token ids, only when flag bit 2 is set (`RouteTrace.token_ids`, -1 = unknown)
         u64, u64          raw (uncompressed) payload length, stored payload length
         stored payload
@@ -47,7 +51,9 @@ from routereplay.trace.validation import check_slots
 MAGIC = b"RRTC"
 VERSION = 1
 READABLE_VERSIONS = (1,)
-FLAG_ZSTD, FLAG_MISSING_ROWS, FLAG_TOKEN_IDS, FLAG_SLOTS, FLAG_INDEXER = 1, 2, 4, 8, 16
+FLAG_ZSTD, FLAG_MISSING_ROWS, FLAG_TOKEN_IDS, FLAG_SLOTS, FLAG_INDEXER, FLAG_WEIGHTS = 1, 2, 4, 8, 16, 32
+KNOWN_FLAGS = FLAG_ZSTD | FLAG_MISSING_ROWS | FLAG_TOKEN_IDS | FLAG_SLOTS | FLAG_INDEXER | FLAG_WEIGHTS
+WEIGHT_BYTES = 2  # float16 per weight: see docs/codec.md "Combine weights"
 _U64 = struct.Struct("<Q")
 MAX_EXPERTS = 1 << 31  # ids must fit the int32 canonical dtype
 _ZSTD_MAX_RATIO = 1 << 15  # no zstd frame expands more (a 128 KiB block from a 4-byte RLE block)
@@ -81,12 +87,23 @@ class CodecHeader:
     has_token_ids: bool = False  # flag bit 2: T x i32 token ids sit just before the payload lengths
     slots: tuple[str, ...] | None = None  # flag bit 3: the router slot of each layer column
     indexer: IndexerTrace | None = None  # flag bit 4: the DSA indexer's choices of the same rows
+    weights_offset: int = -1  # flag bit 5: byte offset of the T x L x K float16 weights (-1: none)
 
 
-def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, stored: bytes | memoryview) -> bytes:
-    """The whole blob: header (with `flags`), the stored payload and the CRC32 of everything before it."""
+def pack_blob(
+    trace: RouteTrace,
+    mode: CodecMode,
+    flags: int,
+    raw_bytes: int,
+    stored: bytes | memoryview,
+    weights: np.ndarray | None = None,
+) -> bytes:
+    """The whole blob: header (with `flags`), the stored payload and the CRC32 of everything before it.
+
+    `weights`: (T, L, K) float16 aligned with the ids as they decode (flag bit 5), or None."""
     T, L, K, E = trace.num_tokens, trace.num_layers, trace.top_k, trace.num_experts
     flags |= (FLAG_SLOTS if trace.slots is not None else 0) | (FLAG_INDEXER if trace.indexer is not None else 0)
+    flags |= FLAG_WEIGHTS if weights is not None else 0
     parts: list[bytes | memoryview] = [
         _FIXED.pack(MAGIC, VERSION, _MODE_CODES[mode], flags, 0, T, L, K, E, trace.start)
     ]
@@ -102,6 +119,8 @@ def pack_blob(trace: RouteTrace, mode: CodecMode, flags: int, raw_bytes: int, st
     if trace.indexer is not None:
         indexer = trace.indexer.encode()
         parts.append(_U64.pack(len(indexer)) + indexer)
+    if weights is not None:
+        parts.append(np.ascontiguousarray(weights, dtype="<f2").tobytes())
     if trace.token_ids is not None:
         parts.append(trace.token_ids.astype("<i4").tobytes())  # ids are in [-1, 2^31): RouteTrace checked them
     parts += [_LENGTHS.pack(raw_bytes, len(stored)), stored]
@@ -192,6 +211,8 @@ def _declared_size(data: memoryview) -> int | None:
             reader.take(reader.unpack(_SEGMENT, f"segment {i}")[3], f"segment {i} source name")
         if flags & FLAG_INDEXER:
             reader.take(reader.unpack(_U64, "indexer length")[0], "indexer choices")
+        if flags & FLAG_WEIGHTS:
+            reader.take(WEIGHT_BYTES * num_tokens * num_layers * fixed[7], "combine weights")
         if flags & FLAG_TOKEN_IDS:
             reader.take(4 * num_tokens, "token ids")
         stored_bytes = reader.unpack(_LENGTHS, "payload lengths")[1]
@@ -211,7 +232,7 @@ def parse_header(data: memoryview, limits: CodecLimits, *, verify_crc: bool = Tr
     _, version, mode_code, flags, reserved, T, L, K, E, start = reader.unpack(_FIXED, "fixed header")
     if mode_code not in (0, 1):
         raise CodecFormatError(f"mode byte (offset 5) is {mode_code}, expected 0 (set) or 1 (ordered): corrupt")
-    if flags & ~(FLAG_ZSTD | FLAG_MISSING_ROWS | FLAG_TOKEN_IDS | FLAG_SLOTS | FLAG_INDEXER) or reserved:
+    if flags & ~KNOWN_FLAGS or reserved:
         raise CodecFormatError(
             f"unknown bits in flags {flags:#04x} (offset 6) or reserved byte {reserved} (offset 7): the blob is "
             "corrupt or from a newer writer (upgrade routereplay)"
@@ -231,6 +252,9 @@ def parse_header(data: memoryview, limits: CodecLimits, *, verify_crc: bool = Tr
         size = reader.unpack(_U64, "indexer length")[0]
         at = reader.take(size, "indexer choices")
         indexer = IndexerTrace.decode(reader.data[at : at + size])
+    weights_offset = -1
+    if flags & FLAG_WEIGHTS:  # bounded by the blob's length: nothing is allocated here
+        weights_offset = reader.take(WEIGHT_BYTES * T * L * K, "combine weights")
     has_token_ids = bool(flags & FLAG_TOKEN_IDS)
     if has_token_ids:
         reader.take(4 * T, "token ids")  # bounded by the blob's length: nothing is allocated here
@@ -258,7 +282,7 @@ def parse_header(data: memoryview, limits: CodecLimits, *, verify_crc: bool = Tr
         version=version, mode=mode, compressed=compressed, has_missing_rows=missing, num_tokens=T, num_layers=L,
         top_k=K, num_experts=E, start=start, layers=layers, segments=segments, raw_payload_bytes=raw_bytes,
         stored_payload_bytes=stored_bytes, bits_per_row=bits, total_bytes=len(data), has_token_ids=has_token_ids,
-        slots=slots, indexer=indexer,
+        slots=slots, indexer=indexer, weights_offset=weights_offset,
     )  # fmt: skip
     return header, offset
 

@@ -57,6 +57,7 @@ from torch.overrides import TorchFunctionMode
 
 from routereplay.runtime.discovery import RouterSite
 from routereplay.runtime.set_order import in_live_order, untied_live_order, untied_order_applies
+from routereplay.runtime.threshold import thresholded
 
 TOPK_FUNCTIONS = frozenset({torch.topk, torch.Tensor.topk})
 
@@ -75,10 +76,13 @@ class RouterSlot:
     chosen_TK: torch.Tensor | None = None  # the last call's choice, not yet folded into the context
     rows_T: torch.Tensor | None = None  # modality routers: the block's tokens this call sees (None: all)
     counts: tuple[int, int] = (0, 0)  # modality routers: (replayed, fallback) rows of this call
+    threshold: float | None = None  # replay(threshold=margin): see `runtime/threshold.py`
+    replaced_T: torch.Tensor | None = None  # the last call's rows a threshold gave back to the live router
 
     def clear(self) -> None:
         self.forced_TK, self.fallback, self.keep_order, self.chosen_TK = None, False, False, None
         self.rows_T, self.counts = None, (0, 0)
+        self.threshold, self.replaced_T = None, None
 
 
 # (site, slot, rows T) -> (forced ids (T, K) long, whether they hold -1 rows), or None for the live top-k
@@ -182,6 +186,8 @@ class TopKInterceptor(TorchFunctionMode):
         fallback: bool,
     ) -> torch.Tensor:
         """The ids (T, K) a replayed call forces, in the order it forces them (see "Top-k order")."""
+        if self.slot.threshold is not None and self.slot.forced_TK is not None:
+            forced_TK = self.thresholded(func, args, kwargs, scores, k, dim, forced_TK, self.slot.threshold)
         keep_order = self.keeps_order()
         if keep_order and not fallback:
             return forced_TK
@@ -200,6 +206,27 @@ class TopKInterceptor(TorchFunctionMode):
             if values_TK is None:
                 values_TK = self.values_at(scores, dim, forced_TK)
             return in_live_order(forced_TK, live_TK, values_TK)
+
+    def thresholded(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        scores: torch.Tensor,
+        k: int,
+        dim: int,
+        forced_TK: torch.Tensor,
+        margin: float,
+    ) -> torch.Tensor:
+        """Forced rows outside `margin` of the live top-k's K-th score take the live choice (`runtime/threshold.py`)."""
+        with torch.no_grad():
+            values, positions = func(*args, **kwargs)
+            live_TK = self.ids_of(_rows_last(positions, dim, k))
+            forced_values_TK = self.values_at(scores, dim, forced_TK.clamp(min=0))
+            ids_TK, replaced_T = thresholded(forced_TK, live_TK, _rows_last(values, dim, k), forced_values_TK, margin)
+        if not in_backward():
+            self.slot.replaced_T = replaced_T
+        return ids_TK
 
     def values_at(self, scores: torch.Tensor, dim: int, ids_TK: torch.Tensor) -> torch.Tensor:
         """The selection input's scores (T, K) at expert ids `ids_TK`, rows last."""

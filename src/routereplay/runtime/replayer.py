@@ -66,6 +66,8 @@ from routereplay.runtime.binding import JITTER_ATTRS, AuxLossRouting, Binding, J
 from routereplay.runtime.call_inputs import attributes, call_ids, call_shape, refuse_kernels
 from routereplay.runtime.discovery import RouterSite, discover
 from routereplay.runtime.family_interceptors import interceptor_for
+from routereplay.runtime.gate_weights import WeightsCapture, WeightsGrad, WeightsReplay, experts_sites, replay_weights
+from routereplay.runtime.gate_weights import weights_grad as weights_grad_of
 from routereplay.runtime.indexer.choices import replay_choices
 from routereplay.runtime.indexer.discovery import discover_indexers, unbound_indexers
 from routereplay.runtime.indexer.replayer import IndexerReplayer
@@ -80,6 +82,7 @@ from routereplay.runtime.routes import (
     traces_to_routes,
 )
 from routereplay.runtime.session import Recording, ReplayStats, Session, guard_backward
+from routereplay.runtime.threshold import check_margin, refuse_threshold
 from routereplay.trace.route_trace import RouteTrace
 
 
@@ -151,15 +154,25 @@ class Replayer:
 
     # -- contexts ----------------------------------------------------------------------------------
     @contextmanager
-    def record(self) -> Iterator[Recording]:
+    def record(self, *, weights: bool = False) -> Iterator[Recording]:
         """Routers run naturally; their choices are kept, aligned with the input.
 
+        `weights=True` also keeps the combine weights the experts receive (`Recording.weights`, and
+        `RouteTrace.weights` in `.traces(...)`); see `runtime/gate_weights/`.
         The context belongs to the calling thread: other threads' forwards are neither recorded nor touched."""
+        experts = experts_sites(self.sites, "recording weights") if weights else None
         session = self._enter(ReplayMode.RECORD, None)
+        capture = (
+            None if experts is None else WeightsCapture(experts, session.owned_here, lambda: len(session.steps) - 1)
+        )
         try:
-            yield Recording(session)
+            yield Recording(session, weights=capture)
         finally:
-            self._exit(session)
+            try:
+                self._exit(session)
+            finally:
+                if capture is not None:
+                    capture.close()
 
     @contextmanager
     def replay(
@@ -171,6 +184,9 @@ class Replayer:
         check_alignment: bool = True,
         order: ReplayOrder | str = ReplayOrder.SET,
         indexer: torch.Tensor | None = None,
+        weights: torch.Tensor | np.ndarray | bool | None = None,
+        weights_grad: WeightsGrad | str = WeightsGrad.FROZEN,
+        threshold: float | None = None,
     ) -> Iterator[Recording]:
         """Force routes: a (B, S, L, K) int tensor or numpy array aligned with the input, or RouteTraces + mask.
 
@@ -198,6 +214,15 @@ class Replayer:
         `indexer` (`IndexerTrace`) or from `indexer=` (a (B, S, L_dsa, I) int tensor of batch columns,
         -1 rows = the live indexer); without either the indexers run live and are recorded
         (`Recording.indexer`). Forced choices are the keys attention attends (`runtime/indexer/discovery.py`).
+
+        `weights` (off by default; `runtime/gate_weights/`): the engine's combine weights, a (B, S, L, K)
+        float tensor aligned like the routes, or True to take them from the RouteTraces (`RouteTrace.weights`),
+        replace the gate weights the experts receive on those rows (matched by expert id, so set and engine
+        order both work; -1 rows keep the live weights). `weights_grad`: "frozen" (no router gradient from
+        those rows) or "live" (the live weights' gradient). Families whose experts take no weights argument
+        are refused (`WeightsUnsupportedError`). `threshold` (off by default; `runtime/threshold.py`): keep a
+        forced row only where every forced id's selection score is within `threshold` of the live top-k's
+        K-th score, else the live choice; counted in `stats.replaced_rows` / `stats.replace_rate`.
         """
         order = replay_order(order)
         refuse_meta(attention_mask, "attention_mask")
@@ -226,18 +251,31 @@ class Replayer:
         checked = check_routes(routes_BSLK, self.layers, self.top_k, self.num_experts, self.slot_names)
         if check_alignment and traces is None and attention_mask is not None:
             check_padding(checked, mask_array(attention_mask))
+        margin, grad = check_margin(threshold), weights_grad_of(weights_grad)
+        if margin is not None:
+            refuse_threshold(self.sites)
+        forced_weights = replay_weights(self.sites, checked, weights, traces, attention_mask)
         session = self._enter(ReplayMode.REPLAY, checked, attention_mask, traces if check_alignment else None, order)
+        for slot in self.slots:
+            slot.threshold = margin
+        forcing = None if forced_weights is None else WeightsReplay(*forced_weights, grad, session.owned_here)
         if self.indexer is not None and indexer is not None:
             try:
                 self.indexer.begin_replay(indexer, attention_mask=attention_mask)
             except BaseException:
                 self._exit(session)
+                if forcing is not None:
+                    forcing.close()
                 raise
             session.indexer_replayed = True
         try:
             yield Recording(session)
         finally:
-            self._exit(session)
+            try:
+                self._exit(session)
+            finally:
+                if forcing is not None:
+                    forcing.close()
 
     def detach(self) -> None:
         """Unbind every router and remove every hook: the model is exactly as before `attach`."""

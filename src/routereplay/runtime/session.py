@@ -22,11 +22,13 @@ from routereplay.enums import ReplayMode, ReplayOrder, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.discovery import RouterSite
+from routereplay.runtime.gate_weights.forcing import WeightsCapture
 from routereplay.runtime.indexer.choices import IndexerGeometry, indexer_traces
 from routereplay.runtime.indexer.replayer import IndexerRecording
 from routereplay.runtime.interception import RouterSlot, in_backward
 from routereplay.runtime.modality import take_rows
 from routereplay.runtime.routes import mask_array, routes_to_traces
+from routereplay.runtime.threshold import replaced_count
 from routereplay.trace.route_trace import RouteTrace
 
 
@@ -42,6 +44,13 @@ class ReplayStats:
     fallback_rows: int = 0  # (token, layer) rows of -1 on attended positions, served by the live router
     fallback_rows_by_layer: dict[int, int] = field(default_factory=dict)
     checked_sequences: int = 0  # sequences whose token ids were checked against the batch (traces with ids)
+    replaced_rows: int = 0  # replay(threshold=...): replayed rows given back to the live router (attended)
+    replaced_rows_by_layer: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def replace_rate(self) -> float:
+        """Share of the replayed rows a threshold gave back to the live router (0.0 when none were replayed)."""
+        return self.replaced_rows / self.replayed_rows if self.replayed_rows else 0.0
 
     def reset(self) -> None:
         for name in (
@@ -52,9 +61,11 @@ class ReplayStats:
             "replayed_rows",
             "fallback_rows",
             "checked_sequences",
+            "replaced_rows",
         ):
             setattr(self, name, 0)
         self.fallback_rows_by_layer.clear()
+        self.replaced_rows_by_layer.clear()
 
 
 class SessionOwner(Protocol):
@@ -228,6 +239,10 @@ class Session:
         )
         stats.replayed_rows += replayed
         stats.fallback_rows += fallbacks
+        if slot.replaced_T is not None:  # threshold replay (`runtime/threshold.py`)
+            replaced, slot.replaced_T = replaced_count(slot.replaced_T, self.attended_T), None
+            stats.replaced_rows += replaced
+            stats.replaced_rows_by_layer[site.layer] = stats.replaced_rows_by_layer.get(site.layer, 0) + replaced
         if fallbacks:
             stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
 
@@ -256,9 +271,10 @@ class Recording:
     or read `.steps`.
     """
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, *, weights: WeightsCapture | None = None) -> None:
         replayer = session.replayer
         self._session, self.layers, self.num_experts = session, replayer.layers, replayer.num_experts
+        self._weights = weights  # record(weights=True): the combine weights the experts received
         self.slots = replayer.slot_names  # router slot of each column, None when every layer has one router
 
     @property
@@ -297,6 +313,16 @@ class Recording:
         return None if recording is None else recording.indices
 
     @property
+    def weights(self) -> torch.Tensor:
+        """`record(weights=True)`: the (B, S, L, K) float32 combine weights the experts received, aligned with
+        `.routes` (weight k of a row belongs to expert `routes[..., k]`)."""
+        if self._weights is None:
+            raise ReplayStateError("weights were not recorded: open the context with `replayer.record(weights=True)`")
+        if self._session.owned_here():
+            self._session.collect()
+        return self._weights.weights([shape for shape, _ in self._session.steps])
+
+    @property
     def routes(self) -> torch.Tensor:
         steps = self.steps
         if not steps:
@@ -322,6 +348,10 @@ class Recording:
         traces = routes_to_traces(
             self.routes, attention_mask, self.layers, self.num_experts, source, policy_version, input_ids, self.slots
         )
+        if self._weights is not None:  # record(weights=True): each trace carries its rows' combine weights
+            weights_BSLK = self.weights.numpy()
+            mask_BS = mask_array(attention_mask)[:, : weights_BSLK.shape[1]]
+            traces = [t.with_weights(weights_BSLK[b, mask_BS[b]]) for b, t in enumerate(traces)]
         indexer, owner = self.indexer, self._session.replayer.indexer
         if indexer is None or owner is None:
             return traces

@@ -33,6 +33,7 @@ from routereplay.trace.provenance import MergePolicy, Segment, check_segments, m
 from routereplay.trace.validation import (
     as_route_array,
     as_token_ids,
+    as_weights,
     check_slots,
     validate_routes,
 )
@@ -52,7 +53,18 @@ class RouteTrace:
     for the full content checks (ids in range, no duplicates, no partial rows, no all-zero layer).
     """
 
-    __slots__ = ("experts", "indexer", "layers", "num_experts", "ordered", "segments", "slots", "start", "token_ids")
+    __slots__ = (
+        "experts",
+        "indexer",
+        "layers",
+        "num_experts",
+        "ordered",
+        "segments",
+        "slots",
+        "start",
+        "token_ids",
+        "weights",
+    )
 
     experts: np.ndarray
     num_experts: int
@@ -63,6 +75,7 @@ class RouteTrace:
     slots: tuple[str, ...] | None  # router slot of each column within its layer; None = one router per layer
     ordered: bool  # rows keep the router's top-k order (False: only the set is known, e.g. a set codec)
     indexer: IndexerTrace | None  # DSA models: the sparse-attention indexer's key choices of the same rows
+    weights: np.ndarray | None  # (T, L, K) float32: the combine weight of each expert of `experts` (0 on -1 rows)
 
     def __init__(
         self,
@@ -76,6 +89,7 @@ class RouteTrace:
         slots: Sequence[str] | None = None,
         ordered: bool = True,
         indexer: IndexerTrace | None = None,
+        weights: Any = None,
     ) -> None:
         if not isinstance(num_experts, (int, np.integer)) or isinstance(num_experts, bool) or num_experts < 1:
             raise ConfigError(f"num_experts={num_experts!r} must be a positive int")
@@ -99,6 +113,7 @@ class RouteTrace:
         check_segments(self.segments, self.start, self.start + num_rows)
         self.token_ids = None if token_ids is None else as_token_ids(token_ids, num_rows)
         self.indexer = check_indexer(indexer, self.start, num_rows)
+        self.weights = None if weights is None else as_weights(weights, self.experts)
 
     # --- shape ---------------------------------------------------------------------------------
     @property
@@ -167,7 +182,8 @@ class RouteTrace:
         rows = self.experts[begin - self.start : end - self.start].copy()
         ids = None if self.token_ids is None else self.token_ids[begin - self.start : end - self.start].copy()
         indexer = None if self.indexer is None else self.indexer.slice(begin - self.start, end - self.start)
-        return self._like(rows, start=begin, segments=segments, token_ids=ids, indexer=indexer)
+        weights = None if self.weights is None else self.weights[begin - self.start : end - self.start].copy()
+        return self._like(rows, start=begin, segments=segments, token_ids=ids, indexer=indexer, weights=weights)
 
     @property
     def columns(self) -> tuple[tuple[int, str], ...]:
@@ -189,11 +205,16 @@ class RouteTrace:
         if missing:
             raise ConfigError(f"(layer, slot) columns {missing} are not in this trace (it has {list(self.columns)})")
         rows = self.experts[:, [index[c] for c in wanted]].copy()
-        return self._like(rows, layers=tuple(c[0] for c in wanted), slots=tuple(c[1] for c in wanted))
+        weights = None if self.weights is None else self.weights[:, [index[c] for c in wanted]].copy()
+        return self._like(rows, layers=tuple(c[0] for c in wanted), slots=tuple(c[1] for c in wanted), weights=weights)
 
     def sorted_rows(self) -> RouteTrace:
         """A copy with each row's ids in ascending order (the canonical form of a route set; order is lost)."""
-        return self._like(np.sort(self.experts, axis=2), ordered=False)
+        if self.weights is None:
+            return self._like(np.sort(self.experts, axis=2), ordered=False)
+        by_id = np.argsort(self.experts, axis=2, kind="stable")  # weights follow their ids
+        rows = np.take_along_axis(self.experts, by_id, axis=2)
+        return self._like(rows, ordered=False, weights=np.take_along_axis(self.weights, by_id, axis=2))
 
     def _like(self, experts: np.ndarray, **changes: Any) -> RouteTrace:
         """A trace like this one with `experts` and the given fields changed (slots and order carried)."""
@@ -205,6 +226,7 @@ class RouteTrace:
             "slots": self.slots,
             "ordered": self.ordered,
             "indexer": self.indexer,
+            "weights": self.weights,
         }
         fields.update(changes)
         return RouteTrace(experts, self.num_experts, **fields)
@@ -223,6 +245,10 @@ class RouteTrace:
         if ids.ndim == 1 and ids.shape[0] == self.num_tokens + 1:
             ids = ids[:-1]
         return self._like(self.experts, token_ids=ids)
+
+    def with_weights(self, weights: Any) -> RouteTrace:
+        """A shallow copy carrying the combine weights of its rows ((T, L, K) float, aligned with `experts`)."""
+        return self._like(self.experts, weights=weights)
 
     def with_indexer(self, indexer: IndexerTrace | None) -> RouteTrace:
         """A shallow copy carrying the DSA indexer's choices of the same rows (`IndexerTrace`, same start and rows)."""
@@ -259,13 +285,13 @@ class RouteTrace:
         if not (self.num_tokens and other.num_tokens):
             kept = self if self.num_tokens or not other.num_tokens else other
             ids = None if kept.token_ids is None else kept.token_ids.copy()
-            return kept._like(kept.experts.copy(), token_ids=ids, ordered=ordered)
+            return kept._like(kept.experts.copy(), token_ids=ids, ordered=ordered, weights=None)
         first, second = (self, other) if policy is MergePolicy.KEEP else (other, self)
         experts, start, segments, token_ids = merge_rows(first, second)
         indexer = merged_indexer(first.indexer, second.indexer, start, len(experts))
         return self._like(
-            experts, start=start, segments=segments, token_ids=token_ids, ordered=ordered, indexer=indexer
-        )
+            experts, start=start, segments=segments, token_ids=token_ids, ordered=ordered, indexer=indexer, weights=None
+        )  # weights are not merged: replay the merged ids without them
 
     def to_torch(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The ids as a (T, L, K) tensor (shares memory on CPU unless `dtype` differs)."""
@@ -301,6 +327,7 @@ class RouteTrace:
             and bool(np.array_equal(self.experts, other.experts))
             and _same_token_ids(self.token_ids, other.token_ids)
             and self.indexer == other.indexer
+            and _same_weights(self.weights, other.weights)
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable array inside: not hashable
@@ -323,6 +350,12 @@ class RouteTrace:
             f"{'token ids, ' if self.token_ids is not None else ''}"
             f"sources [{sources}])"
         )
+
+
+def _same_weights(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(np.array_equal(a, b))
 
 
 def _same_token_ids(a: np.ndarray | None, b: np.ndarray | None) -> bool:

@@ -22,6 +22,8 @@ from routereplay.errors import (
     PartialRowError,
     TopKMismatchError,
     TraceShapeError,
+    WeightsShapeError,
+    WeightsValueError,
     ZeroLayerError,
     location,
 )
@@ -72,6 +74,26 @@ def overflow_span(array: np.ndarray, dtype: Any) -> tuple[int, int] | None:
     info = np.iinfo(dtype)
     low, high = int(array.min()), int(array.max())
     return (low, high) if low < info.min or high > info.max else None
+
+
+def as_weights(value: Any, experts_TLK: np.ndarray) -> np.ndarray:
+    """Combine weights (T, L, K) as float32 (`RouteTrace.weights`): the shape of the ids, finite, >= 0, and 0
+    on -1 rows (`WeightsShapeError`, `WeightsValueError`)."""
+    array = np.asarray(value)
+    if array.dtype.kind != "f" or array.shape != experts_TLK.shape:
+        raise WeightsShapeError(
+            f"weights must be floating point of the routes' shape {experts_TLK.shape} (T, L, K), got "
+            f"{array.dtype} {array.shape}"
+        )
+    weights_TLK = array.astype(np.float32, copy=True)
+    bad_TLK = ~np.isfinite(weights_TLK) | (weights_TLK < 0) | ((experts_TLK < 0) & (weights_TLK != 0))
+    if bad_TLK.any():
+        t, layer, k = (int(i) for i in np.argwhere(bad_TLK)[0])
+        raise WeightsValueError(
+            f"weight {k} of row {t}, layer column {layer} is {float(weights_TLK[t, layer, k])}: combine weights are "
+            "finite, >= 0, and 0 where the route is -1"
+        )
+    return weights_TLK
 
 
 def as_token_ids(value: Any, num_rows: int) -> np.ndarray:

@@ -161,8 +161,12 @@ class HFEngine:
         dtype: torch.dtype = torch.bfloat16,
         capture: bool = True,
         policy_version: int | None = None,
+        capture_weights: bool = False,
     ) -> None:
+        if capture_weights and not capture:
+            raise ConfigError("capture_weights=True records the combine weights beside the routes: needs capture=True")
         self.model = copy.deepcopy(model).to(dtype).eval()
+        self.capture_weights = capture_weights  # traces carry the combine weights the experts received
         self.dtype = dtype
         self.policy_version = policy_version
         self.replayer = attach(self.model) if capture else None
@@ -199,8 +203,10 @@ class HFEngine:
         if stop is not None and stop(0):  # aborted before any forward: nothing computed, nothing to lose
             return [Rollout(list(p), [], [], None, aborted=True) for p in prompts]
         generator = torch.Generator().manual_seed(params.seed)
-        tokens_BR, logprobs_BR, routes = self._sample(ids_BP, mask_BP, params, generator, progress, stop, prefix_routes)
-        rollouts = self._rollouts(prompts, mask_BP, tokens_BR, logprobs_BR, routes, params)
+        tokens_BR, logprobs_BR, routes, weights = self._sample(
+            ids_BP, mask_BP, params, generator, progress, stop, prefix_routes
+        )
+        rollouts = self._rollouts(prompts, mask_BP, tokens_BR, logprobs_BR, routes, params, weights)
         if tokens_BR.shape[1] < params.max_new_tokens:
             for rollout in rollouts:
                 rollout.aborted = not rollout.finished
@@ -215,15 +221,17 @@ class HFEngine:
         progress: Callable[[int, int], None] | None,
         stop: Callable[[int], bool] | None,
         prefix_routes: Sequence[RouteTrace | None] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Tokens (B, R), their log-probs (B, R) and the routes used (B, P + R - 1, L, K), or None without capture."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Tokens (B, R), their log-probs (B, R), the routes used (B, P + R - 1, L, K), or None without capture,
+        and their combine weights (same shape, float32), or None unless `capture_weights` (and no prefix replay)."""
         mask = mask_BP
         with self._prefill_routing(ids_BP, mask_BP, prefix_routes) as prefill:
             output = self.model(
                 input_ids=ids_BP, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=True
             )
         tokens, logprobs = [], []
-        with self.replayer.record() if self.replayer is not None else nullcontext() as decode:
+        recording = self.replayer.record(weights=self.capture_weights) if self.replayer is not None else nullcontext()
+        with recording as decode:
             for step in range(params.max_new_tokens):
                 token_B, logprob_B = sample_tokens(output.logits[:, -1].float(), params, generator)
                 tokens.append(token_B)
@@ -241,11 +249,13 @@ class HFEngine:
                     past_key_values=output.past_key_values,
                     use_cache=True,
                 )
-        routes = None
+        routes = weights = None
         if prefill is not None and decode is not None:
             fed = [prefill.routes] + ([decode.routes] if decode.steps else [])
             routes = torch.cat(fed, dim=1)  # (B, P + R - 1, L, K): prefill plus every fed sampled token
-        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), routes
+            if self.capture_weights and prefix_routes is None:
+                weights = torch.cat([prefill.weights] + ([decode.weights] if decode.steps else []), dim=1)
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), routes, weights
 
     def _prefill_routing(
         self, ids_BP: torch.Tensor, mask_BP: torch.Tensor, prefix_routes: Sequence[RouteTrace | None] | None
@@ -254,7 +264,7 @@ class HFEngine:
         if self.replayer is None:
             return nullcontext()
         if prefix_routes is None:
-            return self.replayer.record()
+            return self.replayer.record(weights=self.capture_weights)
         lengths = mask_BP.sum(dim=1).tolist()
         traces = [self._unrouted(n) if t is None else t for t, n in zip(prefix_routes, lengths, strict=True)]
         return self.replayer.replay(traces, mask_BP, input_ids=ids_BP)
@@ -274,11 +284,12 @@ class HFEngine:
         logprobs_BR: torch.Tensor,
         routes: torch.Tensor | None,
         params: SamplingParams,
+        weights: torch.Tensor | None = None,
     ) -> list[Rollout]:
         responses = tokens_BR.tolist()
         finished = [params.eos_token_id is not None and params.eos_token_id in r for r in responses]
         lengths = [r.index(params.eos_token_id) + 1 if f else len(r) for r, f in zip(responses, finished, strict=True)]
-        traces = self._traces(prompts, mask_BP.shape[1], lengths, routes, responses)
+        traces = self._traces(prompts, mask_BP.shape[1], lengths, routes, responses, weights)
         return [
             Rollout(
                 list(prompt),
@@ -297,6 +308,7 @@ class HFEngine:
         lengths: list[int],
         routes: torch.Tensor | None,
         responses: list[list[int]],
+        weights: torch.Tensor | None = None,
     ) -> list[RouteTrace | None]:
         """Each sequence's fed positions (its prompt, then its response but the last token) cut from the
         batch routes in one gather and one cast, then viewed per sequence; each carries its token ids."""
@@ -309,6 +321,7 @@ class HFEngine:
         ragged = unpad(routes, attention_mask=fed_BS)
         num_experts, layers = self.replayer.num_experts, self.replayer.layers
         experts_NLK = ragged.values.numpy().astype(canonical_dtype(num_experts))
+        weights_NLK = None if weights is None else unpad(weights, attention_mask=fed_BS).values.numpy()
         cu = ragged.cu_seqlens.tolist()
         traces: list[RouteTrace | None] = []
         for b in range(len(prompts)):
@@ -316,7 +329,8 @@ class HFEngine:
             assert rows == len(prompts[b]) + lengths[b] - 1
             segments = (Segment(0, rows, Source.HF, self.policy_version),) if rows else ()
             token_ids = [*prompts[b], *responses[b][: lengths[b] - 1]]  # the fed tokens, one per row
-            traces.append(RouteTrace(experts_NLK[cu[b] : cu[b + 1]], num_experts, layers, 0, segments, token_ids))
+            trace = RouteTrace(experts_NLK[cu[b] : cu[b + 1]], num_experts, layers, 0, segments, token_ids)
+            traces.append(trace if weights_NLK is None else trace.with_weights(weights_NLK[cu[b] : cu[b + 1]]))
         return traces
 
 

@@ -1,0 +1,34 @@
+"""`routereplay bench replay-options`: off / R3 ids / R3 ids + weights / threshold side by side on the demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from routereplay.bench import options
+from routereplay.errors import ConfigError
+
+pytestmark = pytest.mark.hf
+
+
+def test_options_side_by_side_on_a_quickly_trained_demo_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path))
+    config = options.OptionsBenchConfig(prompts=24, max_new_tokens=3, train_steps=2, margins=(0.0, 1e9))
+    record = options.run(config)
+    found = record["options"]
+    assert list(found) == ["off", "r3_ids", "r3_ids_weights", "threshold_0", "threshold_1e+09"]
+    assert found["r3_ids"]["routing_disagreement"] == found["r3_ids_weights"]["routing_disagreement"] == 0.0
+    # margin 0 gives back every row the trainer would not choose: the live routing, counted
+    assert found["threshold_0"]["replace_rate"] == pytest.approx(found["off"]["routing_disagreement"], abs=0.02)
+    assert found["threshold_0"]["k3_kl"] == found["off"]["k3_kl"]
+    assert found["threshold_1e+09"]["replace_rate"] == 0.0
+    assert found["threshold_1e+09"]["k3_kl"] == found["r3_ids"]["k3_kl"]  # a huge margin is plain R3
+    size = record["bytes_per_row"]
+    assert size["weights"] == 4 and size["blob_ids_weights"] - size["blob_ids"] == pytest.approx(4.0)
+    assert "| r3_ids_weights |" in options.markdown(record)
+
+
+def test_the_vllm_variant_is_refused_until_the_plugin_captures_weights() -> None:
+    with pytest.raises(ConfigError, match="capture combine weights"):
+        options.OptionsBenchConfig(engine="vllm")
