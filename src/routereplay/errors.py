@@ -340,6 +340,11 @@ class ForcingNotAppliedError(RouteReplayError):
     lacks the routereplay vLLM plugin, or a layer's router is one the plugin cannot force. The message names rows."""
 
 
+class WeightsCaptureError(RouteReplayError):
+    """An engine's captured combine weights do not belong to its routes: the ids captured beside them differ from
+    the engine's own routed experts on some row, or a routed row has no weights. The message names the rows."""
+
+
 class EngineStartError(RouteReplayError):
     """A local inference server did not start (it exited, or was not ready in time); the message has its log."""
 
