@@ -74,7 +74,7 @@ def check_against_vllms_experts(trace: Any, seen: dict[int, list[tuple[torch.Ten
         assert np.array_equal(weights_TK.float().numpy(), trace.weights[:, column]), f"layer {layer}: weights"
 
 
-def test_vllm_combine_weights_are_what_its_experts_received_and_what_hf_replay_gives(colocated_qwen3: Colocated) -> None:
+def test_vllm_weights_are_what_its_experts_received_and_what_hf_replay_gives(colocated_qwen3: Colocated) -> None:
     """Weights-only request: not forced (tokens, log-probs, routes as the plain request), its trace's weights are
     those vLLM's experts were called with, row for row and in vLLM's top-k order; the same with random forced
     routes; the codec carries them as float16; replaying the trace with `weights=True` on the HF twin gives its
