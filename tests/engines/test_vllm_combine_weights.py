@@ -107,6 +107,12 @@ def test_vllm_weights_are_what_its_experts_received_and_what_hf_replay_gives(col
     check_against_vllms_experts(forced.trace, seen)
     assert worker_counters(runner(engine))["forced_rows"] > after["forced_rows"]
 
+    with vllm_experts_probe(engine) as seen:  # aborted mid-call (fully-async RL): weights for every row it fed
+        stopped = engine.generate(prompt, SamplingParams(max_new_tokens=40, seed=4), stop=lambda n: n >= 3,
+                                  capture_weights=True)[0]  # fmt: skip
+    assert stopped.aborted and stopped.trace is not None and len(stopped.response_ids) < 40
+    check_against_vllms_experts(stopped.trace, seen)
+
     decoded = codec.decode(codec.encode(forced.trace))  # set mode: ids ascending, each weight beside its id
     by_id = forced.trace.sorted_rows()
     assert decoded.weights is not None and by_id.weights is not None

@@ -156,3 +156,43 @@ def test_weights_reach_a_trace_only_beside_the_ids_vllm_reports() -> None:
     routed_later[:2] = -1  # rows vLLM did not route: weights 0 there, nothing asked of them
     got = weights_for(RouteTrace(routed_later, E, SERVED.moe_layers), kept_rows(ids_TLK, weights_TLK, [2, 3, 4]), "p")
     assert (got[:2] == 0).all() and np.array_equal(got[2:], weights_TLK[2:])
+
+
+def test_the_front_end_gives_a_weights_request_its_own_salt_and_the_forcing_checks() -> None:
+    """`check_request`: a weights request needs an eager engine like forcing (named by its field); it gets a salt of
+    its own after the caller's (no row from the prefix cache, so the worker sees every routed row); forced + weights
+    keeps the forced routes' digest last; a request asking for neither is left as it came."""
+    from routereplay.engines.vllm.forced_routes import WEIGHTS_SALT, salted
+    from routereplay.engines.vllm.plugin import check_request
+
+    def processor(eager: bool = True) -> SimpleNamespace:
+        model_config = SimpleNamespace(
+            enforce_eager=eager,
+            get_num_experts=lambda: E,
+            get_num_experts_per_tok=lambda: K,
+            hf_text_config=SimpleNamespace(num_hidden_layers=3, mlp_only_layers=[0]),
+        )
+        parallel = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1))
+        return SimpleNamespace(model_config=model_config, vllm_config=parallel)
+
+    def front(extra: dict[str, Any] | None, salt: str | None = None) -> SimpleNamespace:
+        params = SimpleNamespace(extra_args=extra)
+        return SimpleNamespace(request_id="r9", sampling_params=params, prompt_token_ids=PROMPT, cache_salt=salt)
+
+    with pytest.raises(ForcedRoutesError, match=r"'r9': vllm_xargs 'routereplay_weights' need an eager engine"):
+        check_request(processor(eager=False), front({WEIGHTS_KEY: True}))
+    with pytest.raises(ForcedRoutesError, match=r"'routereplay_weights'=1 must be true"):
+        check_request(processor(), front({WEIGHTS_KEY: 1}))
+    first, second = front({WEIGHTS_KEY: True}, salt="mine"), front({WEIGHTS_KEY: True}, salt="mine")
+    check_request(processor(), first)
+    check_request(processor(), second)
+    assert first.cache_salt.startswith(f"mine|{WEIGHTS_SALT}") and first.cache_salt != second.cache_salt
+    text = encode_forced(RouteTrace(np.tile(np.array([[3, 7]], np.int16), (20, 2, 1)), E, SERVED.moe_layers))
+    both = front({WEIGHTS_KEY: True, XARG_KEY: text})
+    check_request(processor(), both)
+    own = both.cache_salt.split("|")[0]
+    assert own.startswith(WEIGHTS_SALT) and both.cache_salt == salted(own, text)
+    for extra in (None, {WEIGHTS_KEY: False}):
+        plain = front(extra, salt="mine")
+        check_request(processor(eager=False), plain)
+        assert plain.cache_salt == "mine"
