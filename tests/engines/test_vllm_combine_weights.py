@@ -21,6 +21,7 @@ import torch
 import routereplay
 from routereplay import codec
 from routereplay.engines.hf import SamplingParams
+from routereplay.engines.vllm.forcing import RUNNER_ATTR
 from routereplay.engines.vllm.plugin import worker_counters
 from tests.engines.colocated_engine import Colocated, prompts
 from tests.engines.test_vllm_forcing import as_sets, random_routes
@@ -94,6 +95,7 @@ def test_vllm_weights_are_what_its_experts_received_and_what_hf_replay_gives(col
     assert after["forced_requests"] == before["forced_requests"] and after["forced_rows"] == before["forced_rows"]
     assert after["weights_requests"] == before["weights_requests"] + 1
     check_against_vllms_experts(weighted.trace, seen)
+    assert len(getattr(runner(engine), RUNNER_ATTR).weights) == 0  # taken, so freed
     sums = weighted.trace.weights.sum(-1)  # Qwen3-MoE renormalises its top-k (norm_topk_prob); bf16 weights
     assert np.allclose(sums, 1.0, atol=4e-3) and weighted.trace.weights.min() > 0
 

@@ -73,6 +73,7 @@ from torch import nn
 
 from routereplay.engines.hf.engine import Rollout, SamplingParams, check_prompts, checked_params, checked_prefix_routes
 from routereplay.engines.vllm.checkpoint import CheckpointLayout, check_servable, write_checkpoint
+from routereplay.engines.vllm.combine_weights import reserve as reserve_weights
 from routereplay.engines.vllm.combine_weights import take as take_weights
 from routereplay.engines.vllm.combine_weights import with_weights
 from routereplay.engines.vllm.cpu_kernels import CpuKernels, choose
@@ -318,6 +319,8 @@ class VLLMEngine:
         if stop is not None and stop(0):  # stopped before anything ran: nothing computed, nothing to lose
             return [Rollout(p, [], [], None, aborted=True) for p in token_prompts]
         sampling = [self._sampling(params, params.seed + i, f, weights) for i, f in enumerate(forced)]
+        if weights:
+            reserve_weights(self.llm, len(token_prompts))
         inputs = [{"prompt_token_ids": p} for p in token_prompts]
         with self._logs():
             if stop is None:

@@ -3,7 +3,8 @@
 `VLLMEngine.generate(..., capture_weights=True)` (or `EngineConfig(capture_weights=True)`) sends every
 request with `extra_args[WEIGHTS_KEY] = True`: the routereplay plugin's worker keeps, for each of its
 token rows, the (L, K) combine weights its MoE routers returned after forcing, beside the ids they returned,
-by position (`forcing.weights`). After the call the engine takes them from the worker (`take`:
+by position (`forcing.weights`). Before the call the engine makes the worker keep at least as many finished
+requests as the call sends (`reserve`); after it, the engine takes them from the worker (`take`:
 `collective_rpc` with a function, which reaches the runner directly in process) and puts them on each
 rollout's `RouteTrace` (`weights_for`), aligned with its rows (prompt + response - 1, as its routes).
 
@@ -35,6 +36,19 @@ def _take_on_worker(worker: Any, request_ids: list[str]) -> dict[str, RequestWei
     from routereplay.engines.vllm.plugin import take_weights
 
     return take_weights(worker.model_runner, request_ids)
+
+
+def _reserve_on_worker(worker: Any, count: int) -> int:
+    from routereplay.engines.vllm.plugin import forcing_worker
+
+    store = forcing_worker(worker.model_runner).weights
+    store.capacity = max(store.capacity, int(count))
+    return store.capacity
+
+
+def reserve(llm: Any, count: int) -> None:
+    """Make the worker keep at least `count` finished requests' weights until taken (one call's requests)."""
+    llm.collective_rpc(_reserve_on_worker, args=(int(count),))
 
 
 def take(llm: Any, request_ids: Sequence[str]) -> dict[str, RequestWeights]:
@@ -84,4 +98,4 @@ def with_weights(trace: RouteTrace, kept: RequestWeights | None, where: str) -> 
     return trace.with_weights(weights_for(trace, kept, where))
 
 
-__all__ = ["take", "weights_for", "with_weights"]
+__all__ = ["reserve", "take", "weights_for", "with_weights"]
