@@ -18,7 +18,11 @@ routers are wrapped once (`forcing.router.LayerForcing`) and pass through when n
 Combine weights (`extra_args[WEIGHTS_KEY] = True`, forced or not): in a step where some request asks, every
 wrapped router keeps the (weights, ids) it returned after forcing; once the forward has run, `keep_weights`
 stores each asking request's rows, by position, in `weights` (`forcing.weights.WeightsStore`), and the
-engine takes them after its call (`take_weights`). A step where no request asks keeps nothing.
+engine takes them after its call (`take_weights`). A step where no request asks keeps nothing. The weights
+kept are the model's combine weights as its HF definition has them: the router's, times the factor vLLM's
+MoE runner scales the experts' output by where the model moves `routed_scaling_factor` from the weights to
+the output (`output_scale`; DeepSeek-V2/V3 and GLM-4.5 in vLLM 0.30: their experts are called with
+unscaled weights, then their output is scaled).
 
 A request whose routes fail the worker's check (the front end passed it, so only a model whose MoE
 layers its config does not describe) is not forced: the error is logged, counted in
@@ -83,6 +87,9 @@ class ForcingWorker:
     weights_requests: int = 0
     weights_rows: int = 0
     asking: list[AskingRows] = field(default_factory=list)  # this step's rows whose weights are kept
+    # per MoE layer, the factor vLLM's MoE runner scales the experts' output by (its `routed_scaling_factor` when the
+    # model applies that scale to the output instead of the weights: DeepSeek-V2/V3, GLM-4.5), else 1
+    output_scale: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_experts: int, top_k: int, num_layers: int) -> ForcingWorker:
@@ -90,13 +97,15 @@ class ForcingWorker:
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
         layers: dict[int, LayerForcing] = {}
+        scale: dict[int, float] = {}
         for module in model.modules():
             if isinstance(module, MoERunner):
                 forcing = LayerForcing.of(int(module.layer_id), module.router)
                 forcing.install()
                 layers[forcing.layer] = forcing
+                scale[forcing.layer] = float(getattr(module, "routed_scaling_factor", 1.0) or 1.0)
         served = ServedRouting(int(num_experts), int(top_k), int(num_layers), tuple(sorted(layers)))
-        return cls(layers, served, id(model))
+        return cls(layers, served, id(model), output_scale=scale)
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -207,7 +216,8 @@ class ForcingWorker:
             missing = [layer for layer, k in zip(self.served.moe_layers, kept, strict=True) if k is None]
             LOG.error("routereplay: MoE layers %s did not route this step; no combine weights kept for it", missing)
             return
-        weights_NLK = torch.stack([k[0] for k in kept if k is not None], dim=1)
+        scale_L = [self.output_scale.get(layer, 1.0) for layer in self.served.moe_layers]
+        weights_NLK = torch.stack([k[0].float() * s for k, s in zip(kept, scale_L, strict=True) if k is not None], 1)
         ids_NLK = torch.stack([k[1] for k in kept if k is not None], dim=1)
         for rows in self.asking:
             self.weights.keep(
