@@ -216,17 +216,16 @@ class ForcingWorker:
             missing = [layer for layer, k in zip(self.served.moe_layers, kept, strict=True) if k is None]
             LOG.error("routereplay: MoE layers %s did not route this step; no combine weights kept for it", missing)
             return
+        rows = max(r.last for r in self.asking)  # one host copy of the step's rows up to the last asking one
         scale_L = [self.output_scale.get(layer, 1.0) for layer in self.served.moe_layers]
-        weights_NLK = torch.stack([k[0].float() * s for k, s in zip(kept, scale_L, strict=True) if k is not None], 1)
-        ids_NLK = torch.stack([k[1] for k in kept if k is not None], dim=1)
-        for rows in self.asking:
-            self.weights.keep(
-                rows.request_id,
-                rows.positions_n,
-                ids_NLK[rows.first : rows.last].to("cpu", torch.int32).numpy(),
-                weights_NLK[rows.first : rows.last].detach().to("cpu", torch.float32).numpy(),
-            )
-            self.weights_rows += rows.last - rows.first
+        weights_NLK = torch.stack([k[0][:rows].float() * s for k, s in zip(kept, scale_L, strict=True) if k], 1)
+        ids_NLK = torch.stack([k[1][:rows] for k in kept if k is not None], dim=1).to(torch.int32)
+        weights_host = weights_NLK.detach().cpu().numpy()
+        ids_host = ids_NLK.cpu().numpy()
+        for asked in self.asking:
+            span = slice(asked.first, asked.last)
+            self.weights.keep(asked.request_id, asked.positions_n, ids_host[span].copy(), weights_host[span].copy())
+            self.weights_rows += asked.last - asked.first
 
     def end_step(self) -> None:
         """Clear the step's forced rows and kept weights (also when the forward raised)."""
