@@ -351,6 +351,11 @@ class VLLMVersionError(ConfigError):
     0.31-0.33); the message names the version found and those served."""
 
 
+class WeightsCaptureError(RouteReplayError):
+    """An engine's captured combine weights do not belong to its routes: the ids captured beside them differ from
+    the engine's own routed experts on some row, or a routed row has no weights. The message names the rows."""
+
+
 class EngineStartError(RouteReplayError):
     """A local inference server did not start (it exited, or was not ready in time); the message has its log."""
 

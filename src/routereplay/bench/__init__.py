@@ -3,6 +3,8 @@
 Files:
 - `codec.py`              Codec benchmark: bytes per (token, layer) row and throughput, against the engines'
                           own forms
+- `colocated_options.py`  Replay options benchmark, vLLM variant: the same options against the in-process vLLM
+                          CPU engine's log-probs and routes, with its captured combine weights
 - `config.py`             The fields every benchmark config starts with (repeats, seed; routing; samples) and
                           their checks
 - `delivery/`             Delivery benchmark: a batch's routes from the driver to each rank, compact against

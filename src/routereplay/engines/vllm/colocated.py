@@ -22,6 +22,10 @@ loop can swap one for the other:
   capture returns are checked to hold the forced experts on every forced row
   (`ForcingNotAppliedError` otherwise). A resumed request's prefix and a multi-turn prompt carrying
   earlier turns' routes are recomputed with the routes they were sampled with.
+- `generate(..., capture_weights=True)` (default `EngineConfig.capture_weights`): each trace also carries
+  vLLM's combine weights (`RouteTrace.weights`, float16 in the codec), the ones its experts received after
+  forcing, taken from the plugin's worker and checked row by row against vLLM's own routes
+  (`combine_weights`; `WeightsCaptureError`); such requests never reuse prefix-cached KV.
 - `sync_weights(model, policy_version)`: the colocated-RL weight update, no restart. The trainer's
   state dict, under its HF checkpoint names (`revert_weight_conversion`: what `save_pretrained`
   writes) and cast to the engine dtype, must have exactly the checkpoint's tensors and shapes
@@ -69,8 +73,19 @@ from torch import nn
 
 from routereplay.engines.hf.engine import Rollout, SamplingParams, check_prompts, checked_params, checked_prefix_routes
 from routereplay.engines.vllm.checkpoint import CheckpointLayout, check_servable, write_checkpoint
+from routereplay.engines.vllm.combine_weights import reserve as reserve_weights
+from routereplay.engines.vllm.combine_weights import take as take_weights
+from routereplay.engines.vllm.combine_weights import with_weights
 from routereplay.engines.vllm.cpu_kernels import CpuKernels, choose
-from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, check_forced, encode_forced
+from routereplay.engines.vllm.forced_routes import (
+    WEIGHTS_KEY,
+    XARG_KEY,
+    ForcedRoutes,
+    ServedRouting,
+    check_forced,
+    encode_forced,
+)
+from routereplay.engines.vllm.forcing.weights import RequestWeights
 from routereplay.engines.vllm.plugin import register
 from routereplay.engines.vllm.requests import StoppableRun
 from routereplay.engines.vllm.workarounds import (
@@ -112,6 +127,7 @@ class EngineConfig:
     seed: int = 0
     # vLLM's own log: False keeps it to ERROR and above unless VLLM_LOGGING_LEVEL is set (workarounds)
     verbose: bool = False
+    capture_weights: bool = False  # the default of generate(capture_weights=...): traces carry vLLM's weights
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_bytes"):
@@ -120,8 +136,9 @@ class EngineConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name}={value!r} must be an int >= 1")
-        if not isinstance(self.verbose, bool):
-            raise ConfigError(f"EngineConfig.verbose={self.verbose!r} must be True or False")
+        for name in ("verbose", "capture_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r} must be True or False")
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ConfigError(f"EngineConfig.dtype={self.dtype} must be bfloat16, float16 or float32")
 
@@ -279,11 +296,16 @@ class VLLMEngine:
         *,
         stop: Callable[[int], bool] | None = None,
         prefix_routes: Sequence[RouteTrace | None] | None = None,
+        capture_weights: bool | None = None,
     ) -> list[Rollout]:
         """Sample one response per prompt (seed `params.seed + index`), with log-probs and routes.
 
-        `stop` and `prefix_routes` are described in the module docstring."""
+        `stop` and `prefix_routes` are described in the module docstring; `capture_weights` (default
+        `EngineConfig.capture_weights`) puts vLLM's combine weights on each trace (`combine_weights`)."""
         params = checked_params(params, "VLLMEngine")
+        weights = self.config.capture_weights if capture_weights is None else capture_weights
+        if not isinstance(weights, bool):
+            raise ConfigError(f"generate(capture_weights={weights!r}) must be True, False or None")
         check_prompts(prompts)
         token_prompts = [[int(t) for t in p] for p in prompts]
         forced = self._forced(token_prompts, prefix_routes)
@@ -296,7 +318,9 @@ class VLLMEngine:
             )
         if stop is not None and stop(0):  # stopped before anything ran: nothing computed, nothing to lose
             return [Rollout(p, [], [], None, aborted=True) for p in token_prompts]
-        sampling = [self._sampling(params, params.seed + i, f) for i, f in enumerate(forced)]
+        sampling = [self._sampling(params, params.seed + i, f, weights) for i, f in enumerate(forced)]
+        if weights:
+            reserve_weights(self.llm, len(token_prompts))
         inputs = [{"prompt_token_ids": p} for p in token_prompts]
         with self._logs():
             if stop is None:
@@ -304,8 +328,9 @@ class VLLMEngine:
                 received = [(out, False) for out in outputs]
             else:
                 received = [(r.output, r.aborted) for r in StoppableRun(self.llm).run(inputs, sampling, stop)]
+        kept = take_weights(self.llm, [out.request_id for out, _ in received]) if weights else None
         rollouts = [
-            self._rollout(i, p, out, params, aborted)
+            self._rollout(i, p, out, params, aborted, kept)
             for i, (p, (out, aborted)) in enumerate(zip(token_prompts, received, strict=True))
         ]
         for i, (rollout, asked) in enumerate(zip(rollouts, prefix_routes or [None] * len(rollouts), strict=True)):
@@ -328,8 +353,11 @@ class VLLMEngine:
             forced.append((encode_forced(trace), plan))
         return forced
 
-    def _sampling(self, params: SamplingParams, seed: int, forced: tuple[str, ForcedRoutes] | None = None) -> Any:
+    def _sampling(
+        self, params: SamplingParams, seed: int, forced: tuple[str, ForcedRoutes] | None = None, weights: bool = False
+    ) -> Any:
         stop = [] if params.eos_token_id is None else [params.eos_token_id]
+        extra = ({} if forced is None else {XARG_KEY: forced[0]}) | ({WEIGHTS_KEY: True} if weights else {})
         return self._vllm.SamplingParams(
             max_tokens=params.max_new_tokens,
             temperature=params.temperature,
@@ -339,10 +367,18 @@ class VLLMEngine:
             ignore_eos=True,  # stop only where the caller says (params.eos_token_id), like HFEngine
             stop_token_ids=stop,
             detokenize=False,
-            extra_args=None if forced is None else {XARG_KEY: forced[0]},
+            extra_args=extra or None,
         )
 
-    def _rollout(self, index: int, prompt: list[int], output: Any, params: SamplingParams, aborted: bool) -> Rollout:
+    def _rollout(
+        self,
+        index: int,
+        prompt: list[int],
+        output: Any,
+        params: SamplingParams,
+        aborted: bool,
+        kept: dict[str, RequestWeights] | None = None,
+    ) -> Rollout:
         completion = output.outputs[0]
         response = [int(t) for t in completion.token_ids]
         if aborted and not response:  # aborted before its prefill ran (it waited for a slot): nothing computed
@@ -355,6 +391,8 @@ class VLLMEngine:
             sequence=index,
             policy_version=self.policy_version,
         )
+        if kept is not None:  # vLLM's combine weights, checked against its own routes row by row
+            trace = with_weights(trace, kept.get(str(output.request_id)), f"prompt {index}")
         fed = prompt + response[:-1]  # the last sampled token is never fed back: one id per route row
         finished = params.eos_token_id is not None and params.eos_token_id in response
         return Rollout(prompt, response, logprobs, trace.with_token_ids(fed), finished, aborted)

@@ -43,6 +43,8 @@ from routereplay.errors import ForcedRoutesError, ForcingNotAppliedError, RouteR
 from routereplay.trace.route_trace import RouteTrace
 
 XARG_KEY = "routereplay_routes"  # the key in SamplingParams.extra_args / the request body's vllm_xargs
+WEIGHTS_KEY = "routereplay_weights"  # extra_args[WEIGHTS_KEY] = True: keep the combine weights (`asks_weights`)
+WEIGHTS_SALT = "routereplay-weights:"  # a weights request's own cache salt: its rows are all computed, none cached
 SALT_PREFIX = "routereplay-forced:"
 MAX_BLOB_CHARS = 64 << 20  # base64 text longer than this is refused before it is decoded
 
@@ -107,6 +109,17 @@ def encode_forced(trace: RouteTrace) -> str:
     """A trace as the text a request carries under `XARG_KEY`: its codec blob (ordered mode: a few
     microseconds to decode for a prompt's rows, where set mode pays its unranker's set-up), base64."""
     return base64.b64encode(codec.encode(trace, mode=CodecMode.ORDERED)).decode("ascii")
+
+
+def asks_weights(extra: Any, where: str) -> bool:
+    """Whether a request's `extra_args` ask for the combine weights beside its routes (`WEIGHTS_KEY`: True);
+    any value but True or False is refused (`ForcedRoutesError`)."""
+    value = (extra or {}).get(WEIGHTS_KEY, False)
+    if not isinstance(value, bool):
+        raise ForcedRoutesError(
+            f"{where}: vllm_xargs {WEIGHTS_KEY!r}={value!r} must be true (keep the combine weights) or false"
+        )
+    return value
 
 
 def route_digest(text: str) -> str:
@@ -287,9 +300,12 @@ class _Failure:
 __all__ = [
     "MAX_BLOB_CHARS",
     "SALT_PREFIX",
+    "WEIGHTS_KEY",
+    "WEIGHTS_SALT",
     "XARG_KEY",
     "ForcedRoutes",
     "ServedRouting",
+    "asks_weights",
     "check_forced",
     "encode_forced",
     "moe_layers_of",

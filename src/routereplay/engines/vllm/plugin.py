@@ -4,7 +4,8 @@ Installed with the `vllm` extra, it is registered under vLLM's `vllm.general_plu
 group (pyproject.toml), so vLLM calls `register()` in every process it starts: the API server, the
 engine core, each worker. `VLLMEngine` also calls it before building its engine, so the in-process
 engine does not depend on entry points. It is inert unless a request carries
-`extra_args[XARG_KEY]` (`forced_routes`): requests without it run exactly as without the plugin.
+`extra_args[XARG_KEY]` (`forced_routes`) or `extra_args[WEIGHTS_KEY]`: requests without them run exactly as
+without the plugin.
 
 `register()` chooses by the vLLM it finds (`mrv2.forcing_path`): vLLM 0.30 gets the V1 model runner
 hook below; vLLM 0.31-0.33 get the Model Runner V2 hook (`mrv2.runner`: graph-safe forcing buffers filled
@@ -23,7 +24,16 @@ before each step, the set-up checked at start-up); any other version stops the p
   reserved prefix is refused (it would reuse forced KV).
 - 0.30: `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
   forward in which some request asks for forcing, the runner's `ForcingWorker` sets every MoE layer's
+<<<<<<< HEAD
   forced rows for the step (`forcing.worker`); they are cleared after the forward, also when it raises.
+=======
+  forced rows for the step (`forcing_worker`); they are cleared after the forward, also when it raises.
+  A request may also ask for its combine weights (`extra_args[WEIGHTS_KEY] = True`, forced or not; same
+  eager / one-rank checks, and a cache salt of its own so no row of it comes from the prefix cache): the
+  worker keeps what each router returned for its rows after forcing, by position, until the in-process
+  engine takes them (`take_weights`; `forcing.weights`). The worker is made on the first step in which a
+  request asks for either; before that, and for requests asking for neither, vLLM runs untouched.
+>>>>>>> i34c
 
 What comes back is vLLM's own capture (`enable_return_routed_experts`), which sees the ids after
 forcing: forced rows are reported with the forced experts, because those are what was dispatched.
@@ -36,11 +46,22 @@ from __future__ import annotations
 
 import functools
 import os
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from routereplay.engines.vllm.cpu_kernels import amx_tiles
-from routereplay.engines.vllm.forced_routes import SALT_PREFIX, XARG_KEY, ForcedRoutes, ServedRouting, salted
+from routereplay.engines.vllm.forced_routes import (
+    SALT_PREFIX,
+    WEIGHTS_KEY,
+    WEIGHTS_SALT,
+    XARG_KEY,
+    ForcedRoutes,
+    ServedRouting,
+    asks_weights,
+    salted,
+)
+from routereplay.engines.vllm.forcing.weights import RequestWeights
 from routereplay.engines.vllm.forcing.worker import RUNNER_ATTR, ForcingWorker
 from routereplay.engines.vllm.mrv2 import ForcingPath, config_problems, forcing_enabled, forcing_path
 from routereplay.engines.vllm.mrv2 import install as install_mrv2
@@ -102,21 +123,27 @@ def served_routing(model_config: Any) -> ServedRouting:
 
 
 def check_request(processor: Any, request: Any) -> None:
-    """Refuse a request's forced routes by name (`ForcedRoutesError`), or salt its prompt's KV blocks.
+    """Refuse a request's forced routes or weights request by name (`ForcedRoutesError`), or salt its prompt's
+    KV blocks.
 
     A request without forced routes may not carry a salt in the forced requests' reserved form: it would
-    reuse KV blocks computed under forced routes."""
+    reuse KV blocks computed under forced routes. A request that asks for its combine weights
+    (`WEIGHTS_KEY`) gets a salt of its own (`WEIGHTS_SALT` and a random token): none of its rows comes from
+    the prefix cache, so the worker sees, and keeps the weights of, every row vLLM reports routes for."""
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None) or {}
     where = f"vLLM request {request.request_id!r}"
-    if XARG_KEY not in extra:
-        if SALT_PREFIX in str(getattr(request, "cache_salt", None) or ""):
-            raise ForcedRoutesError(
-                f"{where}: its cache_salt contains {SALT_PREFIX!r}, which is reserved for requests that force routes "
-                f"(vllm_xargs {XARG_KEY!r}): it would reuse KV computed under forced routes; use another salt"
-            )
+    forced = XARG_KEY in extra
+    weights = asks_weights(extra, where)
+    if not forced and SALT_PREFIX in str(getattr(request, "cache_salt", None) or ""):
+        raise ForcedRoutesError(
+            f"{where}: its cache_salt contains {SALT_PREFIX!r}, which is reserved for requests that force routes "
+            f"(vllm_xargs {XARG_KEY!r}): it would reuse KV computed under forced routes; use another salt"
+        )
+    if not (forced or weights):
         return
     model_config = processor.model_config
+<<<<<<< HEAD
     asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})"
     if vllm_forcing_path() is ForcingPath.MRV2:
         refuse_mrv2(processor.vllm_config, asked)
@@ -128,10 +155,24 @@ def check_request(processor: Any, request: Any) -> None:
             )
         if processor.vllm_config.parallel_config.data_parallel_size != 1:
             raise ForcedRoutesError(f"{asked} are supported with one data-parallel rank only")
+=======
+    asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})" if forced else f"{where}: vllm_xargs {WEIGHTS_KEY!r}"
+    if not model_config.enforce_eager:
+        raise ForcedRoutesError(
+            f"{asked} need an eager engine (compiled graphs do not see per-step forcing); start vLLM with "
+            "--enforce-eager (LLM(..., enforce_eager=True))"
+        )
+    if processor.vllm_config.parallel_config.data_parallel_size != 1:
+        raise ForcedRoutesError(f"{asked} are supported with one data-parallel rank only")
+>>>>>>> i34c
     if model_config.get_num_experts() <= 0:
         raise ForcedRoutesError(f"{asked}: the served model has no routed experts; there is nothing to force")
-    ForcedRoutes.parse(extra[XARG_KEY], served_routing(model_config), request.prompt_token_ids, where=where)
-    request.cache_salt = salted(request.cache_salt, str(extra[XARG_KEY]))
+    if weights:
+        own = WEIGHTS_SALT + uuid.uuid4().hex
+        request.cache_salt = own if not request.cache_salt else f"{request.cache_salt}|{own}"
+    if forced:
+        ForcedRoutes.parse(extra[XARG_KEY], served_routing(model_config), request.prompt_token_ids, where=where)
+        request.cache_salt = salted(request.cache_salt, str(extra[XARG_KEY]))
 
 
 def refuse_mrv2(vllm_config: Any, asked: str) -> None:
@@ -178,13 +219,13 @@ def forcing_worker(runner: Any) -> ForcingWorker:
     return worker
 
 
-def asks_for_forcing(runner: Any) -> bool:
-    """Whether any request in the runner's current batch carries forced routes."""
+def asks_for_plugin(runner: Any) -> bool:
+    """Whether any request in the runner's current batch carries forced routes or asks for its weights."""
     batch = runner.input_batch
     for request_id in batch.req_ids[: int(batch.num_reqs)]:
         state = runner.requests.get(request_id)
         extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-        if extra and XARG_KEY in extra:
+        if extra and (XARG_KEY in extra or extra.get(WEIGHTS_KEY) is True):
             return True
     return False
 
@@ -192,17 +233,26 @@ def asks_for_forcing(runner: Any) -> bool:
 def _forcing_model_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     def _model_forward(self: Any, input_ids: Any = None, positions: Any = None, *args: Any, **kwargs: Any) -> Any:
         worker: ForcingWorker | None = getattr(self, RUNNER_ATTR, None)
-        if worker is None and not asks_for_forcing(self):
+        if worker is None and not asks_for_plugin(self):
             return original(self, input_ids, positions, *args, **kwargs)
         worker = forcing_worker(self)
-        forced = worker.begin_step(self, positions)
-        try:
+        if not worker.begin_step(self, positions):
             return original(self, input_ids, positions, *args, **kwargs)
+        try:
+            output = original(self, input_ids, positions, *args, **kwargs)
+            worker.keep_weights()
+            return output
         finally:
-            if forced:
-                worker.end_step()
+            worker.end_step()
 
     return _model_forward
+
+
+def take_weights(runner: Any, request_ids: list[str]) -> dict[str, RequestWeights]:
+    """Pop the combine weights the runner kept for these requests (`ForcingWorker.take_weights`; by the id given to
+    vLLM or its own); empty before any request asked."""
+    worker: ForcingWorker | None = getattr(runner, RUNNER_ATTR, None)
+    return {} if worker is None else worker.take_weights(request_ids)
 
 
 def worker_counters(runner: Any) -> dict[str, int]:
@@ -215,19 +265,25 @@ def worker_counters(runner: Any) -> dict[str, int]:
             "forced_rows": 0,
             "live_fallback_rows": 0,
             "steps_forced": 0,
+            "weights_requests": 0,
+            "weights_rows": 0,
         }
     return worker.counters()
 
 
 __all__ = [
     "PATCHED_MARK",
-    "asks_for_forcing",
+    "asks_for_plugin",
     "check_request",
     "forcing_worker",
     "is_registered",
     "refuse_mrv2",
     "register",
     "served_routing",
+<<<<<<< HEAD
     "vllm_forcing_path",
+=======
+    "take_weights",
+>>>>>>> i34c
     "worker_counters",
 ]

@@ -9,6 +9,7 @@ Files:
 - `op.py`      `force_topk`: the graph-safe forcing op (where / gather / the rule's weights), vLLM-free
 - `buffers.py` `ForcingBuffers`: fixed-address forced ids and per-token mask, filled before each step
 - `worker.py`  the vLLM 0.30 (V1 runner) worker side: which rows of each step are forced, by request and position
+- `weights.py` `WeightsStore`: the combine weights the routers returned for requests that ask, by request and position
 
 Importing this package does not import vLLM.
 """

@@ -19,7 +19,9 @@ Two ways to say which rows a step forces:
   returned (after forcing) are also written in place into `buffers.weights_TLK`.
 - `StepRows` (`layer.step`, vLLM 0.30's V1 worker, eager): the step's rows and ids, indexed in place;
   rows asked of a router that cannot be forced route live, are counted and logged, and the engine's
-  client sees the capture differ from what it asked (`ForcingNotAppliedError`).
+  client sees the capture differ from what it asked (`ForcingNotAppliedError`). With `keep` set for the
+  step (some request asks for its combine weights, `forcing.weights`), the (weights, ids) returned after
+  forcing are kept in `kept` for the worker to read once the forward has run.
 
 Legend: N = rows of this step forced in this layer (StepRows) or all rows of the step (buffers), E = experts,
 K = top-k, T = token rows of the largest step, L = MoE layers.
@@ -67,6 +69,8 @@ class LayerForcing:
     forced_rows: int = 0  # rows dispatched to forced experts so far
     live_fallback_rows: int = 0  # rows asked to be forced but routed live (unsupported router)
     original: ComputeRouting | None = field(default=None, repr=False)
+    keep: bool = False  # StepRows path: keep this step's returned (weights, ids) in `kept` (weights capture)
+    kept: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, layer: int, router: Any) -> LayerForcing:
@@ -128,6 +132,15 @@ class LayerForcing:
             if buffers.weights_TLK is not None:  # the combine weights dispatched, kept for the worker (in place)
                 buffers.weights_TLK[:rows, self.column].copy_(weights_NK)
             return weights_NK, ids_NK
+        weights_NK, ids_NK = self._forced_step(weights_NK, ids_NK, router_logits)
+        if self.keep:  # what `_select_experts` hands to the capture and the experts, in the router's order
+            self.kept = (weights_NK, ids_NK)
+        return weights_NK, ids_NK
+
+    def _forced_step(
+        self, weights_NK: torch.Tensor, ids_NK: torch.Tensor, router_logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live routing with `step`'s rows forced (vLLM 0.30's V1 worker, eager)."""
         step = self.step
         if step is None or step.rows_N.numel() == 0:
             return weights_NK, ids_NK

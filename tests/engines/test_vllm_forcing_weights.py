@@ -1,0 +1,198 @@
+"""Combine weights kept by the plugin's worker (vLLM-free): per request and position, forced or not, taken once,
+and checked against the engine's routes before they reach a trace (`combine_weights.weights_for`).
+
+The routers are stand-ins with vLLM's `_compute_routing` signature (as in `test_forced_routes_cost`); the live
+check against vLLM's own experts is `test_vllm_combine_weights`. Legend: N = rows of a step, L = MoE layers,
+K = top-k, T = route rows.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from routereplay.engines.vllm.combine_weights import weights_for
+from routereplay.engines.vllm.forced_routes import WEIGHTS_KEY, XARG_KEY, ServedRouting, asks_weights, encode_forced
+from routereplay.engines.vllm.forcing import LayerForcing
+from routereplay.engines.vllm.forcing.weights import RequestWeights, WeightsStore
+from routereplay.engines.vllm.forcing.worker import ForcingWorker
+from routereplay.errors import ForcedRoutesError, WeightsCaptureError
+from routereplay.trace.route_trace import RouteTrace
+
+E, K = 16, 2
+SERVED = ServedRouting(num_experts=E, top_k=K, num_layers=3, moe_layers=(1, 2))
+PROMPT = list(range(100, 140))
+
+
+class CPURouter:
+    """vLLM's CPURouter name and attributes, routing softmax top-2 of the logits (renormalised)."""
+
+    eplb_state = None
+    scoring_func, renormalize, use_grouped_topk, custom_routing_function = "softmax", True, False, None
+    top_k = K
+
+    def _compute_routing(self, hidden: torch.Tensor, logits: torch.Tensor, indices_type: object, **kw: object):
+        weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), K, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def request(extra: dict[str, Any] | None) -> SimpleNamespace:
+    return SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra), prompt_token_ids=PROMPT)
+
+
+def worker_and_layers() -> tuple[ForcingWorker, dict[int, LayerForcing]]:
+    layers = {layer: LayerForcing.of(layer, CPURouter()) for layer in SERVED.moe_layers}
+    for forcing in layers.values():
+        forcing.install()
+    return ForcingWorker(layers, SERVED, model_id=0), layers
+
+
+def step(worker: ForcingWorker, layers: dict[int, LayerForcing], runner: Any, positions: list[int], seed: int) -> dict:
+    """One engine step: begin, every layer routes the step's logits, keep, end; what each layer returned."""
+    positions_N = torch.tensor(positions)
+    active = worker.begin_step(runner, positions_N)
+    returned = {}
+    logits = torch.randn(len(positions), E, generator=torch.Generator().manual_seed(seed))
+    for layer, forcing in layers.items():
+        returned[layer] = forcing.router._compute_routing(torch.zeros(len(positions), 4), logits * layer, None)
+    if active:
+        worker.keep_weights()
+    worker.end_step()
+    return returned
+
+
+def test_the_worker_keeps_each_asking_requests_rows_by_position_forced_or_not() -> None:
+    """Three requests in one batch: weights only, forced + weights, plain. Each asking request's kept rows are
+    exactly what the routers returned for its rows (forced rows with their forced ids); the plain one keeps
+    nothing and its rows route as without the plugin."""
+    worker, layers = worker_and_layers()
+    forced_trace = RouteTrace(np.tile(np.array([[3, 7]], np.int16), (40, 2, 1)), E, SERVED.moe_layers)
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=3, req_ids=["w-00000000", "f-11111111", "p-22222222"]),
+        requests={
+            "w-00000000": request({WEIGHTS_KEY: True}),
+            "f-11111111": request({WEIGHTS_KEY: True, XARG_KEY: encode_forced(forced_trace)}),
+            "p-22222222": request(None),
+        },
+        query_start_loc=SimpleNamespace(np=np.array([0, 3, 6, 8])),
+    )
+    prefill = step(worker, layers, runner, [0, 1, 2, 0, 1, 2, 0, 1], seed=1)
+    runner.query_start_loc.np = np.array([0, 1, 2, 3])
+    decode = step(worker, layers, runner, [3, 3, 2], seed=2)
+    kept = worker.take_weights(["w", "f-11111111", "p"])  # by the id given to vLLM or by the runner's
+    assert sorted(kept) == ["f-11111111", "w"]
+    for name, first, decode_row in (("w", 0, 0), ("f-11111111", 3, 1)):
+        have_T, ids_TLK, weights_TLK = kept[name].rows(4)
+        assert have_T.all()
+        for column, layer in enumerate(SERVED.moe_layers):
+            want_w = torch.cat([prefill[layer][0][first : first + 3], decode[layer][0][decode_row : decode_row + 1]])
+            want_i = torch.cat([prefill[layer][1][first : first + 3], decode[layer][1][decode_row : decode_row + 1]])
+            assert np.array_equal(weights_TLK[:, column], want_w.numpy())
+            assert np.array_equal(ids_TLK[:, column], want_i.numpy())
+    assert (kept["f-11111111"].rows(4)[1] == [3, 7]).all()  # forced rows: the forced ids, weights beside them
+    counters = worker.counters()
+    assert (counters["weights_requests"], counters["forced_requests"], counters["weights_rows"]) == (2, 1, 8)
+    assert worker.take_weights(["w", "f-11111111"]) == {}  # taken once, then freed
+    assert all(forcing.kept is None and not forcing.keep for forcing in layers.values())
+
+
+def test_a_step_without_an_asking_request_keeps_nothing_and_routes_live() -> None:
+    worker, layers = worker_and_layers()
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=1, req_ids=["p"]),
+        requests={"p": request({WEIGHTS_KEY: False})},
+        query_start_loc=SimpleNamespace(np=np.array([0, 3])),
+    )
+    returned = step(worker, layers, runner, [0, 1, 2], seed=3)
+    live = CPURouter()._compute_routing(None, torch.randn(3, E, generator=torch.Generator().manual_seed(3)) * 2, None)
+    assert torch.equal(returned[2][0], live[0]) and torch.equal(returned[2][1], live[1])
+    assert len(worker.weights) == 0 and worker.counters()["weights_rows"] == 0
+
+
+def test_left_requests_wait_in_a_bounded_finished_store() -> None:
+    store = WeightsStore(capacity=2)
+    for name in ("a-1", "b-2", "c-3"):
+        store.keep(name, np.array([0]), np.zeros((1, 2, K), np.int32), np.full((1, 2, K), 0.5, np.float32))
+    store.retire(present={"c-3"})
+    assert list(store.finished) == ["a-1", "b-2"] and list(store.live) == ["c-3"]
+    store.keep("d-4", np.array([0]), np.zeros((1, 2, K), np.int32), np.zeros((1, 2, K), np.float32))
+    store.retire(present=set())  # c and d leave: a, the oldest, is dropped past capacity
+    assert sorted(store.finished) == ["c-3", "d-4"]
+    assert sorted(store.take(["c", "a"])) == ["c"]
+
+
+def test_a_request_asking_for_weights_with_another_value_is_refused_by_name() -> None:
+    assert asks_weights({WEIGHTS_KEY: True}, "r") and not asks_weights(None, "r")
+    with pytest.raises(ForcedRoutesError, match="routereplay_weights.*must be true"):
+        asks_weights({WEIGHTS_KEY: "yes"}, "vLLM request 'r'")
+
+
+def kept_rows(ids_TLK: np.ndarray, weights_TLK: np.ndarray, positions: list[int]) -> RequestWeights:
+    kept = RequestWeights()
+    kept.add(np.array(positions), ids_TLK[positions], weights_TLK[positions])
+    return kept
+
+
+def test_weights_reach_a_trace_only_beside_the_ids_vllm_reports() -> None:
+    """The engine-side check: same ids in the same order -> the weights; another order, other ids or a routed row
+    without weights -> `WeightsCaptureError` naming the rows."""
+    rng = np.random.default_rng(0)
+    ids_TLK = np.stack([[rng.choice(E, K, replace=False) for _ in range(2)] for _ in range(5)]).astype(np.int32)
+    weights_TLK = rng.random((5, 2, K)).astype(np.float32)
+    trace = RouteTrace(ids_TLK.astype(np.int16), E, SERVED.moe_layers)
+    got = weights_for(trace, kept_rows(ids_TLK, weights_TLK, [0, 1, 2, 3, 4]), "prompt 0")
+    assert np.array_equal(got, weights_TLK)
+    swapped = ids_TLK.copy()
+    swapped[3, 1] = swapped[3, 1, ::-1]  # the same set in another order: the weights would swap experts
+    with pytest.raises(WeightsCaptureError, match=r"prompt 0: the ids kept .* differ .* on 1 rows \(first row 3"):
+        weights_for(trace, kept_rows(swapped, weights_TLK, [0, 1, 2, 3, 4]), "prompt 0")
+    with pytest.raises(WeightsCaptureError, match=r"2 of 5 routed rows \(first \[1, 4\]\) have no combine weights"):
+        weights_for(trace, kept_rows(ids_TLK, weights_TLK, [0, 2, 3]), "prompt 0")
+    routed_later = ids_TLK.astype(np.int16)
+    routed_later[:2] = -1  # rows vLLM did not route: weights 0 there, nothing asked of them
+    got = weights_for(RouteTrace(routed_later, E, SERVED.moe_layers), kept_rows(ids_TLK, weights_TLK, [2, 3, 4]), "p")
+    assert (got[:2] == 0).all() and np.array_equal(got[2:], weights_TLK[2:])
+
+
+def test_the_front_end_gives_a_weights_request_its_own_salt_and_the_forcing_checks() -> None:
+    """`check_request`: a weights request needs an eager engine like forcing (named by its field); it gets a salt of
+    its own after the caller's (no row from the prefix cache, so the worker sees every routed row); forced + weights
+    keeps the forced routes' digest last; a request asking for neither is left as it came."""
+    from routereplay.engines.vllm.forced_routes import WEIGHTS_SALT, salted
+    from routereplay.engines.vllm.plugin import check_request
+
+    def processor(eager: bool = True) -> SimpleNamespace:
+        model_config = SimpleNamespace(
+            enforce_eager=eager,
+            get_num_experts=lambda: E,
+            get_num_experts_per_tok=lambda: K,
+            hf_text_config=SimpleNamespace(num_hidden_layers=3, mlp_only_layers=[0]),
+        )
+        parallel = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1))
+        return SimpleNamespace(model_config=model_config, vllm_config=parallel)
+
+    def front(extra: dict[str, Any] | None, salt: str | None = None) -> SimpleNamespace:
+        params = SimpleNamespace(extra_args=extra)
+        return SimpleNamespace(request_id="r9", sampling_params=params, prompt_token_ids=PROMPT, cache_salt=salt)
+
+    with pytest.raises(ForcedRoutesError, match=r"'r9': vllm_xargs 'routereplay_weights' need an eager engine"):
+        check_request(processor(eager=False), front({WEIGHTS_KEY: True}))
+    with pytest.raises(ForcedRoutesError, match=r"'routereplay_weights'=1 must be true"):
+        check_request(processor(), front({WEIGHTS_KEY: 1}))
+    first, second = front({WEIGHTS_KEY: True}, salt="mine"), front({WEIGHTS_KEY: True}, salt="mine")
+    check_request(processor(), first)
+    check_request(processor(), second)
+    assert first.cache_salt.startswith(f"mine|{WEIGHTS_SALT}") and first.cache_salt != second.cache_salt
+    text = encode_forced(RouteTrace(np.tile(np.array([[3, 7]], np.int16), (20, 2, 1)), E, SERVED.moe_layers))
+    both = front({WEIGHTS_KEY: True, XARG_KEY: text})
+    check_request(processor(), both)
+    own = both.cache_salt.split("|")[0]
+    assert own.startswith(WEIGHTS_SALT) and both.cache_salt == salted(own, text)
+    for extra in (None, {WEIGHTS_KEY: False}):
+        plain = front(extra, salt="mine")
+        check_request(processor(eager=False), plain)
+        assert plain.cache_salt == "mine"
