@@ -340,6 +340,11 @@ def test_vllm_032s_own_input_processor_checks_and_salts_forced_requests(vllm032:
     assert str(request.cache_salt).startswith(SALT_PREFIX)
     with pytest.raises(VLLMValidationError, match=r"request 'r1'.*not base64"):
         process(vllm032.config, {XARG_KEY: "not base64 !!"})
+    # combine weights are captured by the V1 worker (vLLM 0.30) only: asked on MRv2, with or without routes
+    with pytest.raises(VLLMValidationError, match=r"request 'r1'.*routereplay_weights.*vLLM 0\.30.*only"):
+        process(vllm032.config, {XARG_KEY: blob, "routereplay_weights": True})
+    with pytest.raises(VLLMValidationError, match=r"request 'r1'.*routereplay_weights.*vLLM 0\.30.*only"):
+        process(vllm032.config, {"routereplay_weights": True})
     with pytest.raises(VLLMValidationError, match=r"request 'r1'.*cannot be served: vLLM runs its V1 model runner"):
         process(vllm032.v1_config, {XARG_KEY: blob})
     assert process(vllm032.v1_config, {}).cache_salt is None

@@ -24,16 +24,12 @@ before each step, the set-up checked at start-up); any other version stops the p
   reserved prefix is refused (it would reuse forced KV).
 - 0.30: `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
   forward in which some request asks for forcing, the runner's `ForcingWorker` sets every MoE layer's
-<<<<<<< HEAD
   forced rows for the step (`forcing.worker`); they are cleared after the forward, also when it raises.
-=======
-  forced rows for the step (`forcing_worker`); they are cleared after the forward, also when it raises.
   A request may also ask for its combine weights (`extra_args[WEIGHTS_KEY] = True`, forced or not; same
   eager / one-rank checks, and a cache salt of its own so no row of it comes from the prefix cache): the
   worker keeps what each router returned for its rows after forcing, by position, until the in-process
   engine takes them (`take_weights`; `forcing.weights`). The worker is made on the first step in which a
   request asks for either; before that, and for requests asking for neither, vLLM runs untouched.
->>>>>>> i34c
 
 What comes back is vLLM's own capture (`enable_return_routed_experts`), which sees the ids after
 forcing: forced rows are reported with the forced experts, because those are what was dispatched.
@@ -143,9 +139,13 @@ def check_request(processor: Any, request: Any) -> None:
     if not (forced or weights):
         return
     model_config = processor.model_config
-<<<<<<< HEAD
-    asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})"
+    asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})" if forced else f"{where}: vllm_xargs {WEIGHTS_KEY!r}"
     if vllm_forcing_path() is ForcingPath.MRV2:
+        if weights:
+            raise ForcedRoutesError(
+                f"{where}: vllm_xargs {WEIGHTS_KEY!r}: combine weights are captured on vLLM 0.30 (the V1 worker) "
+                "only; on vLLM 0.31-0.33 ask for routes without weights, or run vLLM 0.30"
+            )
         refuse_mrv2(processor.vllm_config, asked)
     else:
         if not model_config.enforce_eager:
@@ -155,16 +155,6 @@ def check_request(processor: Any, request: Any) -> None:
             )
         if processor.vllm_config.parallel_config.data_parallel_size != 1:
             raise ForcedRoutesError(f"{asked} are supported with one data-parallel rank only")
-=======
-    asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})" if forced else f"{where}: vllm_xargs {WEIGHTS_KEY!r}"
-    if not model_config.enforce_eager:
-        raise ForcedRoutesError(
-            f"{asked} need an eager engine (compiled graphs do not see per-step forcing); start vLLM with "
-            "--enforce-eager (LLM(..., enforce_eager=True))"
-        )
-    if processor.vllm_config.parallel_config.data_parallel_size != 1:
-        raise ForcedRoutesError(f"{asked} are supported with one data-parallel rank only")
->>>>>>> i34c
     if model_config.get_num_experts() <= 0:
         raise ForcedRoutesError(f"{asked}: the served model has no routed experts; there is nothing to force")
     if weights:
@@ -280,10 +270,7 @@ __all__ = [
     "refuse_mrv2",
     "register",
     "served_routing",
-<<<<<<< HEAD
-    "vllm_forcing_path",
-=======
     "take_weights",
->>>>>>> i34c
+    "vllm_forcing_path",
     "worker_counters",
 ]
