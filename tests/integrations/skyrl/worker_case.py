@@ -62,9 +62,7 @@ def random_routes(seqs: list[tuple[list[int], list[int]]], num_experts: int = 16
     return out
 
 
-def training_batch(
-    seqs: list[tuple[list[int], list[int]]], routes: list[np.ndarray] | None, *, seed: int = 0
-) -> Any:
+def training_batch(seqs: list[tuple[list[int], list[int]]], routes: list[np.ndarray] | None, *, seed: int = 0) -> Any:
     """The `TrainingInputBatch` SkyRL's trainer builds (`convert_to_training_input`) plus what its forward pass
     and advantage step add: old log-probs, advantages."""
     from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
@@ -108,7 +106,13 @@ def trainer_config(*, micro_batch_size: int = 2, r3: bool = True, max_tokens: in
 
 
 def build_worker(
-    model: nn.Module, cfg: Any, *, remove_padding: bool, sp_size: int = 1, lr: float = 1e-2, world_size: int = 1,
+    model: nn.Module,
+    cfg: Any,
+    *,
+    remove_padding: bool,
+    sp_size: int = 1,
+    lr: float = 1e-2,
+    world_size: int = 1,
     rank: int = 0,
 ) -> Any:
     """routereplay's worker via `__new__`, with what SkyRL's `init_model` / `init_worker_process_group` set."""

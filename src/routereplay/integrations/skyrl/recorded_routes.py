@@ -66,9 +66,7 @@ class RecordedRoutes:
                 )
             self.rows.setdefault(sample_key(sequences_BS[b].cpu()[keep_S]), rows_NMK.to(dtype))
 
-    def routes_for(
-        self, sequences_BS: torch.Tensor, mask_BS: torch.Tensor, *, live: bool = False
-    ) -> torch.Tensor:
+    def routes_for(self, sequences_BS: torch.Tensor, mask_BS: torch.Tensor, *, live: bool = False) -> torch.Tensor:
         """(B, S, M, K) int64 routes of a training micro-batch, -1 off the attended positions. `live` (SkyRL's
         padding micro-batch: random tokens, no loss) gives -1 everywhere, routed live; otherwise a sample the
         recording pass never saw is a `MissingRoutesError`."""
