@@ -29,6 +29,6 @@ def test_options_side_by_side_on_a_quickly_trained_demo_model(tmp_path: Path, mo
     assert "| r3_ids_weights |" in options.markdown(record)
 
 
-def test_the_vllm_variant_is_refused_until_the_plugin_captures_weights() -> None:
-    with pytest.raises(ConfigError, match="capture combine weights"):
+def test_the_built_in_engines_variant_points_vllm_to_its_own_variant() -> None:
+    with pytest.raises(ConfigError, match=r"built-in engine's variant.*replay-options --engine vllm"):
         options.OptionsBenchConfig(engine="vllm")

@@ -12,9 +12,8 @@ option, side by side in one run:
   live choice (`replay(threshold=m)`, prime-rl #2703).
 Per option: k3 KL and mean |delta log p| against the engine's log-probs over response tokens, routing
 disagreement against the engine's routes (expert sets per (token, layer) row), and the replace rate;
-and the codec's bytes per row with and without weights. `engine="vllm"` is the slot for a vLLM
-variant (rollouts from vLLM on CPU with its plugin capturing weights); it is refused until the plugin
-captures combine weights.
+and the codec's bytes per row with and without weights. The vLLM variant (rollouts from vLLM on CPU,
+its plugin capturing the combine weights) is `bench/colocated_options.py` (`--engine vllm`).
 
 Legend: B = sequences, S = positions, L = layers, K = top-k.
 """
@@ -32,7 +31,7 @@ from routereplay.bench.config import BenchConfig, require_positive
 from routereplay.bench.environment import collect, measured_on
 from routereplay.errors import ConfigError
 
-ENGINES = ("hf",)  # "vllm" joins once the vLLM plugin captures combine weights
+ENGINES = ("hf",)  # the vLLM variant is `bench/colocated_options.py` (`bench replay-options --engine vllm`)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,8 +48,8 @@ class OptionsBenchConfig(BenchConfig):
         require_positive(self, "replay-options", "prompts", "max_new_tokens", "train_steps")
         if self.engine not in ENGINES:
             raise ConfigError(
-                f"replay-options bench: engine={self.engine!r}: only {ENGINES} for now; the vLLM variant needs the "
-                "vLLM plugin to capture combine weights (not yet)"
+                f"OptionsBenchConfig(engine={self.engine!r}): this is the built-in engine's variant ({ENGINES}); the "
+                "vLLM variant is bench.colocated_options.VLLMOptionsBenchConfig (`bench replay-options --engine vllm`)"
             )
 
 

@@ -100,7 +100,8 @@ def add_parser(subparsers: Any) -> None:
         choices=("hf", "vllm"),
         default="hf",
         help="async: the rollout engine of the resume-policy runs: hf (built-in) or vllm (in-process vLLM; "
-        "prefix-replay forced inside vLLM; no throughput part); replay-options: hf only for now",
+        "prefix-replay forced inside vLLM; no throughput part); replay-options: the built-in engine (hf) or an "
+        "in-process vLLM on CPU whose plugin captures the combine weights (vllm)",
     )
     load = parser.add_argument_group("load")
     load.add_argument(
@@ -208,6 +209,17 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
             seed=args.seed,
         )
     if name == "replay-options":
+        if args.engine == "vllm":
+            import os
+
+            from routereplay.bench import colocated_options
+            from routereplay.cli.train import VLLM_CLI_LOGGING
+
+            for variable, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table
+                os.environ.setdefault(variable, value)
+            return colocated_options, colocated_options.VLLMOptionsBenchConfig(
+                prompts=16 if quick else 1024, max_new_tokens=3 if quick else 5, seed=args.seed
+            )
         from routereplay.bench import options
 
         return options, options.OptionsBenchConfig(
