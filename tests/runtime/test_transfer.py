@@ -9,9 +9,9 @@ host (numpy, as an engine delivers them) and what the replayer derives from them
 
 `attach(model, sync_free=True)` runs the accelerator path on CPU (the CPU's set-order fast path,
 which reads a flag, is off), so the count covers what runs on a GPU. On the code before sync-free
-replay the counter found a `bool()` per router call in set order (the CPU fast path's flag, which
-the attention to device type kept off CUDA), a `.cpu()` of each forward's `input_ids` for traces
-with token ids, and two device->host copies of device routes at entry (now one). The `gpu` test
+replay the counter found a `bool()` per router call in set order (the CPU fast path's flag: there was
+no way to run the device path on CPU), a `.cpu()` of each forward's `input_ids` for traces with token
+ids, and two device->host copies of device routes at entry (now one). The `gpu` test
 checks the same on CUDA with `torch.cuda.set_sync_debug_mode("error")`.
 
 Legend: B = batch rows, S = positions, L = layers, K = top-k.
@@ -147,7 +147,7 @@ def _contexts(model: nn.Module, ids_BS: torch.Tensor) -> dict[str, Callable[[], 
     _, mask_BS, partial_BSLK = _batch()
     with replayer.record() as rec, torch.no_grad():
         model(input_ids=ids_BS)
-    full_BSLK = rec.routes.numpy().astype(np.int16)  # a compact host copy, as a codec decodes it
+    full_BSLK = rec.routes.cpu().numpy().astype(np.int16)  # a compact host copy, as a codec decodes it
     traces = rec.traces(torch.from_numpy(mask_BS), input_ids=ids_BS)
     return {
         "record": replayer.record,
