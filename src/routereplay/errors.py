@@ -329,6 +329,11 @@ class UnsupportedByEngineError(ConfigError):
     names an engine or setting that can."""
 
 
+class DraftRoutesError(ConfigError):
+    """An engine set-up would mix a speculative-decoding draft model's (MTP) routes into the target's: routes on
+    with speculative decoding under a vLLM that captures the draft's router choices too (before 0.26)."""
+
+
 class ForcedRoutesError(ConfigError):
     """Routes a request asks the engine to force do not fit it: a bad blob (checksum, format, limits), another
     expert count, top-k or set of MoE layers than the served model, rows beyond the prompt, token ids that are not

@@ -9,7 +9,9 @@ Each repeat times one step per mode, with the modes interleaved in a rotating or
 the default `order="set"` (each forced set in the live router's order: on CPU a gather of K scores per row when no
 scores tie, else a live top-k beside the forced one; see `runtime/set_order.py`), `replay_engine` forces the
 routes' own order (`order="engine"`). The reported ratios are medians of per-repeat ratios; `set_over_engine`
-is what the default order costs over the stored order, in the same repeats.
+is what the default order costs over the stored order, in the same repeats. The routes are handed to
+`replay` on the host, as decoded from an engine (a device tensor would cost one device->host copy at entry;
+`runtime/transfer.py`).
 Legend: B = batch, S = sequence length, L = layers, K = top-k.
 """
 
@@ -123,7 +125,7 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
     replayer = attach(model)
     with replayer.record() as rec, torch.no_grad():
         model(input_ids=ids_BS, attention_mask=mask_BS)
-    routes_BSLK = rec.routes
+    routes_BSLK = rec.routes.cpu()  # on the host, as an engine delivers them: a replayed step reads no device value
 
     def off() -> None:
         step()

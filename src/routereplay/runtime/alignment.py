@@ -35,7 +35,7 @@ FIX_PADDING = (
 )
 
 
-def refuse_meta(value: torch.Tensor | None, name: str) -> None:
+def refuse_meta(value: torch.Tensor | np.ndarray | None, name: str) -> None:
     """A tensor on the `meta` device has no values: refuse it before anything reads it."""
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         raise ConfigError(
@@ -44,14 +44,14 @@ def refuse_meta(value: torch.Tensor | None, name: str) -> None:
         )
 
 
-def check_padding(routes_BSLK: torch.Tensor, mask_BS: np.ndarray) -> None:
-    """Refuse a routes tensor whose -1 padding disagrees with the attention mask (see the module docstring)."""
+def check_padding(routes_BSLK: np.ndarray, mask_BS: np.ndarray) -> None:
+    """Refuse routes whose -1 padding disagrees with the attention mask (see the module docstring); host arrays."""
     if tuple(mask_BS.shape) != tuple(routes_BSLK.shape[:2]):
         raise PaddingMismatchError(
             f"attention_mask has shape {tuple(mask_BS.shape)} but the routes cover (B, S) = "
             f"{tuple(routes_BSLK.shape[:2])}; pass the mask of the batch the routes are aligned with"
         )
-    routed_BS = (routes_BSLK[..., 0] >= 0).any(dim=2).cpu().numpy()
+    routed_BS = np.asarray(np.asarray(routes_BSLK[..., 0] >= 0).any(axis=2))
     attended_BS = mask_BS.astype(bool)
     laid_out_B = np.asarray(routed_BS.any(axis=1) & ~routed_BS.all(axis=1))  # rows that carry their own padding
     if not laid_out_B.any():

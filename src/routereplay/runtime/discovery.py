@@ -14,6 +14,14 @@ and a vision router). Each is a *slot* of its layer, named by its module path in
 slot "". Routers that split tokens by modality (Ernie-4.5-VL) carry their `Modality` and their
 splitting block (`runtime/modality.py`).
 
+MTP (multi-token prediction) layers stay natural, as in `attach_megatron`: a router under an MTP
+module (transformers' `MtpLayer` / `MtpModel`, the draft layers `generate(use_mtp=True)` builds for
+DeepSeek-V3, GLM-4.5 MoE, Bailing-hybrid, Step-3.7, Inkling and Mellum configs with `num_mtp_layers`;
+or a path through `mtp` / `mtp_layers` / `nextn`), or numbered past the decoder's `num_hidden_layers`.
+`MtpModel` restarts its layer numbers at 0, so such a router would silently take decoder layer k's
+routes (NeMo-RL #3903), and engines report decoder layers only. It is listed, with that reason, in
+`Replayer.describe()` (`Refusal.natural_ok`); a model whose only routers are MTP routers is refused.
+
 Two families select by another rule, each intercepted by its own `Selection`
 (`runtime/family_interceptors.py`):
 - PhiMoE's sparsemixer (`PhimoeTopKRouter`, scope: the router) picks expert 1 by a `max` over the
@@ -69,6 +77,9 @@ PRODUCT_KEY_BLOCKS = {"DogeCDMoE": "router_gate"}
 NATURAL_BY_CONSTRUCTION = {
     "DeepseekV4HashRouter": "DeepSeek-V4 hash layer: experts = tid2eid[token id], identical in every engine",
 }
+# MTP (draft) layers: an ancestor of one of these classes, or a path component of these names
+MTP_CLASS = re.compile(r"^(Mtp|MTP|MultiTokenPrediction|NextN|Nextn)")
+MTP_PATH = re.compile(r"(?:^|\.)(?:mtp|mtp_layers|mtp_block|nextn|nextn_layers)(?:\.|$)")
 # per-family attribute values applied while replaying (restored after each call)
 REPLAY_OVERRIDES = {
     # group-limited greedy takes top-k VALUES from group-masked scores: forced experts outside the live
@@ -112,6 +123,7 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
     modules = dict(model.named_modules())
     sites: list[RouterSite] = []
     refused: list[Refusal] = []
+    decoder_layers = _decoder_layers(model)
     for name, module in modules.items():
         family = type(module).__name__
         if family in PRODUCT_KEY_BLOCKS:
@@ -138,6 +150,10 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
                     Refusal(name, family, f"cannot resolve top_k={top_k}, experts={num_choices}, layer={layer}")
                 )
             continue
+        mtp = _mtp_reason(name, layer, modules, decoder_layers)
+        if mtp is not None:
+            refused.append(Refusal(name, family, mtp, natural_ok=True))
+            continue
         selection = SELECTION_RULES.get(family, Selection.TOPK)
         if selection is Selection.SPARSEMIXER and top_k != SPARSEMIXER_TOP_K:
             refused.append(Refusal(name, family, f"sparsemixer always picks 2 experts, but top_k={top_k}"))
@@ -163,6 +179,33 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
                 site.slot = site.name[_layer_path_end(site.name) :]
         kept.extend(group)
     return kept, refused
+
+
+def _decoder_layers(model: nn.Module) -> int | None:
+    """The decoder's `num_hidden_layers` (text config of a multimodal model), or None when the model has no config."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    value = getattr(text, "num_hidden_layers", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _mtp_reason(name: str, layer: int, modules: dict[str, nn.Module], decoder_layers: int | None) -> str | None:
+    """Why the router at `name` belongs to an MTP (draft) layer, or None when it is a decoder layer's."""
+    parts = name.split(".")
+    for end in range(len(parts)):
+        ancestor = ".".join(parts[:end])
+        cls = type(modules[ancestor]).__name__ if ancestor in modules else ""
+        if MTP_CLASS.search(cls):
+            where = f"under {cls} {ancestor!r}" if ancestor else f"in a {cls}"
+            return f"MTP layer ({where}): its draft router numbers layers from 0 again; it stays natural"
+    if MTP_PATH.search(name):
+        return "MTP layer (an mtp / nextn module path): its draft router stays natural; traces cover decoder layers"
+    if decoder_layers is not None and layer >= decoder_layers:
+        return (
+            f"layer {layer} is past the decoder's num_hidden_layers={decoder_layers} (an MTP / draft layer): "
+            "it stays natural; traces cover decoder layers only"
+        )
+    return None
 
 
 def _split_by_modality(site: RouterSite, modules: dict[str, nn.Module]) -> None:

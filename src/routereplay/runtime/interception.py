@@ -31,7 +31,9 @@ as they are; a layer with them runs the live top-k and `torch.where`s it in, unc
 `.item()`, `.tolist()` or branch on a tensor's value runs here off the CPU, so on GPU the router never
 waits for the device, and under `torch.compile` the interception traces into the graph without a break
 (dynamo traces a `TorchFunctionMode` entered inside the compiled region). The one branch on a value,
-set order's fast path, runs only on CPU tensors outside dynamo, where reading a flag waits for nothing.
+set order's fast path, runs only on CPU tensors outside dynamo, where reading a flag waits for nothing,
+and never in a sync-free context (`RouterSlot.host_reads` False: `Replayer(sync_free=...)`), so the
+device path can be checked on CPU (`tests/runtime/test_transfer.py`).
 
 Compiled models. Compile the decoder or MoE blocks, not the model: its forward pre-hook starts the
 steps on the host, and the context folds the choices compiled routers leave in their slots (see
@@ -78,10 +80,11 @@ class RouterSlot:
     counts: tuple[int, int] = (0, 0)  # modality routers: (replayed, fallback) rows of this call
     threshold: float | None = None  # replay(threshold=margin): see `runtime/threshold.py`
     replaced_T: torch.Tensor | None = None  # the last call's rows a threshold gave back to the live router
+    host_reads: bool = True  # set order may branch on a value (CPU only); False in a sync-free context
 
     def clear(self) -> None:
         self.forced_TK, self.fallback, self.keep_order, self.chosen_TK = None, False, False, None
-        self.rows_T, self.counts = None, (0, 0)
+        self.rows_T, self.counts, self.host_reads = None, (0, 0), True
         self.threshold, self.replaced_T = None, None
 
 
@@ -161,7 +164,8 @@ class TopKInterceptor(TorchFunctionMode):
                 chosen_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
         else:
             forced_TK, fallback = forced
-            forced_TK = forced_TK if forced_TK.device == scores.device else forced_TK.to(scores.device)
+            if forced_TK.device != scores.device:  # routes placed on another device than the scores: no wait
+                forced_TK = forced_TK.to(scores.device, non_blocking=True)
             chosen_TK = self.forced_choice(func, args, kwargs, scores, k, dim, forced_TK, fallback)
         # one code path for every mode: selection without autograd, values by gather. A checkpoint
         # recompute (which replays) then saves exactly the tensors its forward (maybe a record) saved.
@@ -193,7 +197,7 @@ class TopKInterceptor(TorchFunctionMode):
             return forced_TK
         with torch.no_grad():
             values_TK: torch.Tensor | None = None
-            if not fallback and untied_order_applies(scores, args, kwargs):  # set order, no top-k if untied
+            if not fallback and self.slot.host_reads and untied_order_applies(scores, args, kwargs):
                 values_TK = self.values_at(scores, dim, forced_TK)
                 ordered_TK = untied_live_order(forced_TK, values_TK)
                 if ordered_TK is not None:

@@ -96,6 +96,7 @@ class Replayer:
         strict: bool = True,
         aux_loss_routing: AuxLossRouting | str = AuxLossRouting.NATURAL,
         jitter: JitterPolicy | str = JitterPolicy.MODEL,
+        sync_free: bool | None = None,
     ) -> None:
         if attached_replayer(model) is not None:
             raise AlreadyAttachedError("this model already has a Replayer attached; call .detach() on it first")
@@ -107,6 +108,7 @@ class Replayer:
                 "loss from router logits outside the router, with its own top-k, so it always sees natural routing"
             ) from None
         self.jitter = JitterPolicy(jitter)
+        self.sync_free = sync_free  # None: sync-free when the routers are off the CPU (`runtime/transfer.py`)
         refuse_kernels(model)
         sites, refused = discover(model)
         if not sites and not refused:
@@ -227,18 +229,19 @@ class Replayer:
         order = replay_order(order)
         refuse_meta(attention_mask, "attention_mask")
         refuse_meta(input_ids, "input_ids")
+        mask_BS = None if attention_mask is None else mask_array(attention_mask)  # on a device: one copy to host
         given = replay_routes(routes)
         traces = None if isinstance(given, torch.Tensor) else given
         indexer = replay_choices(self.indexer, type(self.model).__name__, traces, attention_mask, indexer)
         if traces is not None:
-            if attention_mask is None:
+            if mask_BS is None:
                 raise ConfigError("replaying RouteTraces needs the batch's attention_mask to place them")
             if order is ReplayOrder.ENGINE:
                 refuse_unordered(traces)
             if check_alignment and input_ids is not None:
-                self.stats.checked_sequences += check_tokens(traces, mask_array(attention_mask), input_ids)
+                self.stats.checked_sequences += check_tokens(traces, mask_BS, input_ids)
             routes_BSLK = traces_to_routes(
-                traces, attention_mask, self.layers, self.top_k, check_alignment=check_alignment, slots=self.slot_names
+                traces, mask_BS, self.layers, self.top_k, check_alignment=check_alignment, slots=self.slot_names
             )
         else:
             routes_BSLK = cast(torch.Tensor, given)
@@ -248,17 +251,24 @@ class Replayer:
                 "the traces with attention_mask (Recording.traces(mask, input_ids=ids) keeps them), or drop input_ids"
             )
         self._check_uniform_top_k()
+        # the host copy of the routes: every check and count reads it, never the device (`runtime/transfer.py`)
         checked = check_routes(routes_BSLK, self.layers, self.top_k, self.num_experts, self.slot_names)
-        if check_alignment and traces is None and attention_mask is not None:
-            check_padding(checked, mask_array(attention_mask))
+        if check_alignment and traces is None and mask_BS is not None:
+            check_padding(checked, mask_BS)
         margin, grad = check_margin(threshold), weights_grad_of(weights_grad)
         if margin is not None:
             refuse_threshold(self.sites)
-        forced_weights = replay_weights(self.sites, checked, weights, traces, attention_mask)
-        session = self._enter(ReplayMode.REPLAY, checked, attention_mask, traces if check_alignment else None, order)
+        forced_weights = replay_weights(self.sites, torch.from_numpy(checked), weights, traces, mask_BS)
+        session = self._enter(
+            ReplayMode.REPLAY, checked, mask_BS, traces if check_alignment else None, order, routes_BSLK.device
+        )
         for slot in self.slots:
             slot.threshold = margin
-        forcing = None if forced_weights is None else WeightsReplay(*forced_weights, grad, session.owned_here)
+        forcing = (
+            None
+            if forced_weights is None
+            else WeightsReplay(*forced_weights, grad, session.owned_here, host_reads=not session.sync_free)
+        )
         if self.indexer is not None and indexer is not None:
             try:
                 self.indexer.begin_replay(indexer, attention_mask=attention_mask)
@@ -276,6 +286,8 @@ class Replayer:
             finally:
                 if forcing is not None:
                     forcing.close()
+        if session.token_check is not None:  # sync-free: the forwards' token ids, read once the step is over
+            session.token_check.finish()
 
     def detach(self) -> None:
         """Unbind every router and remove every hook: the model is exactly as before `attach`."""
@@ -294,7 +306,9 @@ class Replayer:
             + (f", {b.modality} tokens)" if b.modality else ")")
             for b in self.bindings
         ]
-        lines += [f"  refused {r.name} ({r.family}): {r.reason}" for r in self.refused]
+        lines += [
+            f"  {'left natural' if r.natural_ok else 'refused'} {r.name} ({r.family}): {r.reason}" for r in self.refused
+        ]
         lines += [f"  live indexer {name}: {why}" for name, why in unbound_indexers(self.model)]
         return "\n".join(lines)
 
@@ -302,10 +316,11 @@ class Replayer:
     def _enter(
         self,
         mode: ReplayMode,
-        routes: torch.Tensor | None,
-        attention_mask: torch.Tensor | None = None,
+        routes: np.ndarray | None,
+        attention_mask: np.ndarray | None = None,
         traces: Sequence[RouteTrace] | None = None,
         order: ReplayOrder = ReplayOrder.SET,
+        routes_device: torch.device | None = None,
     ) -> Session:
         current = self._session
         if current is not None and current.thread != threading.get_ident():
@@ -317,7 +332,7 @@ class Replayer:
             )
         if current is not None:
             raise ReplayStateError(f"already inside a {self.mode} context; contexts do not nest")
-        self._session = Session(self, mode, routes, attention_mask, traces, order)
+        self._session = Session(self, mode, routes, attention_mask, traces, order, routes_device)
         if self.indexer is not None and mode is ReplayMode.RECORD:
             self._session.indexer_recording = self.indexer.begin_record()
         self.mode = mode
@@ -435,10 +450,18 @@ class Replayer:
 
 
 def attach(
-    model: nn.Module, *, strict: bool = True, aux_loss_routing: str = "natural", jitter: JitterPolicy | str = "model"
+    model: nn.Module,
+    *,
+    strict: bool = True,
+    aux_loss_routing: str = "natural",
+    jitter: JitterPolicy | str = "model",
+    sync_free: bool | None = None,
 ) -> Replayer:
-    """Bind every router (and DSA indexer) of an HF transformers MoE model for record / replay (`Replayer`)."""
-    return Replayer(model, strict=strict, aux_loss_routing=aux_loss_routing, jitter=jitter)
+    """Bind every router (and DSA indexer) of an HF transformers MoE model for record / replay (`Replayer`).
+
+    `sync_free`: None (default) reads no device value in a replayed step when the routers are off the CPU;
+    True does so on CPU too (the CPU's value-reading fast paths off: for tests), False never (`runtime/transfer.py`)."""
+    return Replayer(model, strict=strict, aux_loss_routing=aux_loss_routing, jitter=jitter, sync_free=sync_free)
 
 
 __all__ = ["AuxLossRouting", "Binding", "JitterPolicy", "Recording", "ReplayStats", "Replayer", "attach"]

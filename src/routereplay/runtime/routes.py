@@ -36,7 +36,7 @@ from routereplay.trace.validation import canonical_dtype
 
 def traces_to_routes(
     traces: Sequence[RouteTrace],
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | np.ndarray,
     layers: Sequence[int],
     top_k: int,
     *,
@@ -118,8 +118,11 @@ def check_routes(
     top_k: int,
     num_experts: int,
     slots: Sequence[str] | None = None,
-) -> torch.Tensor:
-    """Validate a replay batch (shape, ids, partial and duplicate rows) and return it as int64."""
+) -> np.ndarray:
+    """Validate a replay batch (shape, ids, partial and duplicate rows) and return its host copy (numpy).
+
+    Routes on the host (numpy, a CPU tensor: as decoded from an engine) are read in place; routes on a
+    device cost one device->host copy, a host sync (`runtime/transfer.py`)."""
     if not isinstance(routes_BSLK, torch.Tensor):
         raise ConfigError(
             f"routes must be a (B, S, L, K) int tensor or a list of RouteTrace, got {type(routes_BSLK).__name__}"
@@ -137,9 +140,10 @@ def check_routes(
         )
     if k != top_k:
         raise TopKMismatchError(f"routes have top-k {k}, the model's routers use top-k {top_k}")
-    flat = routes_BSLK.detach().cpu().reshape(batch * positions, num_layers, k).numpy()
+    host_BSLK: np.ndarray = routes_BSLK.detach().cpu().numpy()
+    flat = host_BSLK.reshape(batch * positions, num_layers, k)
     RouteTrace(flat, num_experts, tuple(layers), slots=slots).validate("replay batch (token = b * S + s)")
-    return routes_BSLK.detach().to(torch.long)
+    return host_BSLK
 
 
 def replay_routes(routes: object) -> torch.Tensor | list[RouteTrace]:
@@ -209,7 +213,7 @@ def _on_columns(trace: RouteTrace, layers: Sequence[int], slots: Sequence[str] |
     return trace.select_columns(columns)
 
 
-def _mask(attention_mask: torch.Tensor) -> np.ndarray:
+def _mask(attention_mask: torch.Tensor | np.ndarray) -> np.ndarray:
     refuse_meta(attention_mask, "attention_mask")
     mask = (
         attention_mask.detach().cpu().numpy()
@@ -221,7 +225,7 @@ def _mask(attention_mask: torch.Tensor) -> np.ndarray:
     return mask.astype(bool)
 
 
-def mask_array(attention_mask: torch.Tensor) -> np.ndarray:
+def mask_array(attention_mask: torch.Tensor | np.ndarray) -> np.ndarray:
     """The (B, S) attention mask as a bool array (meta tensors and other ranks refused)."""
     return _mask(attention_mask)
 

@@ -29,6 +29,7 @@ from routereplay.runtime.interception import RouterSlot, in_backward
 from routereplay.runtime.modality import take_rows
 from routereplay.runtime.routes import mask_array, routes_to_traces
 from routereplay.runtime.threshold import replaced_count
+from routereplay.runtime.transfer import DeferredTokenCheck, sync_free_default, to_device
 from routereplay.trace.route_trace import RouteTrace
 
 
@@ -87,6 +88,8 @@ class SessionOwner(Protocol):
     def _stats(self) -> ReplayStats: ...
     @property
     def indexer(self) -> IndexerGeometry | None: ...
+    @property
+    def sync_free(self) -> bool | None: ...
 
 
 class Session:
@@ -98,16 +101,18 @@ class Session:
     `RouterSlot` and leaves its choice there; `collect` folds the choices into the steps and counters
     on the host: right after each eager call, and under `torch.compile` (where counting inside the
     graph would recompile it) at the next forward, at exit, and when `.stats` or `.routes` are read.
+    A sync-free context (`sync_free`, see `runtime/transfer.py`) reads no device value from entry to exit.
     """
 
     def __init__(
         self,
         replayer: SessionOwner,
         mode: ReplayMode,
-        routes_BSLK: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        routes_BSLK: np.ndarray | None = None,
+        attention_mask: torch.Tensor | np.ndarray | None = None,
         traces: Sequence[RouteTrace] | None = None,
         order: ReplayOrder = ReplayOrder.SET,
+        routes_device: torch.device | None = None,
     ) -> None:
         self.replayer, self.mode, self.open, self.order = replayer, mode, True, order
         self.stats = replayer._stats  # the Replayer's counters, without folding (`Replayer.stats` folds)
@@ -124,23 +129,36 @@ class Session:
         self.batch_shape: tuple[int, int] | None = None
         self.replayed_L: list[int] = []  # rows each call of layer l counts as replayed (attended, forced)
         self.fallback_L: list[int] = []  # rows each call of layer l counts as fallback (attended, -1)
+        devices = [router_device(site) or routes_device or torch.device("cpu") for site in replayer.sites]
+        chosen = replayer.sync_free
+        self.sync_free = sync_free_default(devices) if chosen is None else chosen  # see `runtime/transfer.py`
+        self.token_check = (
+            DeferredTokenCheck(self.traces, self.mask_BS)
+            if self.sync_free and self.traces is not None and self.mask_BS is not None
+            else None
+        )
         if routes_BSLK is not None:
             batch, positions, layers, k = routes_BSLK.shape
             self.batch_shape = (batch, positions)
-            self.routes_LTK = routes_BSLK.permute(2, 0, 1, 3).reshape(layers, batch * positions, k).contiguous()
-            self._plan(attention_mask)
+            routes_LTK = np.ascontiguousarray(routes_BSLK.transpose(2, 0, 1, 3)).reshape(layers, batch * positions, k)
+            self.routes_LTK = torch.from_numpy(routes_LTK)  # the host copy (the routes' own compact dtype)
+            self._plan(routes_LTK, attention_mask, devices)
         self.steps: list[tuple[tuple[int, int], dict[int, torch.Tensor]]] = []  # per forward: column -> (T, K)
 
-    def _plan(self, attention_mask: torch.Tensor | None) -> None:
-        """Host decisions for replay, once per context: fallback layers, counts, routes on device."""
-        assert self.routes_LTK is not None
+    def _plan(
+        self, routes_LTK: np.ndarray, attention_mask: torch.Tensor | np.ndarray | None, devices: list[torch.device]
+    ) -> None:
+        """Host decisions for replay, once per context: fallback layers, counts, routes on device.
+
+        Everything here reads the host copy of the routes (and a host mask): no device value is read, and the
+        routes reach each router's device by one non-blocking copy (`runtime/transfer.py`)."""
         # numpy, not torch, on the host: a torch CPU reduction over >= 32k elements wakes the intra-op thread
         # pool, which cost ~20 ms per context on a 16-core GPU host whose threads sleep while the GPU works
-        fallback_LT: np.ndarray = self.routes_LTK[:, :, 0].cpu().numpy() < 0  # the context's one device->host copy
+        fallback_LT: np.ndarray = routes_LTK[:, :, 0] < 0
         counted_LT = fallback_LT
         attended_T: np.ndarray | None = None
         if attention_mask is not None:
-            attended_T = torch.as_tensor(attention_mask).detach().reshape(-1).cpu().numpy() != 0
+            attended_T = mask_array(attention_mask).reshape(-1)  # a mask on a device: its one device->host copy
         self.attended_T = attended_T  # modality routers count their own tokens per call
         if attended_T is not None and attended_T.size == fallback_LT.shape[1]:
             counted_LT = fallback_LT & attended_T  # padding is neither replayed nor fallback
@@ -150,13 +168,13 @@ class Session:
         self.fallback_L = np.count_nonzero(counted_LT, axis=1).tolist()
         has_fallback_L: list[bool] = np.asarray(fallback_LT.any(axis=1)).tolist()  # any -1 row, padding included
         on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device of the routers, not per call
-        for index, (site, slot) in enumerate(zip(self.replayer.sites, self.slots, strict=True)):
-            device = router_device(site) or self.routes_LTK.device
+        for index, (device, slot) in enumerate(zip(devices, self.slots, strict=True)):
             if device not in on_device:
-                on_device[device] = self.routes_LTK.to(device)
+                on_device[device] = to_device(routes_LTK, device)
             slot.forced_TK = on_device[device][index]
             slot.fallback = bool(has_fallback_L[index])
             slot.keep_order = self.order is ReplayOrder.ENGINE
+            slot.host_reads = not self.sync_free
             slot.chosen_TK = None
 
     def owned_here(self) -> bool:
@@ -186,7 +204,10 @@ class Session:
                 f"{shape}; routes must be aligned with the model input"
             )
         if self.traces is not None and self.mask_BS is not None and input_ids is not None:
-            self.stats.checked_sequences += check_tokens(self.traces, self.mask_BS, input_ids)
+            check = self.token_check  # sync-free: compared on the device, read after the context
+            self.stats.checked_sequences += (
+                check_tokens(self.traces, self.mask_BS, input_ids) if check is None else check.add(input_ids)
+            )
         self.steps.append((shape, {}))
 
     def forced(self, site: RouterSite, slot: RouterSlot, rows: int) -> tuple[torch.Tensor, bool] | None:

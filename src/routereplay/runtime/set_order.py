@@ -4,8 +4,8 @@
 The rule (`in_live_order`): the live top-k runs; a row whose forced set is the live set takes the
 live ids exactly, ties included (in the top-k's own tie order, which only the top-k knows); any
 other row takes its forced ids by live score descending, with a stable sort (equal scores keep the
-given order). That costs one live top-k over all C choices, one gather and three K-wide sorts
-per router call: about 2% of a training step on CPU.
+given order). That costs one live top-k over all C choices, one gather, one (T, K, K) comparison
+(the set test: no sort) and one K-wide sort per router call, with no branch on a value.
 
 Fast path (`untied_live_order`). When the selection top-k is sorted and takes the largest (the
 defaults) and no row's forced values hold a tie or a NaN, the rule gives every row its forced
@@ -17,9 +17,10 @@ one stable K-wide sort orders them, and the same check runs on its result. If an
 the call runs the rule as above (`None` says so), so results are the same bit for bit.
 
 The check reads one flag on the host, so the fast path runs only where that costs no wait: on CPU
-(no asynchronous device), over plain tensors, and not while dynamo or the JIT traces (no graph
-break, no branch baked into a trace). On a GPU, and compiled, the rule runs without a branch; there
-its few small kernels cost about 0.2% of a step (H100).
+(no asynchronous device), over plain tensors, not while dynamo or the JIT traces (no graph break, no
+branch baked into a trace), and not when the context runs sync-free (`Replayer(sync_free=True)`, the
+default for routers off the CPU; `RouterSlot.host_reads` is False then). On a GPU, and compiled, the
+rule runs without a branch, as a fixed few kernels per router call and no host sync.
 
 Legend: T = tokens in this router call, K = top-k.
 """
@@ -35,8 +36,9 @@ def in_live_order(forced_TK: torch.Tensor, live_TK: torch.Tensor, values_TK: tor
     """Each row's forced ids in the live router's order: the live row where the sets agree, else by value.
 
     `values_TK` are the live scores at the forced ids; the sort is stable, so equal scores keep the
-    given order. Ids within a row are distinct (`check_routes`), so equal sorted rows are equal sets."""
-    same_T1 = (forced_TK.sort(dim=-1).values == live_TK.sort(dim=-1).values).all(dim=-1, keepdim=True)
+    given order. Ids within a row are distinct (`check_routes`), so a row whose every live id is among
+    its forced ids holds the live set: a (T, K, K) comparison decides it with no sort, no branch."""
+    same_T1 = (live_TK.unsqueeze(-1) == forced_TK.unsqueeze(-2)).any(dim=-1).all(dim=-1, keepdim=True)
     by_value_TK = torch.sort(values_TK, dim=-1, descending=True, stable=True).indices
     return torch.where(same_T1, live_TK, forced_TK.gather(-1, by_value_TK))
 

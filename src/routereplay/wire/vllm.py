@@ -90,6 +90,9 @@ def decode_vllm(
     `prompt_start` is the request's `routed_experts_prompt_start`: row 0 is token `prompt_start`.
     With `num_tokens` (prompt + generated tokens) the row count must be `num_tokens - 1 -
     prompt_start`. `limits` bounds every declared axis before anything is allocated.
+    Nothing in a payload marks rows a speculative draft model routed: vLLM before 0.26 could capture
+    them into the target's rows, so the engine version is the guard (`engines/vllm/speculative.py`,
+    docs/engines.md "Speculative decoding").
     """
     expect = Expectation(
         num_experts=num_experts,

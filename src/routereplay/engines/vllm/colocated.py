@@ -54,7 +54,9 @@ permission before vLLM runs, where the CPU has AMX (vLLM's own AMX kernels never
 tile instruction is a SIGILL). Both choices are kept in `VLLMEngine.cpu_kernels`.
 Refused before anything starts: vLLM absent (`MissingDependencyError`), an architecture vLLM's
 `ModelRegistry` does not implement, shapes its CPU kernels refuse (`UnservableModelError`), and an AMX CPU
-whose Linux refuses the tile permission (`AmxPermissionError`).
+whose Linux refuses the tile permission (`AmxPermissionError`), and speculative decoding
+(`EngineConfig.speculative_config`) under a vLLM before 0.26, whose routes mix in the draft model's
+(`DraftRoutesError`, `speculative`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -88,6 +90,7 @@ from routereplay.engines.vllm.forced_routes import (
 from routereplay.engines.vllm.forcing.weights import RequestWeights
 from routereplay.engines.vllm.plugin import register
 from routereplay.engines.vllm.requests import StoppableRun
+from routereplay.engines.vllm.speculative import check_speculative, installed_vllm
 from routereplay.engines.vllm.workarounds import (
     file_stdout,
     forget_cpu_moe_kernels,
@@ -128,6 +131,8 @@ class EngineConfig:
     # vLLM's own log: False keeps it to ERROR and above unless VLLM_LOGGING_LEVEL is set (workarounds)
     verbose: bool = False
     capture_weights: bool = False  # the default of generate(capture_weights=...): traces carry vLLM's weights
+    # `vllm.LLM(speculative_config=...)`; refused before vLLM 0.26, whose routes mix in the draft's (`speculative.py`)
+    speculative_config: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "block_size", "kv_cache_bytes"):
@@ -173,6 +178,7 @@ class EngineConfig:
             "enable_prefix_caching": self.prefix_caching,
             "logprobs_mode": "processed_logprobs",  # log-probs under temperature / top-p, like HFEngine
             "seed": self.seed,
+            **({"speculative_config": dict(self.speculative_config)} if self.speculative_config else {}),
         }
 
 
@@ -261,6 +267,7 @@ class VLLMEngine:
     ) -> None:
         self.policy_version = policy_version
         config = config or EngineConfig()
+        check_speculative(config.speculative_config, installed_vllm(), where="VLLMEngine(config.speculative_config)")
         vllm = import_vllm(verbose=config.verbose)
         self.architecture = check_architecture(model, set(vllm.ModelRegistry.get_supported_archs()))
         check_servable(model.config, where=type(model).__name__)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from routereplay.engines.vllm.speculative import check_speculative, installed_vllm, speculative_flags
 from routereplay.errors import ConfigError, EngineStartError, ServerDiedError
 
 DEFAULT_READY_TIMEOUT = 600.0  # seconds: vLLM needs 60-120 s on two busy cores
@@ -146,6 +147,8 @@ class ServerConfig:
         for name in ("ready_timeout", "stop_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be > 0 seconds")
+        flags = speculative_flags(self.extra_args)  # routes are always on: draft routes must stay out of them
+        check_speculative(flags, installed_vllm(), where=f"ServerConfig(extra_args={list(flags)})")
 
     def argv(self, port: int) -> list[str]:
         """The server's command line (the Python interpreter running this process)."""

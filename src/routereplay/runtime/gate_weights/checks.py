@@ -79,7 +79,7 @@ def replay_weights(
     routes_BSLK: torch.Tensor,
     weights: Any,
     traces: Sequence[RouteTrace] | None,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | np.ndarray | None,
 ) -> tuple[list[ExpertsSite], torch.Tensor, torch.Tensor] | None:
     """What `replay(weights=...)` forces: (experts sites, routes, checked weights), or None when off.
 
@@ -95,7 +95,7 @@ def replay_weights(
 
 
 def traces_to_weights(
-    traces: Sequence[RouteTrace], attention_mask: torch.Tensor, shape: Sequence[int], layers: Sequence[int]
+    traces: Sequence[RouteTrace], attention_mask: torch.Tensor | np.ndarray, shape: Sequence[int], layers: Sequence[int]
 ) -> torch.Tensor:
     """(B, S, L, K) float32 weights of traces carrying them, placed like `traces_to_routes` places routes
     (token i of sequence b at the i-th attended position of row b); 0 where a trace has no row."""
