@@ -152,6 +152,8 @@ def _contexts(model: nn.Module, ids_BS: torch.Tensor) -> dict[str, Callable[[], 
     traces = rec.traces(torch.from_numpy(mask_BS), input_ids=ids_BS)
     return {
         "set, engine weights": lambda: replayer.replay(full_BSLK, weights=weights_BSLK),
+        "set, threshold": lambda: replayer.replay(partial_BSLK, torch.from_numpy(mask_BS), threshold=0.01),
+        "engine, threshold": lambda: replayer.replay(full_BSLK, order="engine", threshold=0.0),
         "engine, engine weights, live grad": lambda: replayer.replay(
             full_BSLK, order="engine", weights=weights_BSLK, weights_grad="live"
         ),
@@ -181,6 +183,8 @@ def _counted(counter: SyncCounter) -> Iterator[SyncCounter]:
         "set, traces with token ids",
         "set, engine weights",
         "engine, engine weights, live grad",
+        "set, threshold",
+        "engine, threshold",
     ],
 )
 def test_a_replayed_step_reads_no_device_value(case: str) -> None:
@@ -201,7 +205,7 @@ def test_a_replayed_step_reads_no_device_value(case: str) -> None:
     with _counted(SyncCounter(device)) as exit_:
         context.__exit__(None, None, None)
     # after the step: the deferred token check, or the weights' sum checks folded into one read
-    reads = 1 if case == "set, traces with token ids" or "weights" in case else 0
+    reads = 1 if case == "set, traces with token ids" or "weights" in case or "threshold" in case else 0
     assert len(exit_.syncs) <= reads, f"{case}: exit syncs {exit_.syncs}"
 
 
@@ -216,6 +220,23 @@ def test_routes_on_a_device_cost_one_copy_at_entry() -> None:
     with _counted(SyncCounter(device)) as counter, replayer.replay(routes_BSLK):
         _step(model, ids_BS)()
     assert counter.syncs.count("Tensor.cpu") == 1, counter.syncs  # one device->host copy, where the routes are checked
+
+
+def test_sync_free_threshold_counts_what_the_cpu_path_counts() -> None:
+    """Threshold replay's replaced rows: counted on the device and read once at the exit when sync-free, the same
+    per layer as the CPU path's per-call count, with rows replaced (random routes rarely sit within the margin)."""
+    ids_BS, mask_BS, partial_BSLK = _batch()
+    found = []
+    for sync_free in (False, True):
+        model = _model()
+        replayer = attach(model, sync_free=sync_free)
+        with replayer.replay(partial_BSLK, torch.from_numpy(mask_BS), threshold=0.01) as rep:
+            model(input_ids=ids_BS).logits.float().logsumexp(-1).mean().backward()
+        stats = replayer.stats
+        found.append((rep.routes, stats.replaced_rows, dict(stats.replaced_rows_by_layer), stats.replace_rate))
+    (routes_a, *counts_a), (routes_b, *counts_b) = found
+    assert torch.equal(routes_a, routes_b) and counts_a == counts_b
+    assert counts_a[0] > 0 and sorted(counts_a[1]) == [0, 1]
 
 
 @pytest.mark.parametrize("order", ["set", "engine"])

@@ -129,6 +129,8 @@ class Session:
         self.batch_shape: tuple[int, int] | None = None
         self.replayed_L: list[int] = []  # rows each call of layer l counts as replayed (attended, forced)
         self.fallback_L: list[int] = []  # rows each call of layer l counts as fallback (attended, -1)
+        self.replaced_pending: list[tuple[int, torch.Tensor]] = []  # sync-free threshold counts: (layer, count)
+        self.attended_on: dict[torch.device, torch.Tensor] = {}  # sync-free: attended_T on each router device
         devices = [router_device(site) or routes_device or torch.device("cpu") for site in replayer.sites]
         chosen = replayer.sync_free
         self.sync_free = sync_free_default(devices) if chosen is None else chosen  # see `runtime/transfer.py`
@@ -188,9 +190,24 @@ class Session:
     def close(self) -> None:
         """Fold what is pending, then empty the slots (they belong to the next context)."""
         self.collect()
+        self._fold_replaced()
         for slot in self.slots:
             slot.clear()
         self.open = False
+
+    def _fold_replaced(self) -> None:
+        """Sync-free threshold replay: the replaced rows counted on the device, read in one copy at the exit."""
+        pending, self.replaced_pending = self.replaced_pending, []
+        if not pending:
+            return
+        first = pending[0][1].device
+        counts = torch.stack([count.to(first) for _, count in pending]).cpu().tolist()
+        for (layer, _), replaced in zip(pending, counts, strict=True):
+            self._add_replaced(layer, int(replaced))
+
+    def _add_replaced(self, layer: int, replaced: int) -> None:
+        self.stats.replaced_rows += replaced
+        self.stats.replaced_rows_by_layer[layer] = self.stats.replaced_rows_by_layer.get(layer, 0) + replaced
 
     # -- steps -------------------------------------------------------------------------------------
     def begin_step(self, shape: tuple[int, int], input_ids: torch.Tensor | None = None) -> None:
@@ -235,6 +252,16 @@ class Session:
             )
         return forced_TK, slot.fallback
 
+    def _attended_count(self, replaced_T: torch.Tensor) -> torch.Tensor:
+        """The rows of `replaced_T` on attended positions, summed on its device (no host read)."""
+        attended = self.attended_T
+        if attended is None or attended.size != replaced_T.numel():
+            return replaced_T.sum()
+        device = replaced_T.device
+        if device not in self.attended_on:
+            self.attended_on[device] = to_device(attended, device, torch.bool)
+        return (replaced_T & self.attended_on[device]).sum()
+
     def collect(self) -> None:
         """Fold the choices routers left in their slots into the current step and the counters."""
         for index in range(len(self.slots)):
@@ -261,9 +288,11 @@ class Session:
         stats.replayed_rows += replayed
         stats.fallback_rows += fallbacks
         if slot.replaced_T is not None:  # threshold replay (`runtime/threshold.py`)
-            replaced, slot.replaced_T = replaced_count(slot.replaced_T, self.attended_T), None
-            stats.replaced_rows += replaced
-            stats.replaced_rows_by_layer[site.layer] = stats.replaced_rows_by_layer.get(site.layer, 0) + replaced
+            replaced_T, slot.replaced_T = slot.replaced_T.detach(), None
+            if self.sync_free:  # counted on the device, read once at the exit
+                self.replaced_pending.append((site.layer, self._attended_count(replaced_T)))
+            else:
+                self._add_replaced(site.layer, replaced_count(replaced_T, self.attended_T))
         if fallbacks:
             stats.fallback_rows_by_layer[site.layer] = stats.fallback_rows_by_layer.get(site.layer, 0) + fallbacks
 

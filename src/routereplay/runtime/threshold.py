@@ -11,8 +11,10 @@ rows tied with or equal to the live top-k; a large margin keeps every row (plain
 
 Counted per call in `RouterSlot.replaced_T` (a bool per token) and folded on the host into
 `ReplayStats.replaced_rows` / `replaced_rows_by_layer` (attended positions only) and
-`ReplayStats.replace_rate` = replaced / replayed rows. That fold reads the device (one host read per
-router call): threshold replay is opt-in, and off it costs nothing (bit-identical to plain replay).
+`ReplayStats.replace_rate` = replaced / replayed rows. On the CPU that fold reads each call's rows at once;
+in a sync-free context (routers on a GPU, `runtime/transfer.py`) each call's count stays on the device and
+all are read in one copy when the context closes, so the step itself never waits for the device (the
+counts appear in `stats` after the exit). Off, threshold replay costs nothing (bit-identical to plain replay).
 
 Legend: T = tokens in one router call, K = top-k.
 """
