@@ -76,6 +76,9 @@ def test_the_plugin_refuses_an_unknown_vllm_before_wrapping_anything(monkeypatch
     with pytest.raises(VLLMVersionError, match=r"found vLLM '0\.34\.0'"):
         plugin.register()
     assert InputProcessor.process_inputs is before
+    monkeypatch.setenv(FORCING_ENV, "off")  # forcing off: a vLLM without a path starts, untouched
+    plugin.register()
+    assert InputProcessor.process_inputs is before
 
 
 # --- a real vLLM 0.32 model on CPU ---------------------------------------------------------------------

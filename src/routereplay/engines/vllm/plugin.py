@@ -61,7 +61,7 @@ from routereplay.engines.vllm.forcing.weights import RequestWeights
 from routereplay.engines.vllm.forcing.worker import RUNNER_ATTR, ForcingWorker
 from routereplay.engines.vllm.mrv2 import ForcingPath, config_problems, forcing_enabled, forcing_path
 from routereplay.engines.vllm.mrv2 import install as install_mrv2
-from routereplay.errors import ForcedRoutesError
+from routereplay.errors import ForcedRoutesError, VLLMVersionError
 
 PATCHED_MARK = "_routereplay_patched"
 
@@ -73,7 +73,12 @@ def register() -> None:
     kernels need and never ask for (`cpu_kernels.amx_tiles`; `AmxPermissionError` if refused, which stops
     the vLLM process with that message instead of a SIGILL at its first short prompt)."""
     amx_tiles(f"the routereplay vLLM plugin in process {os.getpid()}")
-    path = vllm_forcing_path()
+    try:
+        path = vllm_forcing_path()
+    except VLLMVersionError:
+        if forcing_enabled():
+            raise
+        return  # ROUTEREPLAY_FORCING=off: a vLLM the plugin has no path for runs untouched
     from vllm.v1.engine.input_processor import InputProcessor
 
     _wrap(InputProcessor, "process_inputs", _checked_process_inputs)
