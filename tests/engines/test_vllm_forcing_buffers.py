@@ -98,19 +98,33 @@ def test_a_step_whose_rows_are_all_minus_one_forces_nothing() -> None:
         (np.array([0]), np.array([[[1, -1], [1, 2], [1, 2]]]), r"mixes -1 with expert ids"),
         (np.array([0]), np.full((1, 3, 2), -2), r"below -1"),
         (np.array([0.0]), np.zeros((1, 3, 2)), r"must be integers"),
+        (np.array([0]), np.full((1, 3, 2), 16), r"expert id 16 is not below the model's 16 experts"),
+        (np.array([], dtype=np.int64), np.zeros((0, 5, 9), dtype=np.int64), r"do not fit"),
     ],
 )
 def test_bad_rows_are_refused_by_name(rows: np.ndarray, experts: np.ndarray, message: str) -> None:
-    buffers = ForcingBuffers(max_tokens=8, moe_layers=LAYERS, top_k=2, device="cpu")
+    buffers = ForcingBuffers(max_tokens=8, moe_layers=LAYERS, top_k=2, device="cpu", num_experts=16)
     with pytest.raises(ForcedRoutesError, match=message):
         buffers.load(rows, experts)
     assert not buffers.mask_TL.any(), "a refused load changes nothing"
 
 
+def test_an_id_past_int32_is_refused_not_wrapped() -> None:
+    buffers = ForcingBuffers(max_tokens=8, moe_layers=LAYERS, top_k=2, device="cpu")  # no expert count known
+    with pytest.raises(ForcedRoutesError, match=r"expert id 4294967299 is not below int32's range"):
+        buffers.load(np.array([0]), np.full((1, 3, 2), 2**32 + 3, dtype=np.int64))
+
+
 @pytest.mark.parametrize(
     ("max_tokens", "layers", "top_k", "message"),
-    [(0, LAYERS, 2, "at least one token row"), (4, (), 2, "one MoE layer"), (4, (1, 1), 2, "repeat")],
+    [
+        (0, LAYERS, 2, "at least one token row"),
+        (4, (), 2, "one MoE layer"),
+        (4, (1, 1), 2, "repeat"),
+        (4.7, LAYERS, 2, "must be integers"),
+        (None, LAYERS, 2, "must be integers"),
+    ],
 )
-def test_bad_sizes_are_refused_by_name(max_tokens: int, layers: tuple[int, ...], top_k: int, message: str) -> None:
+def test_bad_sizes_are_refused_by_name(max_tokens: object, layers: tuple[int, ...], top_k: int, message: str) -> None:
     with pytest.raises(ForcedRoutesError, match=message):
         ForcingBuffers(max_tokens=max_tokens, moe_layers=layers, top_k=top_k, device="cpu")

@@ -165,14 +165,16 @@ def test_the_front_end_gives_a_weights_request_its_own_salt_and_the_forcing_chec
     from routereplay.engines.vllm.forced_routes import WEIGHTS_SALT, salted
     from routereplay.engines.vllm.plugin import check_request
 
-    def processor(eager: bool = True) -> SimpleNamespace:
+    def processor(eager: bool = True, speculative: Any = None) -> SimpleNamespace:
         model_config = SimpleNamespace(
             enforce_eager=eager,
             get_num_experts=lambda: E,
             get_num_experts_per_tok=lambda: K,
             hf_text_config=SimpleNamespace(num_hidden_layers=3, mlp_only_layers=[0]),
         )
-        parallel = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1))
+        parallel = SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_size=1), speculative_config=speculative
+        )
         return SimpleNamespace(model_config=model_config, vllm_config=parallel)
 
     def front(extra: dict[str, Any] | None, salt: str | None = None) -> SimpleNamespace:
@@ -181,6 +183,12 @@ def test_the_front_end_gives_a_weights_request_its_own_salt_and_the_forcing_chec
 
     with pytest.raises(ForcedRoutesError, match=r"'r9': vllm_xargs 'routereplay_weights' need an eager engine"):
         check_request(processor(eager=False), front({WEIGHTS_KEY: True}))
+    ngram = SimpleNamespace(method="ngram")  # vLLM 0.30 front end: speculative decoding refused for both asks
+    with pytest.raises(ForcedRoutesError, match=r"'r9': vllm_xargs 'routereplay_weights' cannot .* speculative"):
+        check_request(processor(speculative=ngram), front({WEIGHTS_KEY: True}))
+    text_s = encode_forced(RouteTrace(np.tile(np.array([[3, 7]], np.int16), (20, 2, 1)), E, SERVED.moe_layers))
+    with pytest.raises(ForcedRoutesError, match=r"forced routes .* speculative decoding \(method 'ngram'\)"):
+        check_request(processor(speculative=ngram), front({XARG_KEY: text_s}))
     with pytest.raises(ForcedRoutesError, match=r"'routereplay_weights'=1 must be true"):
         check_request(processor(), front({WEIGHTS_KEY: 1}))
     first, second = front({WEIGHTS_KEY: True}, salt="mine"), front({WEIGHTS_KEY: True}, salt="mine")

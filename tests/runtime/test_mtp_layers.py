@@ -91,7 +91,9 @@ def test_mtp_router_routes_live_while_decoder_layer_0_replays() -> None:
 
 def test_mtp_model_alone_is_refused_by_name() -> None:
     main = _deepseek_with_mtp()
-    with pytest.raises(UnsupportedRouterError, match=r"MTP layer \(in a MtpModel\)"):
+    with pytest.raises(
+        UnsupportedRouterError, match=r"MtpModel holds only MTP \(draft\) routers.*Attach the main model"
+    ):
         attach(MtpModel(main, 1))
 
 

@@ -117,6 +117,16 @@ class Replayer:
                 "is it an MoE model?"
             )
         blocking = [r for r in refused if not r.natural_ok]
+        if (
+            not sites
+            and refused
+            and all(r.reason.startswith(("MTP layer", "layer ")) and r.natural_ok for r in refused)
+        ):
+            raise UnsupportedRouterError(
+                f"{type(model).__name__} holds only MTP (draft) routers ({refused[0].name}, ...), which replay leaves "
+                "natural: their layers are numbered from 0 again and would take the decoder's routes. Attach the "
+                "main model (its decoder layers are the ones traces cover), not its MTP module"
+            )
         if not sites and refused:
             blocking = refused
         if blocking and (strict or not sites):
@@ -162,6 +172,8 @@ class Replayer:
         `weights=True` also keeps the combine weights the experts receive (`Recording.weights`, and
         `RouteTrace.weights` in `.traces(...)`); see `runtime/gate_weights/`.
         The context belongs to the calling thread: other threads' forwards are neither recorded nor touched."""
+        if not isinstance(weights, bool):
+            raise ConfigError(f"record(weights={weights!r}): pass True to keep the combine weights, or False")
         experts = experts_sites(self.sites, "recording weights") if weights else None
         session = self._enter(ReplayMode.RECORD, None)
         capture = (

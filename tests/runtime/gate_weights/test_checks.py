@@ -93,3 +93,6 @@ def test_weights_grad_and_traces_without_weights_are_named() -> None:
     with pytest.raises(WeightsShapeError, match="trace 0 carries no weights"):
         with replayer.replay(rec.traces(mask), mask, weights=True):
             pass
+    with pytest.raises(ConfigError, match=r"record\(weights='yes'\): pass True"):
+        with replayer.record(weights="yes"):  # type: ignore[arg-type]
+            pass

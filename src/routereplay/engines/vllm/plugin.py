@@ -160,6 +160,13 @@ def check_request(processor: Any, request: Any) -> None:
             )
         if processor.vllm_config.parallel_config.data_parallel_size != 1:
             raise ForcedRoutesError(f"{asked} are supported with one data-parallel rank only")
+        speculative = getattr(processor.vllm_config, "speculative_config", None)
+        if speculative is not None:  # draft and verified rows share the routers: the rows would mix
+            raise ForcedRoutesError(
+                f"{asked} cannot be served with speculative decoding (method "
+                f"{getattr(speculative, 'method', None)!r}): draft and verified rows would be routed, forced and "
+                "captured together; start vLLM without --speculative-config"
+            )
     if model_config.get_num_experts() <= 0:
         raise ForcedRoutesError(f"{asked}: the served model has no routed experts; there is nothing to force")
     if weights:

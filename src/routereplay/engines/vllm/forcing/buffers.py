@@ -48,6 +48,7 @@ class ForcingBuffers:
         "mask_TL",
         "max_tokens",
         "moe_layers",
+        "num_experts",
         "top_k",
         "weights_TLK",
     )
@@ -60,8 +61,15 @@ class ForcingBuffers:
         device: torch.device | str,
         *,
         capture_weights: bool = False,
+        num_experts: int | None = None,
     ) -> None:
-        if max_tokens < 1 or top_k < 1 or not moe_layers:
+        sizes = (max_tokens, top_k, *moe_layers, *(() if num_experts is None else (num_experts,)))
+        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in sizes):
+            raise ForcedRoutesError(
+                f"ForcingBuffers(max_tokens={max_tokens!r}, moe_layers={moe_layers!r}, top_k={top_k!r}, "
+                f"num_experts={num_experts!r}): sizes and layer numbers must be integers"
+            )
+        if max_tokens < 1 or top_k < 1 or not moe_layers or (num_experts is not None and num_experts < top_k):
             raise ForcedRoutesError(
                 f"ForcingBuffers(max_tokens={max_tokens}, moe_layers={moe_layers}, top_k={top_k}): need at least "
                 "one token row, one MoE layer and top_k >= 1; pass the engine's max_num_batched_tokens, the "
@@ -73,6 +81,7 @@ class ForcingBuffers:
         self.max_tokens = int(max_tokens)
         self.moe_layers = tuple(int(layer) for layer in moe_layers)
         self.top_k = int(top_k)
+        self.num_experts = None if num_experts is None else int(num_experts)  # ids must be below it, when given
         self.column = {layer: i for i, layer in enumerate(self.moe_layers)}
         shape = (self.max_tokens, len(self.moe_layers), self.top_k)
         self.ids_TLK = torch.zeros(shape, dtype=torch.int32, device=device)
@@ -91,7 +100,7 @@ class ForcingBuffers:
         other row routes live. Staged on the host, copied in place without a device-side wait."""
         rows_N = np.asarray(rows_N)
         experts_NLK = np.asarray(experts_NLK)
-        if rows_N.size == 0 and experts_NLK.size == 0:
+        if rows_N.size == 0 and experts_NLK.size == 0 and experts_NLK.shape[1:] in ((), self.ids_TLK.shape[1:]):
             self.clear()
             return
         self._check(rows_N, experts_NLK)
@@ -138,6 +147,14 @@ class ForcingBuffers:
             raise ForcedRoutesError("ForcingBuffers.load: a token row is listed twice; list each row once")
         live_NLK = experts_NLK < 0  # a row's first id says live or forced; every id must agree (no K-axis reductions,
         mixed = (live_NLK != live_NLK[:, :, :1]).any()  # which numpy runs 5-15x slower than a broadcast compare)
+        # the int32 buffers would wrap a larger id; with the model's expert count known, ids must be below it
+        ceiling = np.iinfo(np.int32).max if self.num_experts is None else self.num_experts
+        if experts_NLK.max() >= ceiling:
+            bound = "int32's range" if self.num_experts is None else f"the model's {self.num_experts} experts"
+            raise ForcedRoutesError(
+                f"ForcingBuffers.load: expert id {int(experts_NLK.max())} is not below {bound}; pass the model's "
+                "logical expert ids"
+            )
         if mixed or (experts_NLK < -1).any():
             raise ForcedRoutesError(
                 "ForcingBuffers.load: a (row, layer) mixes -1 with expert ids, or holds an id below -1; a layer's "

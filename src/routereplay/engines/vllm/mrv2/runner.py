@@ -104,7 +104,7 @@ class MRv2Forcing:
             tuple(sorted(layers)),
         )
         max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        buffers = ForcingBuffers(max_tokens, served.moe_layers, top_k, device)
+        buffers = ForcingBuffers(max_tokens, served.moe_layers, top_k, device, num_experts=served.num_experts)
         for forcing in layers.values():
             forcing.install(buffers)
         return cls(RowMap(served), buffers, layers, id(model))
