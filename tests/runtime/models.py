@@ -1,5 +1,5 @@
-"""Small helpers for runtime tests: a tiny Qwen3-MoE, a copy with other routers, inputs, and a hook on the
-experts' input."""
+"""Small helpers for runtime tests: a tiny Qwen3-MoE, a copy with other routers and its record, inputs, and a
+hook on the experts' input."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+import routereplay
+from routereplay.runtime import Recording
 from routereplay.runtime.discovery import LAYER_PATH
 
 K = TypeVar("K")
@@ -45,6 +47,16 @@ def perturbed_routers(model: nn.Module, *, noise: float, seed: int) -> nn.Module
             if name.endswith("gate.weight"):
                 param.add_(torch.randn(param.shape, generator=generator) * noise)
     return other.eval()
+
+
+def engine_record(
+    engine: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, *, weights: bool = False
+) -> Recording:
+    """Another policy's (the "engine"'s) own record of `ids`, without autograd: its routes, and its combine
+    weights with `weights`. Its replayer stays attached (the recording reads its routers)."""
+    with torch.no_grad(), routereplay.attach(engine).record(weights=weights) as rec:
+        engine(input_ids=ids, attention_mask=mask)
+    return rec
 
 
 def random_routes(batch: int, positions: int, layers: int, top_k: int, experts: int, seed: int = 0) -> torch.Tensor:
