@@ -77,18 +77,11 @@ def run(config: OptionsBenchConfig, progress: Callable[[str], None] | None = Non
 
 def sampling(config: OptionsBenchConfig, tokenizer: Any) -> tuple[AdditionTask, list[list[int]], SamplingParams]:
     """The addition task, its `config.prompts` prompts and the greedy sampling params, as both variants sample."""
-    from routereplay.engines.hf import SamplingParams
     from routereplay.rl.tasks import AdditionTask
 
     task = AdditionTask(tokenizer)
     problems = task.problems(config.prompts, seed=config.seed + 1)
-    params = SamplingParams(
-        max_new_tokens=config.max_new_tokens,
-        seed=config.seed,
-        eos_token_id=task.eos_token_id,
-        pad_token_id=task.pad_token_id,
-    )
-    return task, task.prompt_ids(problems), params
+    return task, task.prompt_ids(problems), task.sampling(max_new_tokens=config.max_new_tokens, seed=config.seed)
 
 
 def scored(
