@@ -8,6 +8,7 @@ import pytest
 
 from routereplay.bench import colocated_options
 from routereplay.errors import ConfigError
+from tests.bench.options_record import MARGINS, checked_options
 
 pytestmark = [pytest.mark.vllm, pytest.mark.hf, pytest.mark.xdist_group("vllm-live")]
 
@@ -16,16 +17,9 @@ def test_options_side_by_side_against_vllm_on_a_quickly_trained_demo_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path))
-    config = colocated_options.VLLMOptionsBenchConfig(prompts=16, max_new_tokens=3, train_steps=2, margins=(0.0, 1e9))
+    config = colocated_options.VLLMOptionsBenchConfig(prompts=16, max_new_tokens=3, train_steps=2, margins=MARGINS)
     record = colocated_options.run(config)
-    found = record["options"]
-    assert list(found) == ["off", "r3_ids", "r3_ids_weights", "threshold_0", "threshold_1e+09"]
-    # the trainer dispatches vLLM's expert sets on every row, with or without its weights
-    assert found["r3_ids"]["routing_disagreement"] == found["r3_ids_weights"]["routing_disagreement"] == 0.0
-    assert found["threshold_1e+09"]["replace_rate"] == 0.0
-    assert found["threshold_1e+09"]["k3_kl"] == found["r3_ids"]["k3_kl"]  # a huge margin is plain R3
-    size = record["bytes_per_row"]
-    assert size["weights"] == 4 and size["blob_ids_weights"] - size["blob_ids"] == pytest.approx(4.0)
+    checked_options(record)  # the trainer dispatches vLLM's expert sets on every row, with or without its weights
     assert "| r3_ids_weights |" in colocated_options.markdown(record) and record["machine"]["vllm"].startswith("0.")
 
 

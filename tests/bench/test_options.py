@@ -8,24 +8,19 @@ import pytest
 
 from routereplay.bench import options
 from routereplay.errors import ConfigError
+from tests.bench.options_record import MARGINS, checked_options
 
 pytestmark = pytest.mark.hf
 
 
 def test_options_side_by_side_on_a_quickly_trained_demo_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ROUTEREPLAY_CACHE", str(tmp_path))
-    config = options.OptionsBenchConfig(prompts=24, max_new_tokens=3, train_steps=2, margins=(0.0, 1e9))
+    config = options.OptionsBenchConfig(prompts=24, max_new_tokens=3, train_steps=2, margins=MARGINS)
     record = options.run(config)
-    found = record["options"]
-    assert list(found) == ["off", "r3_ids", "r3_ids_weights", "threshold_0", "threshold_1e+09"]
-    assert found["r3_ids"]["routing_disagreement"] == found["r3_ids_weights"]["routing_disagreement"] == 0.0
+    found = checked_options(record)
     # margin 0 gives back every row the trainer would not choose: the live routing, counted
     assert found["threshold_0"]["replace_rate"] == pytest.approx(found["off"]["routing_disagreement"], abs=0.02)
     assert found["threshold_0"]["k3_kl"] == found["off"]["k3_kl"]
-    assert found["threshold_1e+09"]["replace_rate"] == 0.0
-    assert found["threshold_1e+09"]["k3_kl"] == found["r3_ids"]["k3_kl"]  # a huge margin is plain R3
-    size = record["bytes_per_row"]
-    assert size["weights"] == 4 and size["blob_ids_weights"] - size["blob_ids"] == pytest.approx(4.0)
     assert "| r3_ids_weights |" in options.markdown(record)
 
 

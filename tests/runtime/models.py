@@ -1,5 +1,5 @@
-"""Small helpers for runtime tests: a tiny Qwen3-MoE, a copy with other routers, inputs, and a hook on the
-experts' input."""
+"""Small helpers for runtime tests: a tiny Qwen3-MoE, a copy with other routers and its record, inputs, and a
+hook on the experts' input."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+import routereplay
+from routereplay.runtime import Recording
 from routereplay.runtime.discovery import LAYER_PATH
 
 K = TypeVar("K")
+V = TypeVar("V")
 
 
 def tiny_qwen3(layers: int = 3, experts: int = 8, top_k: int = 2, seed: int = 0) -> nn.Module:
@@ -47,6 +50,16 @@ def perturbed_routers(model: nn.Module, *, noise: float, seed: int) -> nn.Module
     return other.eval()
 
 
+def engine_record(
+    engine: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, *, weights: bool = False
+) -> Recording:
+    """Another policy's (the "engine"'s) own record of `ids`, without autograd: its routes, and its combine
+    weights with `weights`. Its replayer stays attached (the recording reads its routers)."""
+    with torch.no_grad(), routereplay.attach(engine).record(weights=weights) as rec:
+        engine(input_ids=ids, attention_mask=mask)
+    return rec
+
+
 def random_routes(batch: int, positions: int, layers: int, top_k: int, experts: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     keys = torch.rand(batch * positions * layers, experts, generator=generator)
@@ -54,12 +67,15 @@ def random_routes(batch: int, positions: int, layers: int, top_k: int, experts: 
 
 
 @contextmanager
-def _experts_capture(model: nn.Module, key_of: Callable[[str], K | None]) -> Iterator[dict[K, list[torch.Tensor]]]:
-    """The expert ids (first 2-D int tensor input) each experts module receives, under `key_of(its path)`.
+def _experts_capture(
+    model: nn.Module, key_of: Callable[[str], K | None], read: Callable[[list[torch.Tensor]], V | None]
+) -> Iterator[dict[K, list[V]]]:
+    """What `read` takes from each experts module's call (its tensor arguments), under `key_of(its path)`.
 
     An experts module is a `*Experts` class, or the `down_embed` table of a product-key block (Doge's
-    experts are embedding rows, looked up by expert id); modules whose key is None are skipped."""
-    seen: dict[K, list[torch.Tensor]] = {}
+    experts are embedding rows, looked up by expert id); modules whose key is None are skipped, and calls
+    where `read` finds nothing."""
+    seen: dict[K, list[V]] = {}
     handles = []
     for name, module in model.named_modules():
         key = key_of(name)
@@ -67,10 +83,9 @@ def _experts_capture(model: nn.Module, key_of: Callable[[str], K | None]) -> Ite
             continue
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, key: K = key) -> None:
-            for value in list(args) + list(kwargs.values()):
-                if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dim() == 2:
-                    seen.setdefault(key, []).append(value.detach().clone())
-                    return
+            found = read([v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)])
+            if found is not None:
+                seen.setdefault(key, []).append(found)
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
@@ -78,48 +93,41 @@ def _experts_capture(model: nn.Module, key_of: Callable[[str], K | None]) -> Ite
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _layer_of(name: str) -> int | None:
+    found = LAYER_PATH.findall(name)
+    return int(found[-1]) if found else None
+
+
+def _ids(values: list[torch.Tensor]) -> torch.Tensor | None:
+    """The expert ids of an experts call: its first 2-D int tensor."""
+    ids = next((v for v in values if not v.is_floating_point() and v.dim() == 2), None)
+    return None if ids is None else ids.detach().clone()
+
+
+def _ids_and_weights(values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(expert ids, gate weights) of an experts call: the ids, then its first float tensor of their shape."""
+    ids = _ids(values)
+    weights = next((v for v in values if ids is not None and v.is_floating_point() and v.shape == ids.shape), None)
+    if ids is None or weights is None:  # shared experts (no routing) take neither
+        return None
+    return ids, weights.detach().clone()
 
 
 def experts_inputs_by_name(model: nn.Module) -> AbstractContextManager[dict[str, list[torch.Tensor]]]:
     """Expert ids each experts module receives, keyed by its path (a layer may hold several experts modules)."""
-    return _experts_capture(model, lambda name: name)
+    return _experts_capture(model, lambda name: name, _ids)
 
 
 def experts_inputs(model: nn.Module) -> AbstractContextManager[dict[int, list[torch.Tensor]]]:
     """Expert ids each experts module receives, keyed by its global layer number."""
-
-    def layer_of(name: str) -> int | None:
-        found = LAYER_PATH.findall(name)
-        return int(found[-1]) if found else None
-
-    return _experts_capture(model, layer_of)
+    return _experts_capture(model, _layer_of, _ids)
 
 
-@contextmanager
-def gate_weights_probe(model: nn.Module) -> Iterator[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
+def gate_weights_probe(model: nn.Module) -> AbstractContextManager[dict[int, list[tuple[torch.Tensor, torch.Tensor]]]]:
     """(expert ids, gate weights) each `*Experts` module receives, by global layer: read from the call's
     arguments (the first 2-D int tensor, then the first float tensor of the same shape), so the truth is
     what the model's experts compute with. Open it inside the replay context: forward pre-hooks run in the
     order they were registered, and the replay's own hooks must have run first."""
-    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    handles = []
-    for name, module in model.named_modules():
-        found = LAYER_PATH.findall(name)
-        if not found or not type(module).__name__.endswith("Experts"):
-            continue
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict, layer: int = int(found[-1])) -> None:
-            values = [v for v in list(args) + list(kwargs.values()) if isinstance(v, torch.Tensor)]
-            ids = next((v for v in values if not v.is_floating_point() and v.dim() == 2), None)
-            weights = next(
-                (v for v in values if ids is not None and v.is_floating_point() and v.shape == ids.shape), None
-            )
-            if ids is not None and weights is not None:  # shared experts (no routing) take neither
-                seen.setdefault(layer, []).append((ids.detach().clone(), weights.detach().clone()))
-
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
+    return _experts_capture(model, _layer_of, _ids_and_weights)

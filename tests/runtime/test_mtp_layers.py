@@ -17,6 +17,7 @@ import torch
 
 from routereplay.errors import UnsupportedRouterError
 from routereplay.runtime import attach
+from routereplay.testing.hf.models import tiny_config
 from tests.runtime.models import tiny_qwen3
 
 transformers = pytest.importorskip("transformers")
@@ -26,26 +27,15 @@ EXPERTS, TOP_K = 8, 2
 
 
 def _deepseek_with_mtp() -> torch.nn.Module:
-    config = transformers.DeepseekV3Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
+    config = tiny_config(  # two MoE decoder layers, one expert group, one MTP layer
+        "deepseek_v3",
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        first_k_dense_replace=0,
         n_routed_experts=EXPERTS,
         num_experts_per_tok=TOP_K,
         n_group=1,
         topk_group=1,
-        first_k_dense_replace=0,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        num_nextn_predict_layers=1,
-        max_position_embeddings=64,
+        num_mtp_layers=1,
     )
     torch.manual_seed(0)
     main = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -75,7 +65,7 @@ def test_mtp_router_routes_live_while_decoder_layer_0_replays() -> None:
     model = _deepseek_with_mtp()
     replayer = attach(model)
     ids_BS = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
-    hidden_BSH = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(2))
+    hidden_BSH = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     decoder_moe, mtp_moe = model.model.layers[0].mlp, model.mtp.layers[0].mtp_block.mlp  # both "layer 0"
     with torch.no_grad():
         natural = decoder_moe(hidden_BSH), mtp_moe(hidden_BSH)

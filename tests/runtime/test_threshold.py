@@ -10,7 +10,7 @@ from torch import nn
 import routereplay
 from routereplay.errors import ConfigError
 from routereplay.testing.hf.models import tiny_model
-from tests.runtime.models import gate_weights_probe, perturbed_routers, tiny_qwen3
+from tests.runtime.models import engine_record, gate_weights_probe, perturbed_routers, tiny_qwen3
 
 
 def router_logits(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[object]]:
@@ -31,10 +31,7 @@ def test_replaced_rows_are_exactly_those_out_of_margin(margin: float, order: str
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    engine_replayer = routereplay.attach(engine)
-    with torch.no_grad(), engine_replayer.record() as rec:
-        engine(input_ids=ids, attention_mask=mask)
-    routes = rec.routes.clone()
+    routes = engine_record(engine, ids, mask).routes.clone()
     routes[1, 4] = -1  # a fallback row: live, never counted as replaced
     replayer = routereplay.attach(trainer)
     logits, handles = router_logits(trainer)
@@ -67,9 +64,7 @@ def test_a_huge_margin_is_plain_replay_bit_for_bit() -> None:
     trainer = tiny_model("mixtral")
     engine = perturbed_routers(trainer, noise=0.5, seed=1)
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
-    engine_replayer = routereplay.attach(engine)
-    with torch.no_grad(), engine_replayer.record() as rec:
-        engine(input_ids=ids)
+    rec = engine_record(engine, ids)
     replayer = routereplay.attach(trainer)
     with torch.no_grad(), replayer.replay(rec.routes):
         plain = trainer(input_ids=ids).logits
@@ -85,9 +80,7 @@ def test_experts_outside_the_live_groups_are_out_of_any_margin() -> None:
     trainer = tiny_model("deepseek_v3")
     engine = perturbed_routers(trainer, noise=0.5, seed=1)
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(0))
-    engine_replayer = routereplay.attach(engine)
-    with torch.no_grad(), engine_replayer.record() as rec:
-        engine(input_ids=ids)
+    rec = engine_record(engine, ids)
     replayer = routereplay.attach(trainer)
     with torch.no_grad(), replayer.replay(rec.routes, threshold=1e9) as used:
         trainer(input_ids=ids)
@@ -121,9 +114,7 @@ def test_rows_a_threshold_gives_back_keep_the_live_weights() -> None:
     trainer = tiny_qwen3()
     engine = perturbed_routers(trainer, noise=0.4, seed=2)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
-    engine_replayer = routereplay.attach(engine)
-    with torch.no_grad(), engine_replayer.record(weights=True) as rec:
-        engine(input_ids=ids)
+    rec = engine_record(engine, ids, weights=True)
     replayer = routereplay.attach(trainer)
     with torch.no_grad(), replayer.replay(rec.routes, weights=rec.weights, threshold=0.0) as used:
         with gate_weights_probe(trainer) as seen:

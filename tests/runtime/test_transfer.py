@@ -32,8 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from routereplay.errors import TokenMismatchError
-from routereplay.runtime import attach
+from routereplay.runtime import Replayer, attach
 from routereplay.runtime.transfer import expected_ids, sync_free_default, to_device
+from routereplay.trace import RouteTrace
 from tests.runtime.models import random_routes, tiny_qwen3
 
 LAYERS, EXPERTS, TOP_K, B, S = 2, 8, 2, 2, 6
@@ -133,6 +134,14 @@ def _batch() -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     return ids_BS, mask_BS, routes_BSLK
 
 
+def _own_traces(model: nn.Module, replayer: Replayer) -> tuple[torch.Tensor, np.ndarray, list[RouteTrace]]:
+    """(input_ids, host mask, the traces of the model's own record of them, with their token ids)."""
+    ids_BS, mask_BS, _ = _batch()
+    with replayer.record() as rec, torch.no_grad():
+        model(input_ids=ids_BS)
+    return ids_BS, mask_BS, rec.traces(torch.from_numpy(mask_BS), input_ids=ids_BS)
+
+
 def _step(model: nn.Module, ids_BS: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -166,27 +175,25 @@ def _contexts(model: nn.Module, ids_BS: torch.Tensor) -> dict[str, Callable[[], 
     }
 
 
+# the contexts the CUDA test runs (the CPU test adds the traces' token check and threshold replay)
+CUDA_CASES = (
+    "record",
+    "set",
+    "set, -1 rows, host mask",
+    "engine",
+    "engine, -1 rows",
+    "set, engine weights",
+    "engine, engine weights, live grad",
+)
+
+
 @contextmanager
 def _counted(counter: SyncCounter) -> Iterator[SyncCounter]:
     with counter:
         yield counter
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "record",
-        "set",
-        "set, -1 rows, host mask",
-        "engine",
-        "engine, -1 rows",
-        "set, traces with token ids",
-        "set, engine weights",
-        "engine, engine weights, live grad",
-        "set, threshold",
-        "engine, threshold",
-    ],
-)
+@pytest.mark.parametrize("case", [*CUDA_CASES, "set, traces with token ids", "set, threshold", "engine, threshold"])
 def test_a_replayed_step_reads_no_device_value(case: str) -> None:
     model = _model()
     ids_BS, _, _ = _batch()
@@ -261,10 +268,7 @@ def test_sync_free_replay_is_bit_identical_to_the_cpu_path(order: str) -> None:
 def test_deferred_token_check_raises_after_the_step() -> None:
     model = _model()
     replayer = attach(model, sync_free=True)
-    ids_BS, mask_BS, _ = _batch()
-    with replayer.record() as rec, torch.no_grad():
-        model(input_ids=ids_BS)
-    traces = rec.traces(torch.from_numpy(mask_BS), input_ids=ids_BS)
+    ids_BS, mask_BS, traces = _own_traces(model, replayer)
     shifted_BS = ids_BS.roll(1, dims=1)
     forwards = []
     with pytest.raises(TokenMismatchError, match="sequence 0: token 0"):
@@ -277,11 +281,7 @@ def test_deferred_token_check_raises_after_the_step() -> None:
 
 def test_expected_ids_place_token_ids_on_attended_positions() -> None:
     model = _model()
-    replayer = attach(model)
-    ids_BS, mask_BS, _ = _batch()
-    with replayer.record() as rec, torch.no_grad():
-        model(input_ids=ids_BS)
-    traces = rec.traces(torch.from_numpy(mask_BS), input_ids=ids_BS)
+    ids_BS, mask_BS, traces = _own_traces(model, attach(model))
     expected_BS = expected_ids(traces, mask_BS.astype(bool))
     assert (expected_BS[mask_BS == 0] == -1).all()
     assert np.array_equal(expected_BS[mask_BS == 1], ids_BS.numpy()[mask_BS == 1])
@@ -296,18 +296,7 @@ def test_to_device_and_the_default() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "case",
-    [
-        "record",
-        "set",
-        "set, -1 rows, host mask",
-        "engine",
-        "engine, -1 rows",
-        "set, engine weights",
-        "engine, engine weights, live grad",
-    ],
-)
+@pytest.mark.parametrize("case", CUDA_CASES)
 def test_a_replayed_cuda_step_never_syncs(case: str) -> None:
     model = _model().cuda()
     ids_BS = _batch()[0].cuda()

@@ -13,7 +13,8 @@ option, side by side in one run:
 Per option: k3 KL and mean |delta log p| against the engine's log-probs over response tokens, routing
 disagreement against the engine's routes (expert sets per (token, layer) row), and the replace rate;
 and the codec's bytes per row with and without weights. The vLLM variant (rollouts from vLLM on CPU,
-its plugin capturing the combine weights) is `bench/colocated_options.py` (`--engine vllm`).
+its plugin capturing the combine weights) is `bench/colocated_options.py` (`--engine vllm`); both variants
+sample with `sampling` and score with `scored`.
 
 Legend: B = sequences, S = positions, L = layers, K = top-k.
 """
@@ -23,13 +24,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from routereplay.bench.config import BenchConfig, require_positive
 from routereplay.bench.environment import collect, measured_on
 from routereplay.errors import ConfigError
+
+if TYPE_CHECKING:
+    from routereplay.engines.hf import Rollout, SamplingParams
+    from routereplay.rl.tasks import AdditionTask
 
 ENGINES = ("hf",)  # the vLLM variant is `bench/colocated_options.py` (`bench replay-options --engine vllm`)
 
@@ -54,36 +59,59 @@ class OptionsBenchConfig(BenchConfig):
 
 
 def run(config: OptionsBenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from routereplay.codec import decode, encode
-    from routereplay.codec.header import WEIGHT_BYTES
-    from routereplay.engines.hf import HFEngine, SamplingParams
-    from routereplay.metrics import logprob_mismatch, routing_agreement
+    from routereplay.engines.hf import HFEngine
     from routereplay.rl.model import load_or_train
-    from routereplay.rl.scoring import batch_of, engine_logprobs, engine_routes, logprobs_of
-    from routereplay.rl.tasks import AdditionTask
-    from routereplay.runtime import attach
 
     report = progress or (lambda _name: None)
     report("loading the demo model")
     model, tokenizer, source = load_or_train("qwen3_moe", steps=config.train_steps, seed=config.seed)
     model = model.float().eval()
-    task = AdditionTask(tokenizer)
-    problems = task.problems(config.prompts, seed=config.seed + 1)
-    params = SamplingParams(
-        max_new_tokens=config.max_new_tokens,
-        seed=config.seed,
-        eos_token_id=task.eos_token_id,
-        pad_token_id=task.pad_token_id,
-    )
+    task, prompt_ids, params = sampling(config, tokenizer)
     report("sampling (engine, routes and weights)")
     engine = HFEngine(model, dtype=getattr(torch, config.engine_dtype), capture_weights=True, policy_version=0)
-    rollouts = engine.generate(task.prompt_ids(problems), params)
+    rollouts = engine.generate(prompt_ids, params)
+    return scored(
+        config, model, rollouts, pad_token_id=task.pad_token_id, source=source, machine=collect(), report=report
+    )
+
+
+def sampling(config: OptionsBenchConfig, tokenizer: Any) -> tuple[AdditionTask, list[list[int]], SamplingParams]:
+    """The addition task, its `config.prompts` prompts and the greedy sampling params, as both variants sample."""
+    from routereplay.rl.tasks import AdditionTask
+
+    task = AdditionTask(tokenizer)
+    problems = task.problems(config.prompts, seed=config.seed + 1)
+    return task, task.prompt_ids(problems), task.sampling(max_new_tokens=config.max_new_tokens, seed=config.seed)
+
+
+def scored(
+    config: OptionsBenchConfig,
+    model: torch.nn.Module,
+    rollouts: list[Rollout],
+    *,
+    pad_token_id: int,
+    source: str,
+    machine: dict[str, Any],
+    report: Callable[[str], None],
+) -> dict[str, Any]:
+    """The suite's record from the engine's rollouts (traces with combine weights), either engine's.
+
+    The traces go through the codec (set mode, float16 weights) as they would over the wire; then the
+    trainer (`model`) scores the same tokens once per option (`off`, `r3_ids`, `r3_ids_weights`,
+    `threshold_<m>` for each of `config.margins`) against the engine's log-probs and routes.
+    """
+    from routereplay.codec import decode, encode
+    from routereplay.codec.header import WEIGHT_BYTES
+    from routereplay.metrics import logprob_mismatch, routing_agreement
+    from routereplay.rl.scoring import batch_of, engine_logprobs, engine_routes, logprobs_of
+    from routereplay.runtime import attach
+
     blobs = [encode(r.trace) for r in rollouts if r.trace is not None]
     ids_only = [encode(r.trace.with_weights(None)) for r in rollouts if r.trace is not None]
     for rollout, blob in zip(rollouts, blobs, strict=True):  # the traces as the trainer receives them
         rollout.trace = decode(blob)
     rows = sum(r.trace.num_tokens * r.trace.num_layers for r in rollouts if r.trace is not None)
-    batch = batch_of(rollouts, task.pad_token_id)
+    batch = batch_of(rollouts, pad_token_id)
     replayer = attach(model)
     infer_BS = engine_logprobs(rollouts, batch.ids_BS.shape)
     engine_BSLK = engine_routes(rollouts, batch.ids_BS.shape, len(replayer.layers), replayer.top_k)
@@ -121,8 +149,8 @@ def run(config: OptionsBenchConfig, progress: Callable[[str], None] | None = Non
     return {
         "suite": "replay-options",
         "targets": {},  # mismatch measures, not speed targets
-        "machine": collect(),
-        "config": {k: getattr(config, k) for k in OptionsBenchConfig.__dataclass_fields__},
+        "machine": machine,
+        "config": {k: getattr(config, k) for k in type(config).__dataclass_fields__},
         "model": {"source": source, "layers": list(replayer.layers), "top_k": top_k, "experts": replayer.num_experts},
         "rollouts": {"sequences": len(rollouts), "response_tokens": int(batch.response_BS.sum()), "rows": rows},
         "options": options,
@@ -162,4 +190,4 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["OptionsBenchConfig", "markdown", "run"]
+__all__ = ["OptionsBenchConfig", "markdown", "run", "sampling", "scored"]

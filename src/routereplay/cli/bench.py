@@ -193,13 +193,9 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
         from routereplay.bench import fully_async
 
         if args.engine == "vllm":
-            import os
+            from routereplay.cli.train import vllm_logs_to_stderr
 
-            from routereplay.cli.train import VLLM_CLI_LOGGING
-
-            for variable, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table
-                os.environ.setdefault(variable, value)
-
+            vllm_logs_to_stderr()
         return fully_async, fully_async.AsyncBenchConfig(
             engine=args.engine,
             steps=2 if quick else args.rl_steps,
@@ -210,13 +206,10 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
         )
     if name == "replay-options":
         if args.engine == "vllm":
-            import os
-
             from routereplay.bench import colocated_options
-            from routereplay.cli.train import VLLM_CLI_LOGGING
+            from routereplay.cli.train import vllm_logs_to_stderr
 
-            for variable, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table
-                os.environ.setdefault(variable, value)
+            vllm_logs_to_stderr()
             return colocated_options, colocated_options.VLLMOptionsBenchConfig(
                 prompts=16 if quick else 1024, max_new_tokens=3 if quick else 5, seed=args.seed
             )
@@ -244,13 +237,10 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
             seed=args.seed,
         )
     if name == "vllm":
-        import os
-
         from routereplay.bench import vllm
-        from routereplay.cli.train import VLLM_CLI_LOGGING
+        from routereplay.cli.train import vllm_logs_to_stderr
 
-        for variable, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table / --json
-            os.environ.setdefault(variable, value)
+        vllm_logs_to_stderr()
 
         return vllm, vllm.VLLMBenchConfig(
             prompts=4 if quick else 64,

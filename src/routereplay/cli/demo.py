@@ -175,13 +175,10 @@ def _check_report_flags(args: argparse.Namespace) -> None:
 
 def _check_vllm(args: argparse.Namespace) -> None:
     """`--engine vllm`: vLLM importable and the demo model servable, before any training."""
-    import os
-
-    from routereplay.cli.train import VLLM_CLI_LOGGING
+    from routereplay.cli.train import vllm_logs_to_stderr
     from routereplay.engines.vllm.colocated import import_vllm
 
-    for name, value in VLLM_CLI_LOGGING.items():  # vLLM's log to stderr: stdout carries the table / --json
-        os.environ.setdefault(name, value)
+    vllm_logs_to_stderr()
     import_vllm()  # MissingDependencyError naming the extra
     if args.model is None:
         from routereplay.rl.model import vllm_overrides

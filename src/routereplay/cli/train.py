@@ -49,6 +49,15 @@ from routereplay.cli.threads import add_threads_argument
 VLLM_CLI_LOGGING = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 
 
+def vllm_logs_to_stderr() -> None:
+    """vLLM's own log to stderr (`VLLM_CLI_LOGGING`, unless the user set it): stdout carries the table / --json.
+
+    Called before vLLM is imported (it configures its logging on import) by every command that runs vLLM.
+    """
+    for variable, value in VLLM_CLI_LOGGING.items():
+        os.environ.setdefault(variable, value)
+
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "train",
@@ -347,8 +356,7 @@ def _check_colocated(args: argparse.Namespace) -> None:
     """Refuse `--engine vllm` without `--url` early: vLLM missing, or a demo arch without a servable variant."""
     from routereplay.engines.vllm.colocated import import_vllm
 
-    for name, value in VLLM_CLI_LOGGING.items():  # before vLLM configures its logging on import
-        os.environ.setdefault(name, value)
+    vllm_logs_to_stderr()
     import_vllm()  # MissingDependencyError naming the extra
     if args.model:
         return  # checked when the engine starts (VLLMEngine), after loading

@@ -179,12 +179,10 @@ class AsyncGRPOTrainer:
             self._admitted += 1
 
     def _params(self, call: CallInputs) -> SamplingParams:
-        return SamplingParams(
+        return self.task.sampling(
             max_new_tokens=call.max_new_tokens,
-            temperature=self.config.temperature,
             seed=self.config.seed * 104729 + self.calls,
-            eos_token_id=self.task.eos_token_id,
-            pad_token_id=self.task.pad_token_id,
+            temperature=self.config.temperature,
         )
 
     def _run_call(self, call: CallInputs, stop: Callable[[int], bool] | None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from routereplay.engines.hf import HFEngine, SamplingParams
+from routereplay.engines.hf import HFEngine
 from routereplay.errors import ConfigError
 from routereplay.metrics import logprob_mismatch, routing_agreement
 from routereplay.rl.model import Arch, load_checkpoint, load_or_train
@@ -111,13 +111,8 @@ def _compare(
 ) -> dict[str, Any]:
     task = AdditionTask(tokenizer)
     problems = task.problems(config.prompts, seed=config.seed + 1)
-    params = SamplingParams(
-        max_new_tokens=config.max_new_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        seed=config.seed,
-        eos_token_id=task.eos_token_id,
-        pad_token_id=task.pad_token_id,
+    params = task.sampling(
+        max_new_tokens=config.max_new_tokens, seed=config.seed, temperature=config.temperature, top_p=config.top_p
     )
     # one unit per phase, the engine's own: the built-in engine counts sampled tokens, vLLM finished prompts
     report("sampling (engine)", 0, config.prompts if config.engine == "vllm" else config.max_new_tokens)

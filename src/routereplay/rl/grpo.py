@@ -161,12 +161,8 @@ class GRPOTrainer:
             sync(self.model, policy_version=step)
         problems = task.problems(config.prompts_per_step, seed=config.seed * 7919 + step)
         prompts = [ids for ids in task.prompt_ids(problems) for _ in range(config.group_size)]
-        params = SamplingParams(
-            max_new_tokens=config.max_new_tokens,
-            temperature=config.temperature,
-            seed=config.seed * 104729 + step,
-            eos_token_id=task.eos_token_id,
-            pad_token_id=task.pad_token_id,
+        params = task.sampling(
+            max_new_tokens=config.max_new_tokens, seed=config.seed * 104729 + step, temperature=config.temperature
         )
         rollouts = self.engine.generate(prompts, params)
         rewards = [task.reward(problems[i // config.group_size], r.response_ids) for i, r in enumerate(rollouts)]

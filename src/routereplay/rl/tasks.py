@@ -9,9 +9,12 @@ checkpoint. The reward is 1.0 for an exactly correct answer and 0.0 otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from routereplay.engines.hf import SamplingParams
 
 PAD, EOS = "<pad>", "<eos>"
 CHARACTERS = "0123456789+="
@@ -55,6 +58,21 @@ class AdditionTask:
 
     def target_ids(self, problem: Problem) -> list[int]:
         return [*self.encode(problem.prompt + problem.answer), self.eos_token_id]
+
+    def sampling(
+        self, *, max_new_tokens: int, seed: int, temperature: float = 1.0, top_p: float = 1.0
+    ) -> SamplingParams:
+        """How an engine samples answers to this task's prompts: stopping at its EOS, padding with its pad id."""
+        from routereplay.engines.hf import SamplingParams
+
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
 
     def reward(self, problem: Problem, response_ids: list[int]) -> float:
         if not response_ids or response_ids[-1] != self.eos_token_id:

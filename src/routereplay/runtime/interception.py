@@ -92,6 +92,26 @@ class RouterSlot:
 ForcedLookup = Callable[[RouterSite, RouterSlot, int], "tuple[torch.Tensor, bool] | None"]
 
 
+@dataclass(frozen=True, slots=True)
+class TopKCall:
+    """A selection top-k call the interceptor took: the function, its arguments, and its input, k and dimension."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    scores: torch.Tensor
+    k: int
+    dim: int
+
+    def live(self) -> Any:
+        """The call as the router made it: the live top-k's (values, positions)."""
+        return self.func(*self.args, **self.kwargs)
+
+    def rows_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A top-k output (values or positions) of this call as (T, K)."""
+        return _rows_last(tensor, self.dim, self.k)
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass (where checkpoint recomputes happen).
 
@@ -159,14 +179,15 @@ class TopKInterceptor(TorchFunctionMode):
             self.hits += 1
             self.last = self.ids_of(_rows_last(result[1], dim, k))
             return result
+        call = TopKCall(func, args, kwargs, scores, k, dim)
         if forced is None:  # record: the live choice
             with torch.no_grad():
-                chosen_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
+                chosen_TK = self.live_ids(call)
         else:
             forced_TK, fallback = forced
             if forced_TK.device != scores.device:  # routes placed on another device than the scores: no wait
                 forced_TK = forced_TK.to(scores.device, non_blocking=True)
-            chosen_TK = self.forced_choice(func, args, kwargs, scores, k, dim, forced_TK, fallback)
+            chosen_TK = self.forced_choice(call, forced_TK, fallback)
         # one code path for every mode: selection without autograd, values by gather. A checkpoint
         # recompute (which replays) then saves exactly the tensors its forward (maybe a record) saved.
         lead = scores.shape[:dim] + scores.shape[dim + 1 :]
@@ -178,63 +199,47 @@ class TopKInterceptor(TorchFunctionMode):
         self.last = chosen_TK  # when several calls match (a one-group group score), the last selects
         return torch.return_types.topk((values, indices))
 
-    def forced_choice(
-        self,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        scores: torch.Tensor,
-        k: int,
-        dim: int,
-        forced_TK: torch.Tensor,
-        fallback: bool,
-    ) -> torch.Tensor:
+    def live_ids(self, call: TopKCall) -> torch.Tensor:
+        """The expert ids (T, K) the live top-k chooses (the call run as the router made it)."""
+        return self.ids_of(call.rows_last(call.live()[1]))
+
+    def forced_choice(self, call: TopKCall, forced_TK: torch.Tensor, fallback: bool) -> torch.Tensor:
         """The ids (T, K) a replayed call forces, in the order it forces them (see "Top-k order")."""
         if self.slot.threshold is not None and self.slot.forced_TK is not None:
-            forced_TK = self.thresholded(func, args, kwargs, scores, k, dim, forced_TK, self.slot.threshold)
+            forced_TK = self.thresholded(call, forced_TK, self.slot.threshold)
         keep_order = self.keeps_order()
         if keep_order and not fallback:
             return forced_TK
         with torch.no_grad():
             values_TK: torch.Tensor | None = None
-            if not fallback and self.slot.host_reads and untied_order_applies(scores, args, kwargs):
-                values_TK = self.values_at(scores, dim, forced_TK)
+            if not fallback and self.slot.host_reads and untied_order_applies(call.scores, call.args, call.kwargs):
+                values_TK = self.values_at(call, forced_TK)
                 ordered_TK = untied_live_order(forced_TK, values_TK)
                 if ordered_TK is not None:
                     return ordered_TK
-            live_TK = self.ids_of(_rows_last(func(*args, **kwargs)[1], dim, k))
+            live_TK = self.live_ids(call)
             if fallback:  # -1 rows (known on the host): the live router decides for those tokens only
                 forced_TK = torch.where(forced_TK[:, :1] < 0, live_TK, forced_TK)
             if keep_order:
                 return forced_TK
             if values_TK is None:
-                values_TK = self.values_at(scores, dim, forced_TK)
+                values_TK = self.values_at(call, forced_TK)
             return in_live_order(forced_TK, live_TK, values_TK)
 
-    def thresholded(
-        self,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        scores: torch.Tensor,
-        k: int,
-        dim: int,
-        forced_TK: torch.Tensor,
-        margin: float,
-    ) -> torch.Tensor:
+    def thresholded(self, call: TopKCall, forced_TK: torch.Tensor, margin: float) -> torch.Tensor:
         """Forced rows outside `margin` of the live top-k's K-th score take the live choice (`runtime/threshold.py`)."""
         with torch.no_grad():
-            values, positions = func(*args, **kwargs)
-            live_TK = self.ids_of(_rows_last(positions, dim, k))
-            forced_values_TK = self.values_at(scores, dim, forced_TK.clamp(min=0))
-            ids_TK, replaced_T = thresholded(forced_TK, live_TK, _rows_last(values, dim, k), forced_values_TK, margin)
+            values, positions = call.live()
+            live_TK = self.ids_of(call.rows_last(positions))
+            forced_values_TK = self.values_at(call, forced_TK.clamp(min=0))
+            ids_TK, replaced_T = thresholded(forced_TK, live_TK, call.rows_last(values), forced_values_TK, margin)
         if not in_backward():
             self.slot.replaced_T = replaced_T
         return ids_TK
 
-    def values_at(self, scores: torch.Tensor, dim: int, ids_TK: torch.Tensor) -> torch.Tensor:
-        """The selection input's scores (T, K) at expert ids `ids_TK`, rows last."""
-        return _rows_last(scores, dim, scores.shape[dim]).gather(-1, self.positions_of(ids_TK))
+    def values_at(self, call: TopKCall, ids_TK: torch.Tensor) -> torch.Tensor:
+        """The call's input scores (T, K) at expert ids `ids_TK`, rows last."""
+        return _rows_last(call.scores, call.dim, call.scores.shape[call.dim]).gather(-1, self.positions_of(ids_TK))
 
 
 def topk_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, Any, int]:
@@ -255,6 +260,7 @@ def _rows_last(indices: torch.Tensor, dim: int, k: int) -> torch.Tensor:
 __all__ = [
     "TOPK_FUNCTIONS",
     "RouterSlot",
+    "TopKCall",
     "TopKInterceptor",
     "in_backward",
     "in_live_order",

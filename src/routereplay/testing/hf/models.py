@@ -162,11 +162,13 @@ EXCLUDED: dict[str, str] = {
 _LAYER_LIST_NAMES = ("layers", "blocks", "h")
 
 
-def tiny_config(model_type: str, *, seed: int = 0) -> PretrainedConfig:
+def tiny_config(model_type: str, *, seed: int = 0, **fields: Any) -> PretrainedConfig:
     """The config class of `model_type` with its defaults, shrunk (see `routereplay.testing.hf.surgery`).
 
     `seed` goes into configs that carry their own seed (qwen4_exp n-gram hashing), so one integer
-    fixes the whole fixture. Raises `ValueError` for a type transformers does not know.
+    fixes the whole fixture. `fields` replace top-level config fields after shrinking, before the config
+    is built (so that fields derived from them follow), e.g. `num_hidden_layers=2`. Raises `ValueError`
+    for a type transformers does not know.
     """
     from transformers import AutoConfig
 
@@ -192,7 +194,7 @@ def tiny_config(model_type: str, *, seed: int = 0) -> PretrainedConfig:
         for p in parents:
             node = node[p]
         node[leaf] = value
-    cfg = type(base)(**d)
+    cfg = type(base)(**{**d, **fields})
     cfg._attn_implementation = "eager"
     return cfg
 

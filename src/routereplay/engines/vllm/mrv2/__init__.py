@@ -23,6 +23,7 @@ from routereplay.engines.vllm.mrv2.refusals import (
 )
 from routereplay.engines.vllm.mrv2.row_map import ForcedStep, RowMap
 from routereplay.engines.vllm.mrv2.runner import (
+    PATCHED_MARK,
     RUNNER_ATTR,
     SERVED_VERSIONS,
     ForcingPath,
@@ -31,11 +32,13 @@ from routereplay.engines.vllm.mrv2.runner import (
     install,
     is_installed,
     runner_counters,
+    wrap_once,
 )
 
 __all__ = [
     "FORCING_ENV",
     "MODULAR_BACKENDS",
+    "PATCHED_MARK",
     "RUNNER_ATTR",
     "SERVED_VERSIONS",
     "ForcedStep",
@@ -52,4 +55,5 @@ __all__ = [
     "kernel_problems",
     "refuse",
     "runner_counters",
+    "wrap_once",
 ]

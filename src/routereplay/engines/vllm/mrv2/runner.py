@@ -134,9 +134,9 @@ def install() -> None:
         return
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    _wrap(GPUModelRunner, "load_model", _forcing_load_model)
-    _wrap(GPUModelRunner, "execute_model", _forcing_execute_model)
-    _wrap(GPUModelRunner, "prepare_inputs", _forcing_prepare_inputs)
+    wrap_once(GPUModelRunner, "load_model", _forcing_load_model)
+    wrap_once(GPUModelRunner, "execute_model", _forcing_execute_model)
+    wrap_once(GPUModelRunner, "prepare_inputs", _forcing_prepare_inputs)
 
 
 def is_installed() -> bool:
@@ -145,7 +145,11 @@ def is_installed() -> bool:
     return getattr(GPUModelRunner.prepare_inputs, PATCHED_MARK, False) is True
 
 
-def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+def wrap_once(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """`owner.name` replaced by `make(owner.name)`, marked `PATCHED_MARK`; nothing where it already is.
+
+    The plugin's wrappers (front end, vLLM 0.30's runner) are put in place the same way.
+    """
     original = getattr(owner, name)
     if getattr(original, PATCHED_MARK, False):
         return
@@ -197,6 +201,7 @@ def runner_counters(runner: Any) -> dict[str, int]:
 
 
 __all__ = [
+    "PATCHED_MARK",
     "RUNNER_ATTR",
     "SERVED_VERSIONS",
     "ForcingPath",
@@ -205,4 +210,5 @@ __all__ = [
     "install",
     "is_installed",
     "runner_counters",
+    "wrap_once",
 ]
