@@ -133,7 +133,7 @@ examples: $(DEMO_STAMP)
 test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(KERNEL_STAMP)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 		$(MAKE) --no-print-directory -j 2 --output-sync=target test-megatron016 test-vllm032 test-verl test-skyrl
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # the Megatron adapter's tests on megatron-core 0.16 too: that release (17 MB) overlays the venv's 0.19
 test-megatron016: $(STAMP)
