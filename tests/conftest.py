@@ -22,6 +22,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # = routereplay.threads.THREAD_ENVIRONMENT_VARIABLES
 
@@ -124,3 +125,37 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+class SharedModels:
+    """Small demo siblings trained once per test run and shared by every xdist worker (a file lock each).
+
+    Several test modules train the same small model in a module fixture; under xdist each worker that runs
+    one of their tests trained it again (155 s and 132 s of setup for one model in one run). The first
+    worker trains and saves it under the run's own folder (`testrun_uid`: never reused by a later run,
+    whose code may differ); the others load that checkpoint, equal to the trained weights bit for bit."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def trained(self, arch: str = "qwen3_moe", **settings: Any) -> tuple[Any, Any]:
+        """`train_demo_model(arch, **settings)`, trained by the first worker to ask and loaded by the rest."""
+        from filelock import FileLock
+
+        from routereplay.rl.model import load_checkpoint, train_demo_model
+
+        key = arch + "".join(f"-{name}{value}" for name, value in sorted(settings.items()))
+        target = self.folder / key
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if not (target / "config.json").exists():
+                model, tokenizer = train_demo_model(arch, **settings)
+                model.save_pretrained(target)
+                tokenizer.save_pretrained(target)
+        return load_checkpoint(target)
+
+
+@pytest.fixture(scope="session")
+def shared_models(tmp_path_factory: pytest.TempPathFactory, testrun_uid: str) -> SharedModels:
+    """The run's `SharedModels` (in the folder every worker of this run shares)."""
+    return SharedModels(tmp_path_factory.getbasetemp().parent / f"shared-models-{testrun_uid}")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from routereplay.errors import ConfigError, MissingDependencyError, TokenMismatchError, UnsupportedByEngineError
+from tests.conftest import SharedModels
 from tests.integrations.trl_run import grpo_config, logged, old_passes, run, updates
 
 pytestmark = [pytest.mark.trl, pytest.mark.hf]
@@ -27,10 +28,8 @@ TRAIN_STEPS = 150  # the demo sibling earns some reward after this (advantages a
 
 
 @pytest.fixture(scope="module")
-def demo() -> tuple[torch.nn.Module, Any]:
-    from routereplay.rl.model import train_demo_model
-
-    model, tokenizer = train_demo_model("qwen3_moe", steps=TRAIN_STEPS, num_experts=16, num_hidden_layers=3)
+def demo(shared_models: SharedModels) -> tuple[torch.nn.Module, Any]:
+    model, tokenizer = shared_models.trained("qwen3_moe", steps=TRAIN_STEPS, num_experts=16, num_hidden_layers=3)
     tokenizer.padding_side = "left"  # TRL pads prompts on the left
     return model, tokenizer
 

@@ -20,6 +20,7 @@ from routereplay.rl.async_grpo import AsyncConfig, AsyncGRPOTrainer, RolloutWork
 from routereplay.rl.grpo import GRPOConfig
 from routereplay.rl.tasks import AdditionTask
 from routereplay.trace.route_trace import RouteTrace
+from tests.conftest import SharedModels
 from tests.rl.train_command import short_train
 
 pytestmark = pytest.mark.hf
@@ -28,10 +29,8 @@ TIMINGS = ("seconds", "samples_per_second", "elapsed")
 
 
 @pytest.fixture(scope="module")
-def trained() -> tuple[torch.nn.Module, Any]:
-    from routereplay.rl.model import train_demo_model
-
-    return train_demo_model("qwen3_moe", steps=120, num_experts=16, num_hidden_layers=3)
+def trained(shared_models: SharedModels) -> tuple[torch.nn.Module, Any]:
+    return shared_models.trained("qwen3_moe", steps=120, num_experts=16, num_hidden_layers=3)
 
 
 def _trainer(

@@ -13,17 +13,16 @@ from routereplay.cli.main import EXIT_OK, main
 from routereplay.engines.hf import HFEngine
 from routereplay.errors import ConfigError
 from routereplay.rl.grpo import GRPOConfig, GRPOTrainer
+from tests.conftest import SharedModels
 from tests.rl.train_command import short_train
 
 pytestmark = pytest.mark.hf
 
 
 @pytest.fixture(scope="module")
-def trained() -> tuple[torch.nn.Module, object]:
-    from routereplay.rl.model import train_demo_model
-
+def trained(shared_models: SharedModels) -> tuple[torch.nn.Module, object]:
     # a smaller sibling of the demo model, trained enough to earn rewards (advantages must not all be 0)
-    return train_demo_model("qwen3_moe", steps=300, num_experts=16, num_hidden_layers=3)
+    return shared_models.trained("qwen3_moe", steps=300, num_experts=16, num_hidden_layers=3)
 
 
 def _run(trained: tuple[torch.nn.Module, object], mode: str, **overrides: object) -> list[dict]:
