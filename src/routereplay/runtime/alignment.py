@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from routereplay.errors import ConfigError, PaddingMismatchError, TokenMismatchError
+from routereplay.runtime.tensor_forms import refuse_unreadable
 from routereplay.trace.route_trace import RouteTrace
 
 SHIFT_MIN_KNOWN = 2  # a one-position shift is named only when at least this many known ids confirm it
@@ -36,12 +37,9 @@ FIX_PADDING = (
 
 
 def refuse_meta(value: torch.Tensor | np.ndarray | None, name: str) -> None:
-    """A tensor on the `meta` device has no values: refuse it before anything reads it."""
-    if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        raise ConfigError(
-            f"{name} is on the 'meta' device (shape {tuple(value.shape)}), which holds no values; replay needs real "
-            f"ids: materialise it first ({name}.to('cpu') after loading real data, or build it on a real device)"
-        )
+    """A tensor with no plain values to read (the `meta` device, sparse, nested, quantized): refuse it before
+    anything reads it (`runtime/tensor_forms.py`)."""
+    refuse_unreadable(value, name)
 
 
 def check_padding(routes_BSLK: np.ndarray, mask_BS: np.ndarray) -> None:
@@ -99,10 +97,16 @@ def check_coverage(trace: RouteTrace, sequence: int, tokens: int) -> None:
 def check_tokens(traces: Sequence[RouteTrace], mask_BS: np.ndarray, input_ids: torch.Tensor) -> int:
     """Refuse a batch whose ids differ from the traces' `token_ids`; return how many sequences were checked."""
     refuse_meta(input_ids, "input_ids")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.is_floating_point()
+        or input_ids.is_complex()
+        or input_ids.dtype == torch.bool
+    ):
         raise ConfigError(
             f"input_ids must be a (B, S) integer tensor, got {type(input_ids).__name__} "
-            f"{tuple(getattr(input_ids, 'shape', ()))}"
+            f"{getattr(input_ids, 'dtype', '')} {tuple(getattr(input_ids, 'shape', ()))}"
         )
     if tuple(input_ids.shape) != tuple(mask_BS.shape):
         raise TokenMismatchError(

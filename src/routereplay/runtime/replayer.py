@@ -107,7 +107,14 @@ class Replayer:
                 f"aux_loss_routing={aux_loss_routing!r}: only 'natural' is supported - HF computes the load-balancing "
                 "loss from router logits outside the router, with its own top-k, so it always sees natural routing"
             ) from None
-        self.jitter = JitterPolicy(jitter)
+        try:
+            self.jitter = JitterPolicy(jitter)
+        except ValueError:
+            raise ConfigError(f"jitter={jitter!r}: use 'model' (the model's own jitter) or 'off'") from None
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict={strict!r}: pass True (refuse unreplayable routers) or False")
+        if sync_free is not None and not isinstance(sync_free, bool):
+            raise ConfigError(f"sync_free={sync_free!r}: pass None (decided by the routers' device), True or False")
         self.sync_free = sync_free  # None: sync-free when the routers are off the CPU (`runtime/transfer.py`)
         refuse_kernels(model)
         sites, refused = discover(model)
@@ -239,6 +246,8 @@ class Replayer:
         K-th score, else the live choice; counted in `stats.replaced_rows` / `stats.replace_rate`.
         """
         order = replay_order(order)
+        if not isinstance(check_alignment, bool):
+            raise ConfigError(f"check_alignment={check_alignment!r}: pass True (the default) or False")
         refuse_meta(attention_mask, "attention_mask")
         refuse_meta(input_ids, "input_ids")
         mask_BS = None if attention_mask is None else mask_array(attention_mask)  # on a device: one copy to host

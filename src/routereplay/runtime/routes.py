@@ -29,9 +29,16 @@ from routereplay.errors import (
     TopKMismatchError,
 )
 from routereplay.runtime.alignment import check_coverage, refuse_meta
+from routereplay.runtime.tensor_forms import native_array, refuse_unreadable
 from routereplay.trace.provenance import Segment
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.trace.validation import canonical_dtype
+
+INT64_MAX = np.iinfo(np.int64).max
+MASK_VALUES = (
+    "the attention mask is the (B, S) padding mask: 0 = padding, a non-negative integer (1, or a packed row's "
+    "segment id) = attended, as bool, int or float"
+)
 
 
 def traces_to_routes(
@@ -97,7 +104,16 @@ def routes_to_traces(
     ids_BS = None
     if input_ids is not None:
         refuse_meta(input_ids, "input_ids")
-        ids_BS = np.asarray(input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids)
+        if isinstance(input_ids, torch.Tensor) and (
+            input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool
+        ):
+            raise ConfigError(f"input_ids has dtype {input_ids.dtype}; token ids are integers (pass the batch's ids)")
+        try:
+            ids_BS = np.asarray(input_ids.detach().cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids)
+        except (ValueError, TypeError) as error:  # ragged nested lists
+            raise ConfigError(f"input_ids is not a (B, S) integer array ({error})") from None
+        if ids_BS.dtype.kind not in "iu":
+            raise ConfigError(f"input_ids has dtype {ids_BS.dtype}; token ids are integers (pass the batch's ids)")
         if ids_BS.ndim != 2 or ids_BS.shape[0] != routes.shape[0] or ids_BS.shape[1] < routes.shape[1]:
             raise BatchShapeError(
                 f"input_ids has shape {ids_BS.shape} but the routes cover (B, S) = {tuple(routes.shape[:2])}"
@@ -151,19 +167,10 @@ def replay_routes(routes: object) -> torch.Tensor | list[RouteTrace]:
     torch can share it), RouteTraces (a list, tuple or any iterable of them) as a list; anything else is a
     `ConfigError` naming the accepted forms."""
     if isinstance(routes, torch.Tensor):
+        refuse_unreadable(routes, "routes")
         return routes
     if isinstance(routes, np.ndarray):
-        if routes.dtype.kind not in "iu":
-            raise DtypeError(f"routes array has dtype {routes.dtype}; expert ids are integers (-1 = no route)")
-        if routes.dtype == np.uint64 and routes.size and int(routes.max()) > np.iinfo(np.int64).max:
-            raise ExpertIdRangeError(  # astype(int64) would wrap 2**64-1 to -1, a silent "no route"
-                f"routes array holds uint64 id {int(routes.max())}, beyond any expert; pass ids in [0, E) (-1 = none)"
-            )
-        if routes.dtype.kind == "u" and routes.dtype != np.uint8:  # torch has few ops on uint16/32/64
-            routes = routes.astype(np.int64)
-        if not (routes.flags.c_contiguous and routes.flags.writeable):  # torch.from_numpy refuses or warns
-            routes = np.array(routes, order="C")
-        return torch.from_numpy(routes)
+        return routes_tensor(routes, "routes array")
     forms = "a (B, S, L, K) int tensor or numpy array aligned with the input, or a list of RouteTrace (one per row)"
     if isinstance(routes, (str, bytes, bytearray, Mapping)) or not isinstance(routes, Iterable):
         raise ConfigError(
@@ -178,6 +185,21 @@ def replay_routes(routes: object) -> torch.Tensor | list[RouteTrace]:
                 "routereplay.decode_vllm / decode_sglang, or pass np.asarray(routes) for a (B, S, L, K) nested list"
             )
     return traces
+
+
+def routes_tensor(routes: np.ndarray, name: str) -> torch.Tensor:
+    """An int numpy array of routes as a tensor: any byte order, strides or integer width (uint16..uint64 as
+    int64, which torch serves); a non-integer dtype is a `DtypeError`, a uint64 id beyond int64 (which a cast
+    would wrap to -1, a silent "no route") an `ExpertIdRangeError`."""
+    if routes.dtype.kind not in "iu":
+        raise DtypeError(f"{name} has dtype {routes.dtype}; expert ids are integers (-1 = no route)")
+    if routes.dtype.kind == "u" and routes.dtype.itemsize == 8 and routes.size and int(routes.max()) > INT64_MAX:
+        raise ExpertIdRangeError(
+            f"{name} holds uint64 id {int(routes.max())}, beyond any expert; pass ids in [0, E) (-1 = none)"
+        )
+    if routes.dtype.kind == "u" and routes.dtype.itemsize > 1:  # torch has few ops on uint16/32/64
+        routes = routes.astype(np.int64)
+    return torch.from_numpy(native_array(routes))
 
 
 def replay_order(order: ReplayOrder | str) -> ReplayOrder:
@@ -214,14 +236,34 @@ def _on_columns(trace: RouteTrace, layers: Sequence[int], slots: Sequence[str] |
 
 
 def _mask(attention_mask: torch.Tensor | np.ndarray) -> np.ndarray:
-    refuse_meta(attention_mask, "attention_mask")
-    mask = (
-        attention_mask.detach().cpu().numpy()
-        if isinstance(attention_mask, torch.Tensor)
-        else np.asarray(attention_mask)
-    )
+    refuse_unreadable(attention_mask, "attention_mask")
+    if isinstance(attention_mask, torch.Tensor):
+        if attention_mask.is_complex():
+            raise ConfigError(f"attention_mask has dtype {attention_mask.dtype}; {MASK_VALUES}")
+        host = attention_mask.detach().cpu()
+        if host.is_floating_point() and host.dtype not in (torch.float16, torch.float32, torch.float64):
+            host = host.float()  # bfloat16, float8: no numpy dtype
+        mask = host.numpy()
+    else:
+        try:
+            mask = np.asarray(attention_mask)
+        except (ValueError, TypeError) as error:  # ragged nested lists
+            raise ConfigError(f"attention_mask is not a (B, S) array ({error}); {MASK_VALUES}") from None
     if mask.ndim != 2:
         raise BatchShapeError(f"attention_mask must be (B, S), got shape {mask.shape}")
+    if mask.dtype.kind not in "biuf":
+        raise ConfigError(f"attention_mask has dtype {mask.dtype}; {MASK_VALUES}")
+    if mask.dtype.kind in "if":  # negative (additive masks: 0 / -inf), fractional, NaN or inf entries
+        with np.errstate(invalid="ignore"):
+            bad_BS = ~(mask >= 0)
+            if mask.dtype.kind == "f":
+                bad_BS |= ~np.isfinite(mask) | (mask != np.floor(mask))
+        if bad_BS.any():
+            b, s = (int(i) for i in np.argwhere(bad_BS)[0])
+            raise ConfigError(
+                f"attention_mask[{b}, {s}] = {mask[b, s].item()!r} ({int(bad_BS.sum())} such entries); {MASK_VALUES} "
+                "(an additive mask of 0 / -inf, or a 4-D mask, is not the batch's padding mask)"
+            )
     return mask.astype(bool)
 
 
@@ -236,6 +278,7 @@ __all__ = [
     "refuse_unordered",
     "replay_order",
     "replay_routes",
+    "routes_tensor",
     "routes_to_traces",
     "traces_to_routes",
 ]

@@ -21,7 +21,6 @@ Legend: T = tokens in one router call, K = top-k.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,18 +28,21 @@ import torch
 
 from routereplay.errors import ConfigError
 from routereplay.runtime.discovery import RouterSite, Selection
+from routereplay.runtime.tensor_forms import finite_number
 
 
-def check_margin(margin: float | None) -> float | None:
-    """`margin` as a float, or `ConfigError` when it is not a finite number >= 0 (None: threshold off)."""
+def check_margin(margin: object) -> float | None:
+    """`margin` as a float (None: threshold off), or `ConfigError` when it is not a real number whose value is a
+    finite float >= 0 (Python or numpy scalars; bools, strings, tensors, NaN, inf, ints beyond float refused)."""
     if margin is None:
         return None
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
-        raise ConfigError(
-            f"threshold={margin!r}: give a finite margin >= 0 on the router's selection score (what its "
-            "torch.topk sees), or None to force every row"
-        )
-    return float(margin)
+    wanted = (
+        "a finite margin >= 0 on the router's selection score (what its torch.topk sees), or None to force every row"
+    )
+    value = finite_number(margin, "threshold", wanted)
+    if value < 0:
+        raise ConfigError(f"threshold={margin!r}: give {wanted}")
+    return abs(value)  # -0.0 is 0
 
 
 def refuse_threshold(sites: Sequence[RouterSite]) -> None:

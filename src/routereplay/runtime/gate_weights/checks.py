@@ -4,8 +4,11 @@ Weights are a float (B, S, L, K) tensor (or numpy array) aligned like the routes
 is the weight the engine gave expert `routes[b, s, l, k]`, so they follow the routes' own order (the
 engine's); replay maps each one to its expert id, so set order and engine order both work. A row whose
 route is -1 keeps the live weights and must hold zeros there. Refused, by name, before the context opens:
-- a shape other than the routes' or a non-float dtype (`WeightsShapeError`);
-- NaN, infinite or negative weights, or non-zero weights on a -1 route row (`WeightsValueError`);
+- a shape other than the routes' or a non-float dtype (`WeightsShapeError`); a numpy array of any float width
+  (float16 .. longdouble), byte order or strides is read as float32, and a tensor with no plain values
+  (meta, sparse, nested, quantized) is a `ConfigError` (`runtime/tensor_forms.py`);
+- NaN, infinite or negative weights, weights beyond float32's range, or non-zero weights on a -1 route row
+  (`WeightsValueError`);
 - for a router that says it normalises its top-k (`norm_topk_prob=True` on the router, its block or
   their config), rows of one layer that do not all sum to one value within `SUM_RTOL`
   (`WeightsSumError`). The value itself (1, or a scaling factor applied before the experts, as
@@ -27,6 +30,7 @@ from routereplay.errors import ConfigError, WeightsShapeError, WeightsSumError, 
 from routereplay.runtime.discovery import RouterSite
 from routereplay.runtime.gate_weights.experts import ExpertsSite, experts_sites
 from routereplay.runtime.routes import mask_array
+from routereplay.runtime.tensor_forms import native_array, refuse_unreadable
 from routereplay.trace.route_trace import RouteTrace
 
 SUM_RTOL = 1e-2  # row sums are compared with this relative tolerance (fp16 storage, bf16 engines)
@@ -34,25 +38,25 @@ SUM_RTOL = 1e-2  # row sums are compared with this relative tolerance (fp16 stor
 
 def checked_weights(weights: Any, routes_BSLK: torch.Tensor, sites: Sequence[RouterSite]) -> torch.Tensor:
     """`weights` as a float32 (B, S, L, K) CPU tensor, after every check of the module docstring."""
+    shape = tuple(routes_BSLK.shape)
     if isinstance(weights, np.ndarray):
         if weights.dtype.kind != "f":
             raise WeightsShapeError(f"weights must be floating point, got numpy {weights.dtype}")
-        weights = torch.from_numpy(weights)
+        _check_shape(weights.shape, shape)
+        with np.errstate(over="ignore"):  # beyond float32: inf, refused below as not finite in float32
+            weights = torch.from_numpy(native_array(weights.astype(np.float32, copy=False)))
     if not isinstance(weights, torch.Tensor):
         raise WeightsShapeError(
             f"weights must be a (B, S, L, K) float tensor aligned with the routes, got {type(weights).__name__}"
         )
+    refuse_unreadable(weights, "weights")
     if not weights.is_floating_point():
         raise WeightsShapeError(f"weights must be floating point, got {weights.dtype}")
-    if tuple(weights.shape) != tuple(routes_BSLK.shape):
-        raise WeightsShapeError(
-            f"weights have shape {tuple(weights.shape)} but the routes {tuple(routes_BSLK.shape)} (B, S, L, K): "
-            "give one weight per routed expert, aligned like the routes"
-        )
+    _check_shape(tuple(weights.shape), shape)
     weights_BSLK = weights.detach().to("cpu", torch.float32)
     missing_BSL = (routes_BSLK[..., 0] < 0).cpu()
     bad = ~torch.isfinite(weights_BSLK)
-    _refuse(bad, "is not finite (NaN or inf)", sites)
+    _refuse(bad, "is not finite in float32 (NaN, inf, or beyond float32's +-3.4e38)", sites)
     _refuse(weights_BSLK < 0, "is negative", sites)
     _refuse((weights_BSLK != 0) & missing_BSL[..., None], "is non-zero on a row whose route is -1", sites)
     for column, site in enumerate(sites):
@@ -72,6 +76,14 @@ def checked_weights(weights: Any, routes_BSLK: torch.Tensor, sites: Sequence[Rou
                 "one value: pass the weights the engine's experts received (normalised, scaled) for these routes"
             )
     return weights_BSLK
+
+
+def _check_shape(given: tuple[int, ...], routes: tuple[int, ...]) -> None:
+    if given != routes:
+        raise WeightsShapeError(
+            f"weights have shape {given} but the routes {routes} (B, S, L, K): "
+            "give one weight per routed expert, aligned like the routes"
+        )
 
 
 def replay_weights(

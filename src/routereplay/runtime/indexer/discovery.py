@@ -37,6 +37,8 @@ from routereplay.errors import (
     UnsupportedRouterError,
 )
 from routereplay.runtime.discovery import _has_topk, _layer_number
+from routereplay.runtime.routes import mask_array
+from routereplay.runtime.tensor_forms import refuse_unreadable
 
 _DROPPED = 1 << 62  # sorts after every position
 
@@ -144,6 +146,7 @@ def prepare_forced(
     """Validate replay choices once, on the host, and lay them out per layer (raises named errors)."""
     if not isinstance(indices_BSLI, torch.Tensor):
         raise DtypeError(f"indexer choices must be an int torch.Tensor (B, S, L, I), got {type(indices_BSLI).__name__}")
+    refuse_unreadable(indices_BSLI, "indexer choices")
     if indices_BSLI.dtype == torch.bool or indices_BSLI.is_floating_point() or indices_BSLI.is_complex():
         raise DtypeError(f"indexer choices must be integers (int32 positions, -1 = unknown), got {indices_BSLI.dtype}")
     if indices_BSLI.dim() != 4:
@@ -159,14 +162,20 @@ def prepare_forced(
         )
     if width != index_topk:
         raise TopKMismatchError(f"indexer choices are {width} wide but index_topk is {index_topk}; pad rows with -1")
-    host = indices_BSLI.detach().to("cpu", torch.int64)  # the context's one device -> host copy
+    raw = indices_BSLI.detach().cpu()  # the context's one device -> host copy
+    if raw.dtype == torch.uint64 and raw.numel() and int(raw.numpy().max()) >= positions:
+        raise IndexerRouteError(  # a cast to int64 would wrap 2**64 - 1 to -1, a silent "unknown"
+            f"indexer choices hold uint64 key {int(raw.numpy().max())}, out of range: keys are positions "
+            f"0..{positions - 1} (-1 = unknown, which needs a signed dtype)"
+        )
+    host = raw.to(torch.int64)
     query = torch.arange(positions).view(1, positions, 1, 1)
     _refuse(host < -1, host, layers, "is below -1 (the only negative value is -1 = unknown)")
     _refuse(host >= positions, host, layers, f"is out of range: keys are positions 0..{positions - 1}")
     _refuse(host > query, host, layers, "is a future key of its query (causal attention cannot attend it)")
     attended_BS: torch.Tensor | None = None
     if attention_mask_BS is not None:
-        mask = torch.as_tensor(attention_mask_BS).detach().cpu()
+        mask = torch.from_numpy(mask_array(attention_mask_BS))  # checked: 0/1 values, plain, on the host
         if tuple(mask.shape) != (batch, positions):
             raise BatchShapeError(
                 f"attention_mask is {tuple(mask.shape)} but indexer choices are for {(batch, positions)}"

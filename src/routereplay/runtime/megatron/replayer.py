@@ -80,6 +80,8 @@ from routereplay.runtime.megatron.binding import (
 )
 from routereplay.runtime.megatron.schedule import MegatronRecording, Schedule
 from routereplay.runtime.replayer import Binding, ReplayStats
+from routereplay.runtime.routes import routes_tensor
+from routereplay.runtime.tensor_forms import refuse_unreadable
 from routereplay.trace.route_trace import RouteTrace
 
 # Megatron's default top-k: (scores (N, E), k, num_groups=, group_topk=) -> (values (N, K), ids (N, K))
@@ -240,9 +242,10 @@ class MegatronReplayer:
         self, index: int, item: RoutesInput, payload_layers: Sequence[int] | None
     ) -> dict[int, tuple[torch.Tensor, int]]:
         """One micro-batch's routes, checked, as {layer: (routes (N, K) long, count of -1 rows)}."""
-        routes = torch.from_numpy(item) if isinstance(item, np.ndarray) else item
+        routes = routes_tensor(item, f"micro-batch {index}: routes array") if isinstance(item, np.ndarray) else item
         if not isinstance(routes, torch.Tensor):
             raise ConfigError(f"micro-batch {index}: routes must be an int tensor, got {type(item).__name__}")
+        refuse_unreadable(routes, f"micro-batch {index} routes")
         if routes.is_floating_point() or routes.is_complex() or routes.dtype == torch.bool:
             raise DtypeError(f"micro-batch {index}: routes have dtype {routes.dtype}; expert ids are integers")
         if routes.dim() == 4:  # (S, B, L, K) sequence-first, as the router flattens hidden states
@@ -259,9 +262,10 @@ class MegatronReplayer:
             raise TopKMismatchError(
                 f"micro-batch {index}: routes have top-k {routes.shape[2]}, the routers use top-{self.top_k}"
             )
-        selected_NLK = routes[:, [layers.index(layer) for layer in self.layers]].detach().to(torch.long)
-        host_NLK = selected_NLK.cpu().numpy()
+        selected = routes[:, [layers.index(layer) for layer in self.layers]].detach()
+        host_NLK = selected.cpu().numpy()  # its own dtype: a uint64 id beyond int64 is refused, not wrapped to -1
         RouteTrace(host_NLK, self.num_experts, self.layers).validate(f"micro-batch {index} (router-order rows)")
+        selected_NLK = selected.to(torch.long)
         fallbacks_L = (host_NLK[:, :, 0] < 0).sum(axis=0)
         return {layer: (selected_NLK[:, j].contiguous(), int(fallbacks_L[j])) for j, layer in enumerate(self.layers)}
 
