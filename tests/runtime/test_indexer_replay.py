@@ -13,12 +13,14 @@ import pickle
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from routereplay.errors import (
     AlreadyAttachedError,
     BatchShapeError,
+    ConfigError,
     DtypeError,
     IndexerRouteError,
     LayerCountError,
@@ -233,6 +235,13 @@ def test_hostile_choices_raise_named_errors(model_type: str) -> None:
     cases.append((good[..., :3], TopKMismatchError, r"3 wide but index_topk is 4", None))
     cases.append((good[0], BatchShapeError, r"must be \(B, S, L, I\)", None))
     cases.append((good.float(), DtypeError, r"must be integers", None))
+    # hostile forms (issue 38 item 9): uint64 keys a cast to int64 wraps to -1 ("unknown", the live indexer)
+    unsigned = torch.from_numpy(good.numpy().astype(np.int64).astype(np.uint64))  # -1 -> 2**64 - 1
+    cases.append((unsigned, IndexerRouteError, r"uint64 key 18446744073709551615, out of range", None))
+    cases.append((good.to_sparse(), ConfigError, r"indexer choices is a torch.sparse_coo tensor", None))
+    cases.append((good.to("meta"), ConfigError, r"indexer choices is on the 'meta' device", None))
+    nan_mask = inputs["attention_mask"].float().masked_fill(inputs["attention_mask"] == 0, float("nan"))
+    cases.append((good, ConfigError, r"attention_mask\[1, 0\] = nan", nan_mask))
     for bad, error, match, mask in cases:
         with pytest.raises(error, match=match):
             ir.begin_replay(bad, attention_mask=mask)

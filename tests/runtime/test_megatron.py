@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -20,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from routereplay.errors import (
     AlreadyAttachedError,
     BatchShapeError,
+    ConfigError,
     DtypeError,
     DuplicateExpertError,
     ExpertIdRangeError,
@@ -453,6 +455,12 @@ def test_deepcopy_of_attached_model_routes_naturally() -> None:
         (lambda r: r.float(), DtypeError, "expert ids are integers"),
         (lambda r: r[:, 0], BatchShapeError, r"\(N, L, K\) in router order"),
         (lambda r: r[:, :2], LayerCountError, "pass payload_layers="),
+        # hostile forms (issue 38 item 9): a uint64 row beyond int64 wrapped to -1, a silent live fallback
+        (lambda r: _uint64_row_beyond_int64(r, tensor=True), ExpertIdRangeError, r"ids span \[0, 18446744073709551615\]"),
+        (lambda r: _uint64_row_beyond_int64(r, tensor=False), ExpertIdRangeError, r"uint64 id 18446744073709551615"),
+        (lambda r: r.numpy().astype(object), DtypeError, r"micro-batch 0: routes array has dtype object"),
+        (lambda r: r.to_sparse(), ConfigError, r"micro-batch 0 routes is a torch.sparse_coo tensor"),
+        (lambda r: r.to("meta"), ConfigError, r"micro-batch 0 routes is on the 'meta' device"),
     ],
 )
 def test_bad_routes_raise_named_errors(
@@ -464,6 +472,32 @@ def test_bad_routes_raise_named_errors(
     with pytest.raises(error, match=match):
         with mr.replay(edit(random_routes(3, seed=70))):
             pass
+
+
+def _uint64_row_beyond_int64(routes_NLK: torch.Tensor, *, tensor: bool) -> torch.Tensor | np.ndarray:
+    out = routes_NLK.numpy().astype(np.uint64)
+    out[3, 1, :] = np.uint64(2**64 - 1)  # token 3, layer 2 (the second MoE layer)
+    return torch.from_numpy(out) if tensor else out
+
+
+@pytest.mark.parametrize(
+    "form",
+    [lambda r: r.numpy().astype(">i8"), lambda r: np.ascontiguousarray(r.numpy()[..., ::-1].astype(">i4"))[..., ::-1]],
+    ids=["big-endian", "big-endian-negative-strides"],
+)
+def test_big_endian_and_strided_arrays_force_their_ids(form: Callable[[torch.Tensor], np.ndarray]) -> None:
+    """Issue 38 item 9: such arrays raised torch's ValueError; they hold valid ids and replay as them."""
+    from routereplay.runtime.megatron import attach_megatron
+
+    block = build_block()
+    routers = routers_of(block)
+    mr = attach_megatron(block)
+    forced_NLK = random_routes(3, seed=12)
+    with mr.replay(form(forced_NLK)) as used:
+        _, out = run(routers, hidden(0))
+    for j, layer in enumerate(MOE_LAYERS):
+        assert chosen_sets(out[layer][1]) == [set(row) for row in forced_NLK[:, j].tolist()]
+    assert torch.equal(used.routes, forced_NLK)
 
 
 def test_rows_must_match_the_tokens_the_router_sees() -> None:
