@@ -323,3 +323,49 @@ def test_mask_forms_place_routes_like_the_bool_mask(form: Callable[[torch.Tensor
             replayer.model(input_ids=ids, attention_mask=mask)
         placed.append(used.routes.clone())
     assert torch.equal(placed[0], placed[1])
+
+
+RECORD_HOSTILE: list[Any] = [
+    pytest.param(lambda m, ids: {"attention_mask": _padding_as(m, float("nan"))}, ConfigError,
+                 r"attention_mask\[1, 0\] = nan", id="mask-nan"),
+    pytest.param(lambda m, ids: {"attention_mask": m.to_sparse()}, ConfigError, r"attention_mask is a torch.sparse",
+                 id="mask-sparse"),
+    pytest.param(lambda m, ids: {"attention_mask": m.numpy().astype("U1")}, ConfigError, r"attention_mask has dtype",
+                 id="mask-str"),
+    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": ids.float()}, ConfigError,
+                 r"input_ids has dtype torch.float32; token ids are integers", id="ids-float"),
+    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": ids.to(torch.complex64)}, ConfigError,
+                 r"input_ids has dtype torch.complex64", id="ids-complex"),
+    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": ids.numpy().astype(object)}, ConfigError,
+                 r"input_ids has dtype object", id="ids-object"),
+    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": [[1, 2], [3]]}, ConfigError,
+                 r"input_ids is not a \(B, S\) integer array", id="ids-ragged"),
+    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": ids.to_sparse()}, ConfigError,
+                 r"input_ids is a torch.sparse_coo", id="ids-sparse"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "error", "match"), RECORD_HOSTILE)
+def test_hostile_record_arguments_are_named_errors(case: Any, error: type[RouteReplayError], match: str) -> None:
+    """`Recording.traces(mask, input_ids=)` after `record()`: the same forms as replay's, refused by name."""
+    replayer, _, _, mask = _setup()
+    ids, _ = _batch()
+    with torch.no_grad(), replayer.record() as rec:
+        replayer.model(input_ids=ids, attention_mask=mask)
+    with pytest.raises(error, match=match):
+        rec.traces(**case(mask, ids))
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda model: routereplay.attach(model, jitter="none"), r"jitter='none': use 'model'"),
+        (lambda model: routereplay.attach(model, strict="yes"), r"strict='yes': pass True"),  # type: ignore[arg-type]
+        (lambda model: routereplay.attach(model, sync_free=1), r"sync_free=1: pass None"),  # type: ignore[arg-type]
+        (lambda model: routereplay.attach(model).record(weights="yes").__enter__(), r"record\(weights='yes'\)"),
+    ],
+    ids=["jitter", "strict", "sync-free", "record-weights"],
+)
+def test_hostile_attach_and_record_flags_are_config_errors(factory: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        factory(tiny_qwen3())
