@@ -101,3 +101,30 @@ def test_encoded_routes_keep_the_ids_only() -> None:
     assert encoded.trace().weights is None and np.array_equal(
         np.sort(encoded.trace().experts, 2), trace.sorted_rows().experts
     )
+
+
+@pytest.mark.parametrize("mode", ["set", "ordered"])
+@pytest.mark.parametrize(
+    ("value", "stored"),
+    [(65504.0, True), (65504.5, False), (65519.99, False), (65520.0, False), (float("inf"), False)],
+    ids=["65504", "65504.5", "65519.99", "65520", "inf"],
+)
+def test_weights_at_float16s_edge_round_trip_exactly_or_are_refused(mode: str, value: float, stored: bool) -> None:
+    """Issue 38 item 10: weights in (65504, 65520) were stored as 65504 although docs/codec.md says refused.
+    65504 (float16's largest value) round-trips exactly; anything above is refused at encode, inf by the trace."""
+    trace = weighted_trace()
+    assert trace.weights is not None
+    weights = trace.weights.copy()
+    weights[4, 1, 0] = value
+    if value == float("inf"):
+        with pytest.raises(WeightsValueError, match=r"weight 0 of row 4, layer column 1 is inf"):
+            trace.with_weights(weights)
+        return
+    edged = trace.with_weights(weights)
+    if stored:
+        back = decode(encode(edged, mode=mode))
+        assert per_id(back)[4 * 3 + 1][int(trace.experts[4, 1, 0])] == value  # row 4, layer 1: exact
+        return
+    shown = repr(float(np.float32(value)))
+    with pytest.raises(ConfigError, match=rf"combine weight 0 of row 4, layer column 1 is {shown}, above 65504"):
+        encode(edged, mode=mode)

@@ -63,6 +63,7 @@ from routereplay.errors import (
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.trace.validation import canonical_dtype
 
+WEIGHT_MAX = float(np.finfo(np.float16).max)  # 65504: the largest combine weight a blob stores
 _INFLATE_PIECE = 1 << 20  # bytes inflated per step while a zstd frame proves its size
 
 
@@ -180,20 +181,24 @@ def decode(
 
 
 def _stored_weights(trace: RouteTrace, mode: CodecMode) -> np.ndarray | None:
-    """The trace's weights as float16, aligned with its ids as they decode (set mode: ids ascending)."""
+    """The trace's weights as float16, aligned with its ids as they decode (set mode: ids ascending).
+
+    A weight above `WEIGHT_MAX` (65504, float16's largest finite value) is a `ConfigError`, checked before the
+    float16 copy: IEEE rounding would store weights in (65504, 65520) as 65504 and larger ones as inf, and
+    the codec keeps only weights it holds to float16's precision (docs/codec.md "Combine weights")."""
     if trace.weights is None:
         return None
     weights_TLK = trace.weights
+    if weights_TLK.size and not float(weights_TLK.max()) <= WEIGHT_MAX:  # `not <=`: a NaN is refused too
+        t, layer, k = (int(i) for i in np.argwhere(~(weights_TLK <= WEIGHT_MAX))[0])
+        raise ConfigError(
+            f"combine weight {k} of row {t}, layer column {layer} is {float(weights_TLK[t, layer, k])!r}, above "
+            f"{WEIGHT_MAX:g}, float16's range: the codec stores weights in half precision and keeps only those it "
+            "can hold; rescale them (combine weights lie in [0, routed_scaling_factor]) or encode without weights"
+        )
     if mode is CodecMode.SET:
         weights_TLK = np.take_along_axis(weights_TLK, np.argsort(trace.experts, axis=2, kind="stable"), axis=2)
-    with np.errstate(over="raise"):
-        try:
-            return weights_TLK.astype(np.float16)
-        except FloatingPointError:
-            raise ConfigError(
-                f"a combine weight ({float(weights_TLK.max()):g}) exceeds float16's range (65504): the codec stores "
-                "weights in half precision; rescale them or encode the trace without weights"
-            ) from None
+    return weights_TLK.astype(np.float16)
 
 
 def header_info(blob: bytes | bytearray | memoryview, *, limits: CodecLimits | None = None) -> CodecHeader:
@@ -339,4 +344,4 @@ def _zstd_decompress(stored: memoryview, raw_bytes: int, offset: int) -> bytes:
     return bytes(raw)
 
 
-__all__ = ["bits_per_row", "decode", "encode", "entropy_bits_per_row", "header_info"]
+__all__ = ["WEIGHT_MAX", "bits_per_row", "decode", "encode", "entropy_bits_per_row", "header_info"]
