@@ -456,7 +456,11 @@ def test_deepcopy_of_attached_model_routes_naturally() -> None:
         (lambda r: r[:, 0], BatchShapeError, r"\(N, L, K\) in router order"),
         (lambda r: r[:, :2], LayerCountError, "pass payload_layers="),
         # hostile forms (issue 38 item 9): a uint64 row beyond int64 wrapped to -1, a silent live fallback
-        (lambda r: _uint64_row_beyond_int64(r, tensor=True), ExpertIdRangeError, r"ids span \[0, 18446744073709551615\]"),
+        (
+            lambda r: _uint64_row_beyond_int64(r, tensor=True),
+            ExpertIdRangeError,
+            r"ids span \[0, 18446744073709551615\]",
+        ),
         (lambda r: _uint64_row_beyond_int64(r, tensor=False), ExpertIdRangeError, r"uint64 id 18446744073709551615"),
         (lambda r: r.numpy().astype(object), DtypeError, r"micro-batch 0: routes array has dtype object"),
         (lambda r: r.to_sparse(), ConfigError, r"micro-batch 0 routes is a torch.sparse_coo tensor"),

@@ -90,28 +90,59 @@ def _with_traces(r: torch.Tensor, m: torch.Tensor, ids: torch.Tensor) -> dict[st
 HOSTILE: list[Any] = [
     # combine weights (replay(weights=...))
     *(
-        pytest.param(lambda r, w, m, d=dtype: {"weights": _np(w, d)}, WeightsShapeError, "must be floating point",
-                     id=f"weights-numpy-{np.dtype(dtype).name}")
+        pytest.param(
+            lambda r, w, m, d=dtype: {"weights": _np(w, d)},
+            WeightsShapeError,
+            "must be floating point",
+            id=f"weights-numpy-{np.dtype(dtype).name}",
+        )
         for dtype in ("?", "O", "M8[s]", "m8[s]", "c8", "c16", "u1", "u2", "u4", "u8", "i1", "i8", ">i4", "U3", "V8")
-    ),  # fmt: skip
-    pytest.param(lambda r, w, m: {"weights": w.to("meta")}, ConfigError, r"weights is on the 'meta' device",
-                 id="weights-meta"),
-    pytest.param(lambda r, w, m: {"weights": w.to_sparse()}, ConfigError, r"weights is a torch.sparse_coo tensor .*weights.to_dense",
-                 id="weights-sparse"),
-    pytest.param(lambda r, w, m: {"weights": _nested(w)}, ConfigError, r"weights is a nested \(jagged\) tensor",
-                 id="weights-nested"),
-    pytest.param(lambda r, w, m: {"weights": _quantized(w)}, ConfigError, r"weights is a quantized .*weights.dequantize",
-                 id="weights-quantized"),
-    pytest.param(lambda r, w, m: {"weights": w.to(torch.complex64)}, WeightsShapeError, "must be floating point",
-                 id="weights-complex-tensor"),
-    pytest.param(lambda r, w, m: {"weights": np.float32(0.5)}, WeightsShapeError, r"got float32",
-                 id="weights-numpy-scalar"),
-    pytest.param(lambda r, w, m: {"weights": np.array(0.5)}, WeightsShapeError, r"shape \(\) but the routes",
-                 id="weights-0d"),
-    pytest.param(lambda r, w, m: {"weights": np.where(_np(w, np.float64) > 0, 1e300, 0.0)}, WeightsValueError,
-                 r"is not finite in float32 \(NaN, inf, or beyond float32's", id="weights-beyond-float32"),
-    pytest.param(lambda r, w, m: {"weights": np.where(_np(w, np.longdouble) > 0, np.longdouble("1e400"), 0)},
-                 WeightsValueError, r"is not finite in float32", id="weights-longdouble-beyond-float64"),
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": w.to("meta")}, ConfigError, r"weights is on the 'meta' device", id="weights-meta"
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": w.to_sparse()},
+        ConfigError,
+        r"weights is a torch.sparse_coo tensor .*weights.to_dense",
+        id="weights-sparse",
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": _nested(w)},
+        ConfigError,
+        r"weights is a nested \(jagged\) tensor",
+        id="weights-nested",
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": _quantized(w)},
+        ConfigError,
+        r"weights is a quantized .*weights.dequantize",
+        id="weights-quantized",
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": w.to(torch.complex64)},
+        WeightsShapeError,
+        "must be floating point",
+        id="weights-complex-tensor",
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": np.float32(0.5)}, WeightsShapeError, r"got float32", id="weights-numpy-scalar"
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": np.array(0.5)}, WeightsShapeError, r"shape \(\) but the routes", id="weights-0d"
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": np.where(_np(w, np.float64) > 0, 1e300, 0.0)},
+        WeightsValueError,
+        r"is not finite in float32 \(NaN, inf, or beyond float32's",
+        id="weights-beyond-float32",
+    ),
+    pytest.param(
+        lambda r, w, m: {"weights": np.where(_np(w, np.longdouble) > 0, np.longdouble("1e400"), 0)},
+        WeightsValueError,
+        r"is not finite in float32",
+        id="weights-longdouble-beyond-float64",
+    ),
     # threshold=
     *(
         pytest.param(lambda r, w, m, v=value: {"threshold": v}, ConfigError, match, id=f"threshold-{name}")
@@ -135,54 +166,140 @@ HOSTILE: list[Any] = [
     ),
     # routes= (numpy and tensors)
     *(
-        pytest.param(lambda r, w, m, d=dtype: {"routes": _np(r, d)}, DtypeError,
-                     r"routes array has dtype .*; expert ids are integers", id=f"routes-numpy-{np.dtype(dtype).name}")
+        pytest.param(
+            lambda r, w, m, d=dtype: {"routes": _np(r, d)},
+            DtypeError,
+            r"routes array has dtype .*; expert ids are integers",
+            id=f"routes-numpy-{np.dtype(dtype).name}",
+        )
         for dtype in ("?", "O", "M8[s]", "m8[s]", "f2", "g", "c8", "U3", "S3", "V8")
-    ),  # fmt: skip
-    pytest.param(lambda r, w, m: {"routes": _uint64_beyond_int64(r)}, ExpertIdRangeError,
-                 r"uint64 id 18446744073709551615, beyond any expert", id="routes-uint64-beyond-int64"),
-    pytest.param(lambda r, w, m: {"routes": r.to("meta")}, ConfigError, r"routes is on the 'meta' device",
-                 id="routes-meta"),
-    pytest.param(lambda r, w, m: {"routes": r.to_sparse()}, ConfigError, r"routes is a torch.sparse_coo tensor",
-                 id="routes-sparse"),
-    pytest.param(lambda r, w, m: {"routes": _quantized(r)}, ConfigError, r"routes is a quantized torch.quint8",
-                 id="routes-quantized"),
-    pytest.param(lambda r, w, m: {"routes": _nested(r)}, ConfigError, r"routes is a nested \(jagged\) tensor",
-                 id="routes-nested"),
+    ),
+    pytest.param(
+        lambda r, w, m: {"routes": _uint64_beyond_int64(r)},
+        ExpertIdRangeError,
+        r"uint64 id 18446744073709551615, beyond any expert",
+        id="routes-uint64-beyond-int64",
+    ),
+    pytest.param(
+        lambda r, w, m: {"routes": r.to("meta")}, ConfigError, r"routes is on the 'meta' device", id="routes-meta"
+    ),
+    pytest.param(
+        lambda r, w, m: {"routes": r.to_sparse()},
+        ConfigError,
+        r"routes is a torch.sparse_coo tensor",
+        id="routes-sparse",
+    ),
+    pytest.param(
+        lambda r, w, m: {"routes": _quantized(r)},
+        ConfigError,
+        r"routes is a quantized torch.quint8",
+        id="routes-quantized",
+    ),
+    pytest.param(
+        lambda r, w, m: {"routes": _nested(r)}, ConfigError, r"routes is a nested \(jagged\) tensor", id="routes-nested"
+    ),
     # attention_mask=
-    pytest.param(lambda r, w, m: {"attention_mask": m.to_sparse()}, ConfigError, r"attention_mask is a torch.sparse",
-                 id="mask-sparse"),
-    pytest.param(lambda r, w, m: {"attention_mask": _quantized(m)}, ConfigError, r"attention_mask is a quantized",
-                 id="mask-quantized"),
-    pytest.param(lambda r, w, m: {"attention_mask": _padding_as(m, float("nan"))}, ConfigError,
-                 r"attention_mask\[1, 0\] = nan \(2 such entries\); the attention mask is the \(B, S\) padding mask",
-                 id="mask-nan"),
-    pytest.param(lambda r, w, m: {"attention_mask": torch.where(m.bool(), 0.0, float("-inf"))}, ConfigError,
-                 r"attention_mask\[1, 0\] = -inf .*an additive mask of 0 / -inf", id="mask-additive"),
-    pytest.param(lambda r, w, m: {"attention_mask": _padding_as(m, 0.5)}, ConfigError, r"= 0.5 \(2 such entries\)",
-                 id="mask-fraction"),
-    pytest.param(lambda r, w, m: {"attention_mask": -m}, ConfigError, r"attention_mask\[0, 0\] = -1",
-                 id="mask-negative"),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": m.to_sparse()},
+        ConfigError,
+        r"attention_mask is a torch.sparse",
+        id="mask-sparse",
+    ),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": _quantized(m)},
+        ConfigError,
+        r"attention_mask is a quantized",
+        id="mask-quantized",
+    ),
     *(
-        pytest.param(lambda r, w, m, d=dtype: {"attention_mask": _np(m, d)}, ConfigError,
-                     r"attention_mask has dtype", id=f"mask-numpy-{np.dtype(dtype).name}")
+        pytest.param(
+            lambda r, w, m, f=to: {"attention_mask": f(m.float())},
+            ConfigError,
+            rf"attention_mask is a torch.{name} tensor \(shape \(2, 6\)\)",
+            id=f"mask-{name}",
+        )
+        for name, to in (
+            ("sparse_csr", torch.Tensor.to_sparse_csr),
+            ("sparse_csc", torch.Tensor.to_sparse_csc),
+            ("sparse_bsr", lambda t: t.to_sparse_bsr(2)),
+        )
+    ),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": m.float().to_mkldnn()},
+        ConfigError,
+        r"attention_mask is a torch._mkldnn tensor .*to_dense",
+        id="mask-mkldnn",
+        marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without MKL-DNN"),
+    ),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": _padding_as(m, float("nan"))},
+        ConfigError,
+        r"attention_mask\[1, 0\] = nan \(2 such entries\); the attention mask is the \(B, S\) padding mask",
+        id="mask-nan",
+    ),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": torch.where(m.bool(), 0.0, float("-inf"))},
+        ConfigError,
+        r"attention_mask\[1, 0\] = -inf .*an additive mask of 0 / -inf",
+        id="mask-additive",
+    ),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": _padding_as(m, 0.5)},
+        ConfigError,
+        r"= 0.5 \(2 such entries\)",
+        id="mask-fraction",
+    ),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": -m}, ConfigError, r"attention_mask\[0, 0\] = -1", id="mask-negative"
+    ),
+    *(
+        pytest.param(
+            lambda r, w, m, d=dtype: {"attention_mask": _np(m, d)},
+            ConfigError,
+            r"attention_mask has dtype",
+            id=f"mask-numpy-{np.dtype(dtype).name}",
+        )
         for dtype in ("O", "U3", "M8[s]", "c8")
-    ),  # fmt: skip
-    pytest.param(lambda r, w, m: {"attention_mask": m.to(torch.complex64)}, ConfigError,
-                 r"attention_mask has dtype torch.complex64", id="mask-complex-tensor"),
-    pytest.param(lambda r, w, m: {"attention_mask": [[1, 1], [1]]}, ConfigError, r"attention_mask is not a \(B, S\)",
-                 id="mask-ragged"),
+    ),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": m.to(torch.complex64)},
+        ConfigError,
+        r"attention_mask has dtype torch.complex64",
+        id="mask-complex-tensor",
+    ),
+    pytest.param(
+        lambda r, w, m: {"attention_mask": [[1, 1], [1]]},
+        ConfigError,
+        r"attention_mask is not a \(B, S\)",
+        id="mask-ragged",
+    ),
     # input_ids= (with RouteTraces carrying token ids)
-    pytest.param(lambda r, w, m: _with_traces(r, m, _batch()[0].to(torch.complex64)), ConfigError,
-                 r"input_ids must be a \(B, S\) integer tensor, got Tensor torch.complex64", id="ids-complex"),
-    pytest.param(lambda r, w, m: _with_traces(r, m, _batch()[0].bool()), ConfigError,
-                 r"input_ids must be .* torch.bool", id="ids-bool"),
-    pytest.param(lambda r, w, m: _with_traces(r, m, _batch()[0].to_sparse()), ConfigError,
-                 r"input_ids is a torch.sparse_coo", id="ids-sparse"),
+    pytest.param(
+        lambda r, w, m: _with_traces(r, m, _batch()[0].to(torch.complex64)),
+        ConfigError,
+        r"input_ids must be a \(B, S\) integer tensor, got Tensor torch.complex64",
+        id="ids-complex",
+    ),
+    pytest.param(
+        lambda r, w, m: _with_traces(r, m, _batch()[0].bool()),
+        ConfigError,
+        r"input_ids must be .* torch.bool",
+        id="ids-bool",
+    ),
+    pytest.param(
+        lambda r, w, m: _with_traces(r, m, _batch()[0].to_sparse()),
+        ConfigError,
+        r"input_ids is a torch.sparse_coo",
+        id="ids-sparse",
+    ),
     # flags
-    pytest.param(lambda r, w, m: {"check_alignment": "no"}, ConfigError, r"check_alignment='no': pass True",
-                 id="check-alignment-str"),
-]  # fmt: skip
+    pytest.param(
+        lambda r, w, m: {"check_alignment": "no"},
+        ConfigError,
+        r"check_alignment='no': pass True",
+        id="check-alignment-str",
+    ),
+]
 
 
 @pytest.mark.parametrize(("case", "error", "match"), HOSTILE)
@@ -215,9 +332,15 @@ def _routed_everywhere(routes_BSLK: torch.Tensor) -> torch.Tensor:
         (lambda r: r.numpy().astype(">u2"), True),
         (lambda r: _negative_strides(r.numpy().astype(">u8")), True),
     ],
-    ids=["big-endian-int64", "big-endian-int16", "big-endian-negative-strides", "view", "big-endian-uint16",
-         "big-endian-uint64-negative-strides"],
-)  # fmt: skip
+    ids=[
+        "big-endian-int64",
+        "big-endian-int16",
+        "big-endian-negative-strides",
+        "view",
+        "big-endian-uint16",
+        "big-endian-uint64-negative-strides",
+    ],
+)
 def test_convertible_routes_force_exactly_their_ids(form: Callable[[torch.Tensor], np.ndarray], unsigned: bool) -> None:
     """Big-endian and negative-stride arrays are read as their values: the experts receive those ids."""
     replayer, routes_BSLK, _, mask = _setup()
@@ -312,7 +435,7 @@ def test_integer_and_huge_finite_thresholds_are_accepted(value: Any) -> None:
     ids=["big-endian", "negative-strides", "bfloat16", "float", "segment-ids", "list"],
 )
 def test_mask_forms_place_routes_like_the_bool_mask(form: Callable[[torch.Tensor], Any]) -> None:
-    replayer, routes_BSLK, _, mask = _setup()
+    replayer, _, _, mask = _setup()
     ids, _ = _batch()
     with torch.no_grad(), replayer.record() as rec:
         replayer.model(input_ids=ids, attention_mask=mask)
@@ -326,23 +449,55 @@ def test_mask_forms_place_routes_like_the_bool_mask(form: Callable[[torch.Tensor
 
 
 RECORD_HOSTILE: list[Any] = [
-    pytest.param(lambda m, ids: {"attention_mask": _padding_as(m, float("nan"))}, ConfigError,
-                 r"attention_mask\[1, 0\] = nan", id="mask-nan"),
-    pytest.param(lambda m, ids: {"attention_mask": m.to_sparse()}, ConfigError, r"attention_mask is a torch.sparse",
-                 id="mask-sparse"),
-    pytest.param(lambda m, ids: {"attention_mask": m.numpy().astype("U1")}, ConfigError, r"attention_mask has dtype",
-                 id="mask-str"),
-    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": ids.float()}, ConfigError,
-                 r"input_ids has dtype torch.float32; token ids are integers", id="ids-float"),
-    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": ids.to(torch.complex64)}, ConfigError,
-                 r"input_ids has dtype torch.complex64", id="ids-complex"),
-    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": ids.numpy().astype(object)}, ConfigError,
-                 r"input_ids has dtype object", id="ids-object"),
-    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": [[1, 2], [3]]}, ConfigError,
-                 r"input_ids is not a \(B, S\) integer array", id="ids-ragged"),
-    pytest.param(lambda m, ids: {"attention_mask": m, "input_ids": ids.to_sparse()}, ConfigError,
-                 r"input_ids is a torch.sparse_coo", id="ids-sparse"),
-]  # fmt: skip
+    pytest.param(
+        lambda m, ids: {"attention_mask": _padding_as(m, float("nan"))},
+        ConfigError,
+        r"attention_mask\[1, 0\] = nan",
+        id="mask-nan",
+    ),
+    pytest.param(
+        lambda m, ids: {"attention_mask": m.to_sparse()},
+        ConfigError,
+        r"attention_mask is a torch.sparse",
+        id="mask-sparse",
+    ),
+    pytest.param(
+        lambda m, ids: {"attention_mask": m.numpy().astype("U1")},
+        ConfigError,
+        r"attention_mask has dtype",
+        id="mask-str",
+    ),
+    pytest.param(
+        lambda m, ids: {"attention_mask": m, "input_ids": ids.float()},
+        ConfigError,
+        r"input_ids has dtype torch.float32; token ids are integers",
+        id="ids-float",
+    ),
+    pytest.param(
+        lambda m, ids: {"attention_mask": m, "input_ids": ids.to(torch.complex64)},
+        ConfigError,
+        r"input_ids has dtype torch.complex64",
+        id="ids-complex",
+    ),
+    pytest.param(
+        lambda m, ids: {"attention_mask": m, "input_ids": ids.numpy().astype(object)},
+        ConfigError,
+        r"input_ids has dtype object",
+        id="ids-object",
+    ),
+    pytest.param(
+        lambda m, ids: {"attention_mask": m, "input_ids": [[1, 2], [3]]},
+        ConfigError,
+        r"input_ids is not a \(B, S\) integer array",
+        id="ids-ragged",
+    ),
+    pytest.param(
+        lambda m, ids: {"attention_mask": m, "input_ids": ids.to_sparse()},
+        ConfigError,
+        r"input_ids is a torch.sparse_coo",
+        id="ids-sparse",
+    ),
+]
 
 
 @pytest.mark.parametrize(("case", "error", "match"), RECORD_HOSTILE)
@@ -362,7 +517,10 @@ def test_hostile_record_arguments_are_named_errors(case: Any, error: type[RouteR
         (lambda model: routereplay.attach(model, jitter="none"), r"jitter='none': use 'model'"),
         (lambda model: routereplay.attach(model, strict="yes"), r"strict='yes': pass True"),  # type: ignore[arg-type]
         (lambda model: routereplay.attach(model, sync_free=1), r"sync_free=1: pass None"),  # type: ignore[arg-type]
-        (lambda model: routereplay.attach(model).record(weights="yes").__enter__(), r"record\(weights='yes'\)"),
+        (
+            lambda model: routereplay.attach(model).record(weights="yes").__enter__(),  # type: ignore[arg-type]
+            r"record\(weights='yes'\)",
+        ),
     ],
     ids=["jitter", "strict", "sync-free", "record-weights"],
 )
