@@ -27,6 +27,8 @@ Files:
                             MoE model
 - `routes.py`               Batch routes <-> per-sequence traces, and the checks a replay batch must pass
 - `set_order.py`            Set order in replay: a forced set in the live router's order, and its fast path
+- `tensor_forms.py`         Which tensors, arrays and numbers replay and record take as arguments, checked
+                            before anything reads them
 - `threshold.py`            Threshold replay: force an engine's row only where the trainer's own router nearly
                             agrees with it
 - `session.py`              One record or replay context of a `Replayer`: its state, what it captured, and
