@@ -84,7 +84,11 @@ from routereplay.integrations.verl.micro_batch import (
     route_source,
     routes_of,
 )
-from routereplay.integrations.verl.registration import register_under, register_when_verl_loads
+from routereplay.integrations.verl.registration import (
+    register_agent_loops_when_verl_loads,
+    register_under,
+    register_when_verl_loads,
+)
 from routereplay.integrations.verl.rollout import RouteGeometry
 from routereplay.integrations.verl.route_checks import (
     RecordedRoutes,
@@ -329,5 +333,14 @@ def register_engine(vendor: str | None = None, devices: tuple[str, ...] = ("cuda
     return cls
 
 
-# verl's `external_lib` / `VERL_USE_EXTERNAL_MODULES` import this module: register now, or when verl's engines load
+def register_agent_loops() -> None:
+    """routereplay's checked `single_turn_agent` / `tool_agent` under verl's names (`agent_loops.py`, imports verl)."""
+    import routereplay.integrations.verl.agent_loops as agent_loops
+
+    agent_loops.register_checked_agent_loops()
+
+
+# verl's `external_lib` / `VERL_USE_EXTERNAL_MODULES` import this module: register now, or when verl's engines load;
+# and verl's agent loops (an AgentLoopWorker imports `external_lib` too) now, or when verl's agent loops load
 register_when_verl_loads(register_engine)
+register_agent_loops_when_verl_loads(register_agent_loops)
