@@ -110,7 +110,7 @@ def test_a_returned_sequence_the_last_call_did_not_see_is_refused() -> None:
     response): replaying the call's rows on it would be replaying another token's routes."""
     routes = AgentLoopRoutes(GEOMETRY)
     routes.add_output(PROMPT, token_output(PROMPT, FIRST, model=1))
-    rewritten = PROMPT + [99] + FIRST[1:]
+    rewritten = [*PROMPT, 99, *FIRST[1:]]
     with pytest.raises(TokenMismatchError, match="returned token 99 at position 5 where its last engine call saw 20"):
         routes.trace(rewritten)
 

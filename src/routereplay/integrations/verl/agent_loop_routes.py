@@ -59,9 +59,9 @@ def policy_version_of(output: Any) -> int | None:
     """The weights version a verl `TokenOutput` names (`extra_fields["global_steps"]`), or None when it names none
     or a resumed partial rollout spanned several (`min_global_steps` != `max_global_steps`)."""
     extra = getattr(output, "extra_fields", None) or {}
-    version = extra.get("global_steps")
+    version: Any = extra.get("global_steps")
     lowest, highest = extra.get("min_global_steps", version), extra.get("max_global_steps", version)
-    if not is_int(version) or version < 0 or lowest != highest:
+    if not is_int(version) or int(version) < 0 or lowest != highest:
         return None
     return int(version)
 

@@ -104,7 +104,7 @@ def checked_digest_column(column: Any, batch_size: int) -> list[Any]:
     is_vector = isinstance(column, (list, tuple)) or (isinstance(column, np.ndarray) and column.ndim == 1)
     if not is_vector or len(column) != batch_size:
         shape = getattr(column, "shape", None)
-        size = f"{len(column)} entries" if is_vector else f"shape {tuple(shape)}" if shape is not None else "no sequence"
+        size = f"{len(column)} entries" if is_vector else "no sequence" if shape is None else f"shape {tuple(shape)}"
         raise BatchFieldError(
             f"the '{DIGEST_KEY}' column is a {type(column).__name__} ({size}) for {batch_size} samples; it "
             "holds one digest per sample, as put_routes(..., form='dense') wrote it: keep it in that batch"
