@@ -385,3 +385,84 @@ def test_verl_zero_rows_of_a_top2_model_are_no_route_anywhere() -> None:
 def test_r2_recorded_zero_rows_stay_expert_0() -> None:
     batch, routes = _verl_tool_sample(top_k=1)
     assert torch.equal(routed_experts_for_batch(batch, unchecked=True, recorded=True), routes)
+
+
+# --- issue 38 item 5: verl's response_mask must be 0/1 --------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.5, -1.0], ids=["nan", "half", "minus-one"])
+def test_a_response_mask_that_is_not_0_1_is_refused_before_zero_rows_become_expert_0(value: float) -> None:
+    """verl's zero rows become -1 from each sample's last generated token (its last response_mask 1) on. A NaN,
+    0.5 or -1 on the trailing tool tokens counted as "generated", so on a top-1 model their zero rows stayed
+    expert 0 and replayed; now the mask is refused by name before the routes are copied."""
+    batch, _ = _verl_tool_sample(top_k=1)
+    geometry = RouteGeometry(num_experts=16, num_layers=2, top_k=1, moe_layers=(0, 1))
+    mask = batch.batch["response_mask"].to(torch.float32)
+    mask[0, 6:8] = value  # the two tool tokens after the last call
+    batch.batch["response_mask"] = mask
+    with pytest.raises(BatchFieldError, match=r"sample 0, response position 6: response_mask holds"):
+        routed_experts_for_batch(batch, geometry=geometry, unchecked=True)
+    with pytest.raises(BatchFieldError, match=r"sample 0, response position 6: response_mask holds"):
+        routed_experts_for_batch(jagged(batch), geometry=geometry, unchecked=True)
+    batch.batch["response_mask"] = (mask == 1).to(torch.float32)  # a float 0/1 mask is verl's too: read back
+    assert (routed_experts_for_batch(batch, geometry=geometry, unchecked=True)[0, 9:12] == -1).all()
+
+
+# --- issue 38 item 9: route tensors and digest columns torch cannot read -------------------------------------
+
+
+def _routes_as(convert: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], Any]:
+    def read() -> Any:
+        batch, routes = _verl_tool_sample(top_k=1)
+        batch.batch["routed_experts"] = convert(routes)
+        return routed_experts_for_batch(batch, geometry=GEOMETRY_TOP1, unchecked=True)
+
+    return read
+
+
+def _digest_column(column: Any, layout: str) -> Callable[[], Any]:
+    def read() -> Any:
+        batch = _dense()
+        batch.non_tensor_batch[DIGEST_KEY] = column
+        return routed_experts_for_batch(batch if layout == "padded" else jagged(batch), geometry=GEOMETRY)
+
+    return read
+
+
+GEOMETRY_TOP1 = RouteGeometry(num_experts=16, num_layers=2, top_k=1, moe_layers=(0, 1))
+UNREADABLE: dict[str, tuple[Callable[[], Any], str]] = {
+    "uint16": (_routes_as(lambda r: r.to(torch.uint16)), "dtype torch.uint16"),
+    "uint32": (_routes_as(lambda r: r.to(torch.uint32)), "dtype torch.uint32"),
+    "uint64": (_routes_as(lambda r: r.to(torch.uint64)), "dtype torch.uint64"),
+    "meta": (_routes_as(lambda r: r.to("meta")), "routed_experts is on the meta device"),
+    "sparse-coo": (_routes_as(lambda r: r.to_sparse()), "routed_experts has layout torch.sparse_coo"),
+    "digests-5": (_digest_column(5, "padded"), r"column is a int \(no sequence\) for 3 samples"),
+    "digests-5-jagged": (_digest_column(5, "jagged"), r"column is a int \(no sequence\) for 3 samples"),
+    "digests-0-d-tensor": (_digest_column(torch.tensor(5), "jagged"), r"column is a Tensor \(shape \(\)\)"),
+    "digests-0-d-array": (_digest_column(np.array(5, dtype=object), "padded"), r"column is a ndarray \(shape \(\)\)"),
+    "digests-of-ints": (_digest_column([5, 5, 5], "padded"), "sample 0 holds a int, not a 16-byte digest"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE.values()), ids=list(UNREADABLE))
+def test_route_tensors_and_digest_columns_torch_cannot_read_raise_named_errors(
+    case: tuple[Callable[[], Any], str],
+) -> None:
+    """Each raised torch's NotImplementedError / RuntimeError / TypeError (or, for a column of ints, a misleading
+    TokenMismatchError) from inside the reader; now a `BatchFieldError` that names the field and the fix."""
+    read, match = case
+    with pytest.raises(BatchFieldError, match=match):
+        read()
+
+
+def test_uint8_routes_read_back_as_int16_with_minus_one_for_no_route() -> None:
+    """vLLM >= 0.26 hands uint8 routes, which cannot hold -1: the reader widens them to int16. Before, the model's
+    geometry refused every uint8 entry as out of range (-1 wrapped to 255 in the comparison), and without it the
+    rows verl's masks say no engine routed came back as 255, an expert id."""
+    batch, routes = _verl_tool_sample(top_k=1)
+    want = routed_experts_for_batch(batch, geometry=GEOMETRY_TOP1, unchecked=True)
+    batch.batch["routed_experts"] = routes.to(torch.uint8)
+    for geometry in (GEOMETRY_TOP1, None):
+        got = routed_experts_for_batch(batch, geometry=geometry, unchecked=True)
+        assert got.dtype == torch.int16 and torch.equal(got, want)
+        assert (got[0, [0, 9, 10, 11, 12, 13]] == -1).all()

@@ -61,7 +61,8 @@ def test_r3_refuses_verls_own_routed_experts_unless_opted_out(
         assert _no_forward(seen), "refused before any forward"
         message = str(refusal.value)
         assert "router_replay.mode=R3" in message and "no 'routereplay_routes_digest' column" in message  # what
-        assert "compact_blob(trace)" in message and "form='dense'" in message  # how: routereplay's rollout side
+        assert "external_lib" in message and "RouteCheckedAgentLoop" in message  # how: routereplay's agent loops
+        assert "form='compact' | 'dense'" in message  # or its batch forms
         assert f'runtime_env.env_vars.{UNCHECKED_ENV}="1"' in message  # or the opt-out, as verl passes it
 
     monkeypatch.setenv(UNCHECKED_ENV, "maybe")

@@ -82,3 +82,42 @@ def test_module_imported_after_verl_workers_registers_at_once_and_under_verl_eng
     got = _report(VERL_WORKERS_FIRST, VERL_ENGINE_VENDOR="metax")
     assert got["engines"] == ["RouteReplayFSDPEngine"] * 2, "VERL_ENGINE_VENDOR's key must hold the engine too"
     assert got["hooks_left"] == 0
+
+
+AGENT_LOOPS_REPORT = f"""
+import json, sys
+import {MODULE}
+early = "verl.experimental.agent_loop" not in sys.modules
+from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+from routereplay.integrations.verl.registration import AGENT_LOOP_HOOK_MARK
+print(json.dumps({{
+    "early": early,
+    "loops": {{name: _agent_loop_registry[name]["_target_"] for name in ("single_turn_agent", "tool_agent")}},
+    "hooks_left": sum(bool(getattr(f, AGENT_LOOP_HOOK_MARK, False)) for f in sys.meta_path),
+}}))
+"""
+
+
+def test_module_imported_before_verls_agent_loops_registers_the_checked_loops_once_verl_has_registered_its_own() -> (
+    None
+):
+    """An AgentLoopWorker imports the module (verl's HFModelConfig imports `external_lib`) after verl's loops are
+    registered (tests/integrations/verl/test_agent_loops.py); a process that imports it first must not lose the
+    names to verl's own `@register` running later."""
+    pytest.importorskip("verl")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("VERL_")}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", AGENT_LOOPS_REPORT],
+        capture_output=True,
+        text=True,
+        env={**environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["early"], "the module must load before verl's agent loops, or this tests nothing"
+    assert got["loops"] == {
+        "single_turn_agent": "routereplay.integrations.verl.agent_loops.RouteCheckedSingleTurnAgentLoop",
+        "tool_agent": "routereplay.integrations.verl.agent_loops.RouteCheckedToolAgentLoop",
+    }
+    assert got["hooks_left"] == 0

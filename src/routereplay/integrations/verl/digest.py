@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 DIGEST_KEY = "routereplay_routes_digest"  # non-tensor batch key: one digest (bytes) per sample
 DIGEST_TAG = b"routereplay.verl.dense.v1"
+DIGEST_SIZE = 16  # bytes kept of the SHA-256
 
 
 def route_digest(ids_N: torch.Tensor, routes_NPK: torch.Tensor) -> bytes:
@@ -38,7 +39,7 @@ def route_digest(ids_N: torch.Tensor, routes_NPK: torch.Tensor) -> bytes:
     h.update(np.asarray(routes_NPK.shape, dtype="<i8").tobytes())
     h.update(ids_N.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8", copy=False).data)
     h.update(routes_NPK.detach().to("cpu", torch.int16).contiguous().numpy().astype("<i2", copy=False).data)
-    return h.digest()[:16]
+    return h.digest()[:DIGEST_SIZE]
 
 
 def sample_rows(
@@ -96,18 +97,34 @@ def route_digests(
     return column
 
 
+def checked_digest_column(column: Any, batch_size: int) -> list[Any]:
+    """The digest column as a list of `batch_size` digests (bytes of `DIGEST_SIZE`), or `BatchFieldError`."""
+    if type(column).__module__.startswith("tensordict") and hasattr(column, "tolist"):
+        column = column.tolist()  # tensordict's NonTensorStack (DataProto.to_tensordict)
+    is_vector = isinstance(column, (list, tuple)) or (isinstance(column, np.ndarray) and column.ndim == 1)
+    if not is_vector or len(column) != batch_size:
+        shape = getattr(column, "shape", None)
+        size = f"{len(column)} entries" if is_vector else "no sequence" if shape is None else f"shape {tuple(shape)}"
+        raise BatchFieldError(
+            f"the '{DIGEST_KEY}' column is a {type(column).__name__} ({size}) for {batch_size} samples; it "
+            "holds one digest per sample, as put_routes(..., form='dense') wrote it: keep it in that batch"
+        )
+    for b, digest in enumerate(column):
+        if not isinstance(digest, (bytes, bytearray)) or len(digest) != DIGEST_SIZE:
+            raise BatchFieldError(
+                f"the '{DIGEST_KEY}' column: sample {b} holds a {type(digest).__name__}"
+                f"{f' of {len(digest)} bytes' if isinstance(digest, (bytes, bytearray)) else ''}, not a "
+                f"{DIGEST_SIZE}-byte digest; the column is put_routes(..., form='dense')'s, not to be edited"
+            )
+    return list(column)
+
+
 def check_route_digests(
     column: Any, routes: torch.Tensor, input_ids: torch.Tensor, attention_mask_BS: torch.Tensor | None = None
 ) -> None:
-    """`TokenMismatchError` naming the first sample whose routes and tokens are not the pair that was written."""
-    if type(column).__module__.startswith("tensordict") and hasattr(column, "tolist"):
-        column = column.tolist()
-    if not isinstance(column, (list, tuple, np.ndarray)) or len(column) != input_ids.size(0):
-        raise BatchFieldError(
-            f"the '{DIGEST_KEY}' column is a {type(column).__name__} of "
-            f"{len(column) if hasattr(column, '__len__') else '?'} entries for {input_ids.size(0)} samples; keep it "
-            "in the batch put_routes wrote it for"
-        )
+    """`TokenMismatchError` naming the first sample whose routes and tokens are not the pair that was written; a
+    column that is not one 16-byte digest per sample (a number, a 0-d array or tensor, str) is a `BatchFieldError`."""
+    column = checked_digest_column(column, int(input_ids.size(0)))
     for b, (ids_N, routes_NPK) in enumerate(sample_rows(routes, input_ids, attention_mask_BS)):
         if route_digest(ids_N, routes_NPK) != column[b]:
             raise TokenMismatchError(
@@ -117,4 +134,12 @@ def check_route_digests(
             )
 
 
-__all__ = ["DIGEST_KEY", "check_route_digests", "route_digest", "route_digests", "sample_rows"]
+__all__ = [
+    "DIGEST_KEY",
+    "DIGEST_SIZE",
+    "check_route_digests",
+    "checked_digest_column",
+    "route_digest",
+    "route_digests",
+    "sample_rows",
+]

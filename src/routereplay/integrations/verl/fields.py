@@ -9,6 +9,8 @@ instead of a bare `KeyError` / `IndexError` / `TypeError` from deep inside torch
 - `attention_mask`: a torch tensor of 0/1 (bool, int or a finite float) of `input_ids`' shape, verl's layout:
   the prompt left padded (zeros then ones over `[0, P)`), the response right padded (ones then zeros after);
 - `prompts`: a torch tensor (B, P) with 0 < P < S;
+- `routed_experts`: a strided or jagged 4-d tensor of int8 / uint8 / int16 / int32 / int64 holding data (uint8
+  widened to int16); `response_mask`: (B, S - P) of 0/1;
 - the compact column: one bytes-like codec blob per sample.
 
 Each sample's routes are checked against the model (`RouteGeometry`: experts, top-k, MoE layers) when the
@@ -83,6 +85,21 @@ def field(tensors: Any, key: str, reader: str, why: str) -> Any:
     return value
 
 
+def checked_storage(tensor: torch.Tensor, name: str, reader: str) -> None:
+    """A tensor the readers can index and compare: strided (or verl's jagged NestedTensor) and holding data, not on
+    the meta device (no values) nor sparse (torch indexes neither like a dense tensor)."""
+    import torch
+
+    if tensor.device.type == "meta":
+        raise BatchFieldError(
+            f"{reader}: {name} is on the meta device (a shape without values); pass the batch's real tensor"
+        )
+    if not tensor.is_nested and tensor.layout != torch.strided:
+        raise BatchFieldError(
+            f"{reader}: {name} has layout {tensor.layout} (sparse); verl's is dense: pass {name}.to_dense()"
+        )
+
+
 def checked_input_ids(input_ids: Any, reader: str) -> torch.Tensor:
     """A torch integer tensor, (B, S) padded or a jagged NestedTensor (B, j)."""
     import torch
@@ -92,6 +109,7 @@ def checked_input_ids(input_ids: Any, reader: str) -> torch.Tensor:
             f"{reader}: input_ids is a {type(input_ids).__name__}, not a torch tensor; pass verl's batch tensors "
             "(torch.from_numpy(...) for an array)"
         )
+    checked_storage(input_ids, "input_ids", reader)
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise BatchFieldError(f"{reader}: input_ids has dtype {input_ids.dtype}; token ids are integers")
     if not input_ids.is_nested and input_ids.dim() != 2:
@@ -111,6 +129,7 @@ def checked_mask(mask: Any, input_ids_BS: torch.Tensor | None, batch_size: int, 
             f"{reader}: attention_mask is a {type(mask).__name__}{' (nested)' if getattr(mask, 'is_nested', 0) else ''}"
             ", not a padded torch tensor; pass the batch's (batch, prompt_length + response_length) mask"
         )
+    checked_storage(mask, "attention_mask", reader)
     want = tuple(input_ids_BS.shape) if input_ids_BS is not None else None
     if mask.dim() != 2 or mask.shape[0] != batch_size or (want is not None and tuple(mask.shape) != want):
         raise BatchFieldError(
@@ -127,6 +146,59 @@ def checked_mask(mask: Any, input_ids_BS: torch.Tensor | None, batch_size: int, 
             f"{reader}: sample {b}, position {s}: attention_mask holds {mask[b, s].item()!r}; a mask is 0/1"
         )
     return mask.to(torch.int64)
+
+
+def checked_route_tensor(routes: Any, reader: str) -> torch.Tensor:
+    """verl's `routed_experts`: a 4-d (batch, positions, layers, top_k) tensor of int8 / int16 / int32 / int64, or
+    uint8 (vLLM >= 0.26's own dtype), widened here to int16 so -1 fits. torch implements neither comparisons nor
+    fills for uint16 / uint32 / uint64, so those are refused by name, like floats, bools, sparse and meta tensors."""
+    import torch
+
+    allowed = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+    if not isinstance(routes, torch.Tensor) or routes.dtype not in allowed:
+        raise BatchFieldError(
+            f"{reader}: routed_experts is a {type(routes).__name__} of dtype {getattr(routes, 'dtype', None)}; verl's "
+            "is an integer torch tensor (batch, positions, layers, top_k) of int16 (or int8 / int32 / int64 / uint8): "
+            "convert it with .to(torch.int16)"
+        )
+    checked_storage(routes, "routed_experts", reader)
+    if routes.dim() != 4:
+        raise BatchFieldError(
+            f"{reader}: routed_experts has {routes.dim()} dims; verl's is (batch, positions, layers, top_k)"
+        )
+    return routes.to(torch.int16) if routes.dtype == torch.uint8 else routes
+
+
+def checked_response_mask(response_mask: Any, batch_size: int, response_width: int, reader: str) -> torch.Tensor:
+    """verl's `response_mask` (B, R) as a bool tensor: 1 on tokens the engine generated, 0 on tool tokens and padding.
+    Anything else (NaN, 0.5, -1, 2) would move each sample's last generated token, so it is refused by name."""
+    import torch
+
+    if not isinstance(response_mask, torch.Tensor) or response_mask.is_nested:
+        raise BatchFieldError(
+            f"{reader}: response_mask is a {type(response_mask).__name__}"
+            f"{' (nested)' if getattr(response_mask, 'is_nested', False) else ''}; verl's is a padded (batch, "
+            f"response_length = {response_width}) tensor with 1 on generated tokens"
+        )
+    checked_storage(response_mask, "response_mask", reader)
+    if tuple(response_mask.shape) != (batch_size, response_width):
+        raise BatchFieldError(
+            f"{reader}: response_mask has shape {tuple(response_mask.shape)}; verl's is (batch = {batch_size}, "
+            f"response_length = {response_width}) with 1 on generated tokens"
+        )
+    if response_mask.dtype.is_complex:
+        raise BatchFieldError(f"{reader}: response_mask has dtype {response_mask.dtype}; a mask is 0/1 per token")
+    if response_mask.dtype == torch.bool:
+        return response_mask
+    wrong = (response_mask != 0) & (response_mask != 1)  # NaN compares unequal to both
+    if bool(wrong.any()):
+        b, r = (int(i) for i in torch.nonzero(wrong)[0])
+        raise BatchFieldError(
+            f"{reader}: sample {b}, response position {r}: response_mask holds {response_mask[b, r].item()!r}; it is "
+            "1 on tokens the engine generated and 0 elsewhere (verl's agent loop writes exactly that): any other "
+            "value would move the sample's last generated token, and with it which zero rows are no route"
+        )
+    return response_mask != 0
 
 
 def checked_prompt_width(prompts: Any, width: int, batch_size: int, reader: str) -> int:
@@ -316,6 +388,9 @@ __all__ = [
     "checked_num_hidden_layers",
     "checked_prompt_length",
     "checked_prompt_width",
+    "checked_response_mask",
+    "checked_route_tensor",
+    "checked_storage",
     "compact_blobs",
     "field",
     "sample_lengths",

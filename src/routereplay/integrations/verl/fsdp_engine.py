@@ -40,15 +40,20 @@ expert 0; R2's recorded rows are all routes and are kept.
 -1 rows on attended positions (tool tokens) route live in both layouts verl feeds the model: packed
 (`use_remove_padding=True`) and padded with an attention mask (`False`) dispatch the same experts.
 
-Turning it on (every Ray worker imports the module through verl's `external_lib`, or from `verl/__init__`
-with `VERL_USE_EXTERNAL_MODULES=routereplay.integrations.verl.fsdp_engine`; the engine is registered for
-this platform's vendor and `VERL_ENGINE_VENDOR`'s, which `EngineRegistry` prefers, as soon as verl's
-engines are imported, before or after this module: `registration.py`):
+Turning it on (every Ray worker imports the module through verl's `external_lib`, the agent-loop workers
+too, or from `verl/__init__` with `VERL_USE_EXTERNAL_MODULES=routereplay.integrations.verl.fsdp_engine`; the
+engine is registered for this platform's vendor and `VERL_ENGINE_VENDOR`'s, which `EngineRegistry` prefers,
+as soon as verl's engines are imported, before or after this module, and routereplay's checked
+`single_turn_agent` / `tool_agent` as soon as verl's agent loops are: `registration.py`, `agent_loops.py`):
 
     actor_rollout_ref.model.external_lib=routereplay.integrations.verl.fsdp_engine
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3      # or R2
     actor_rollout_ref.rollout.enable_rollout_routing_replay=True     # R3: the rollout returns routes
-    '+ray_kwargs.ray_init.runtime_env.env_vars.ROUTEREPLAY_VERL_UNCHECKED_ROUTES="1"'  # R3, verl's own routes
+
+With verl's own agent loops that is all: each sample's routes reach the batch as a compact blob naming its
+tokens. A loop of the user's own that returns verl's `routed_experts` is refused under R3 unless it mixes in
+`agent_loops.RouteCheckedAgentLoop`, or every worker opts out of the token check with
+`'+ray_kwargs.ray_init.runtime_env.env_vars.ROUTEREPLAY_VERL_UNCHECKED_ROUTES="1"'` (counted, logged).
 
 Nothing here imports verl until verl's workers are loaded or `engine_class()` / `register_engine()` is
 called. Legend: B = sequences, N = tokens of a micro-batch, P = payload layers, L = bound MoE
@@ -84,7 +89,11 @@ from routereplay.integrations.verl.micro_batch import (
     route_source,
     routes_of,
 )
-from routereplay.integrations.verl.registration import register_under, register_when_verl_loads
+from routereplay.integrations.verl.registration import (
+    register_agent_loops_when_verl_loads,
+    register_under,
+    register_when_verl_loads,
+)
 from routereplay.integrations.verl.rollout import RouteGeometry
 from routereplay.integrations.verl.route_checks import (
     RecordedRoutes,
@@ -329,5 +338,14 @@ def register_engine(vendor: str | None = None, devices: tuple[str, ...] = ("cuda
     return cls
 
 
-# verl's `external_lib` / `VERL_USE_EXTERNAL_MODULES` import this module: register now, or when verl's engines load
+def register_agent_loops() -> None:
+    """routereplay's checked `single_turn_agent` / `tool_agent` under verl's names (`agent_loops.py`, imports verl)."""
+    import routereplay.integrations.verl.agent_loops as agent_loops
+
+    agent_loops.register_checked_agent_loops()
+
+
+# verl's `external_lib` / `VERL_USE_EXTERNAL_MODULES` import this module: register now, or when verl's engines load;
+# and verl's agent loops (an AgentLoopWorker imports `external_lib` too) now, or when verl's agent loops load
 register_when_verl_loads(register_engine)
+register_agent_loops_when_verl_loads(register_agent_loops)

@@ -8,12 +8,17 @@ run once `EngineRegistry` exists, whatever the order of imports:
 - `actor_rollout_ref.model.external_lib=routereplay.integrations.verl.fsdp_engine`: verl imports it in a
   worker where `verl.workers` is loaded, and it registers at once;
 - `VERL_USE_EXTERNAL_MODULES=routereplay.integrations.verl.fsdp_engine`: `verl/__init__` imports it before
-  `verl.workers` exists; and any process may import it before verl. Then `EngineImportHook` (first on
+  `verl.workers` exists; and any process may import it before verl. Then `PackageImportHook` (first on
   `sys.meta_path`) wraps the loader of `verl.workers.engine`, the package that defines `EngineRegistry` and
   imports verl's FSDP engines, registers right after that package has run, and leaves `sys.meta_path`.
 
 Registering without either would hand such a process verl's own engine, with replay off and nothing said.
 The hook imports nothing itself and changes no verl file; the module keeps verl's own loader.
+
+verl's agent loops go the same way (`register_agent_loops_when_verl_loads`): `fsdp_engine` is imported in every
+`AgentLoopWorker` too (verl's `HFModelConfig` imports `external_lib`), where verl's agent-loop package is loaded,
+and registers routereplay's checked `single_turn_agent` / `tool_agent` at once (`agent_loops.py`); a process that
+imports it first gets them right after `verl.experimental.agent_loop` has registered verl's own loops.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from routereplay.errors import ConfigError, RouteReplayError
 ENGINE_PACKAGE = "verl.workers.engine"  # defines EngineRegistry and imports verl's FSDP engines
 LOADED_MARKERS = (ENGINE_PACKAGE, "verl.workers.config")  # either loaded: verl is in use, register now
 HOOK_MARK = "routereplay_verl_engine_hook"  # attribute naming our hook on sys.meta_path (survives reloads)
+AGENT_LOOP_PACKAGE = "verl.experimental.agent_loop"  # its __init__ imports verl's loops, which register themselves
+AGENT_LOOP_HOOK_MARK = "routereplay_verl_agent_loop_hook"
 
 
 def register_under(cls: type, vendor: str, devices: Sequence[str]) -> None:
@@ -54,33 +61,50 @@ def register_under(cls: type, vendor: str, devices: Sequence[str]) -> None:
 
 def register_when_verl_loads(register: Callable[[], object]) -> None:
     """Call `register` now if verl's workers are loaded, else right after `verl.workers.engine` is imported."""
-    if any(name in sys.modules for name in LOADED_MARKERS):
-        run(register)
-    elif not any(getattr(finder, HOOK_MARK, False) for finder in sys.meta_path):
-        sys.meta_path.insert(0, EngineImportHook(register))
+    when_loaded(ENGINE_PACKAGE, LOADED_MARKERS, HOOK_MARK, register, "routereplay's FSDP engine")
 
 
-def run(register: Callable[[], object]) -> None:
+def register_agent_loops_when_verl_loads(register: Callable[[], object]) -> None:
+    """Call `register` now if verl's agent-loop package is loaded, else right after it is imported."""
+    when_loaded(AGENT_LOOP_PACKAGE, (AGENT_LOOP_PACKAGE,), AGENT_LOOP_HOOK_MARK, register, "routereplay's agent loops")
+
+
+def when_loaded(package: str, markers: Sequence[str], mark: str, register: Callable[[], object], what: str) -> None:
+    """`register` now if any of `markers` is imported, else from a hook (marked `mark`) once `package` has run."""
+    if any(name in sys.modules for name in markers):
+        run(register, what)
+    elif not any(getattr(finder, mark, False) for finder in sys.meta_path):
+        sys.meta_path.insert(0, PackageImportHook(register, package=package, mark=mark, what=what))
+
+
+def run(register: Callable[[], object], what: str = "routereplay's FSDP engine") -> None:
     try:
         register()
     except RouteReplayError:
         raise
     except Exception as err:  # verl too old or too new for this engine: say so where it is imported
-        raise ConfigError(f"registering routereplay's FSDP engine with verl failed: {err}") from err
+        raise ConfigError(f"registering {what} with verl failed: {err}") from err
 
 
-class EngineImportHook(importlib.abc.MetaPathFinder):
-    """Finds `verl.workers.engine` through the other finders and gives it a loader that registers after it."""
+class PackageImportHook(importlib.abc.MetaPathFinder):
+    """Finds `package` (`verl.workers.engine` by default) through the other finders and gives it a loader that
+    registers after it. The hook carries the attribute `mark` (True), by which `when_loaded` finds it."""
 
-    routereplay_verl_engine_hook = True
-
-    def __init__(self, register: Callable[[], object]) -> None:
-        self.register = register
+    def __init__(
+        self,
+        register: Callable[[], object],
+        *,
+        package: str = ENGINE_PACKAGE,
+        mark: str = HOOK_MARK,
+        what: str = "routereplay's FSDP engine",
+    ) -> None:
+        self.register, self.package, self.what = register, package, what
+        setattr(self, mark, True)
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if fullname != ENGINE_PACKAGE:
+        if fullname != self.package:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -101,7 +125,7 @@ class EngineImportHook(importlib.abc.MetaPathFinder):
 class RegisteringLoader(importlib.abc.Loader):
     """verl's loader for `verl.workers.engine`, then the registration (the module keeps verl's loader)."""
 
-    def __init__(self, loader: importlib.abc.Loader, hook: EngineImportHook) -> None:
+    def __init__(self, loader: importlib.abc.Loader, hook: PackageImportHook) -> None:
         self.loader, self.hook = loader, hook
 
     def create_module(self, spec: ModuleSpec) -> ModuleType | None:
@@ -113,7 +137,14 @@ class RegisteringLoader(importlib.abc.Loader):
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
         self.hook.leave()
-        run(self.hook.register)
+        run(self.hook.register, self.hook.what)
 
 
-__all__ = ["ENGINE_PACKAGE", "EngineImportHook", "register_under", "register_when_verl_loads"]
+__all__ = [
+    "AGENT_LOOP_PACKAGE",
+    "ENGINE_PACKAGE",
+    "PackageImportHook",
+    "register_agent_loops_when_verl_loads",
+    "register_under",
+    "register_when_verl_loads",
+]

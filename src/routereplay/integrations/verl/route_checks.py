@@ -3,9 +3,11 @@
 routereplay's own forms carry their proof: the compact column holds each sample's token ids, the dense
 form a per-sample digest (`digest.py`). Two dense tensors reach the engine without one:
 
-- **R3, verl's own agent-loop `routed_experts`** (`enable_rollout_routing_replay=True` with verl's agent
-  loop): nothing ties its rows to the tokens, so a tensor shifted by a position, cut, or moved onto
-  swapped equal-length samples would replay silently. The engine refuses it (`UncheckedRoutesError`)
+- **R3, verl's own agent-loop `routed_experts`** (`enable_rollout_routing_replay=True` with an agent loop
+  routereplay's are not: a user's own loop, or workers that never imported `fsdp_engine`; verl's default
+  single-turn and tool loops are replaced by checked ones, `agent_loops.py`): nothing ties its rows to the
+  tokens, so a tensor shifted by a position, cut, or moved onto swapped equal-length samples would replay
+  silently. The engine refuses it (`UncheckedRoutesError`)
   unless the user opts out with the environment variable `UNCHECKED_ENV` set to 1 in every worker: verl's
   `EngineRouterReplayConfig` refuses keys it does not declare, so the opt-out travels to verl's Ray
   workers in `RUNTIME_ENV_OVERRIDE` on verl's command line (quoted: Ray takes string env_vars only).
@@ -62,9 +64,11 @@ def unchecked_refusal(samples: int) -> UncheckedRoutesError:
     return UncheckedRoutesError(
         f"router_replay.mode=R3: a micro-batch's routed_experts ({samples} samples) has no '{DIGEST_KEY}' column, "
         "so nothing ties its rows to the tokens (routes shifted by a position, cut, or on swapped equal-length "
-        "samples would replay silently). This is verl's own agent-loop form. Fix: put the routes with routereplay's "
-        "rollout side (AgentLoopOutput.extra_fields['routereplay_routes'] = compact_blob(trace), or "
-        "put_routes(..., form='dense'), which writes the digest), or opt out in every worker with "
+        "samples would replay silently). This is the form verl's agent loops build when routereplay's are not in "
+        "use. Fix: import routereplay.integrations.verl.fsdp_engine in the agent-loop workers too "
+        "(actor_rollout_ref.model.external_lib does: it registers routereplay's checked single_turn_agent / "
+        "tool_agent), mix routereplay.integrations.verl.agent_loops.RouteCheckedAgentLoop into a loop of your "
+        "own, or put the routes with put_routes(..., form='compact' | 'dense'); or opt out in every worker with "
         f"{UNCHECKED_ENV}=1 ({RUNTIME_ENV_OVERRIDE} on verl's command line): the engine then replays them "
         "unchecked, as verl does, and logs how many samples it did"
     )

@@ -41,6 +41,8 @@ from routereplay.integrations.verl.fields import (
     checked_input_ids,
     checked_mask,
     checked_prompt_width,
+    checked_response_mask,
+    checked_route_tensor,
     field,
     tensors_of,
 )
@@ -72,17 +74,8 @@ def routed_experts_for_batch(
     geometry = checked_geometry(geometry, reader)
     unchecked, recorded = checked_flag(unchecked, "unchecked", reader), checked_flag(recorded, "recorded", reader)
     tensors, non_tensor = tensors_of(batch, reader)
-    routes = field(tensors, VERL_ROUTES_KEY, reader, "the dense routes to replay")
+    routes = checked_route_tensor(field(tensors, VERL_ROUTES_KEY, reader, "the dense routes to replay"), reader)
     input_ids = checked_input_ids(field(tensors, "input_ids", reader, "the tokens the routes belong to"), reader)
-    if not isinstance(routes, torch.Tensor) or routes.dtype.is_floating_point or routes.dtype == torch.bool:
-        raise BatchFieldError(
-            f"{reader}: routed_experts is a {type(routes).__name__} of dtype {getattr(routes, 'dtype', None)}; verl's "
-            "is an integer torch tensor (batch, positions, layers, top_k)"
-        )
-    if routes.dim() != 4:
-        raise BatchFieldError(
-            f"{reader}: routed_experts has {routes.dim()} dims; verl's is (batch, positions, layers, top_k)"
-        )
     mask_BS = None
     if not input_ids.is_nested:
         mask_BS = checked_mask(
@@ -106,10 +99,11 @@ def routed_experts_for_batch(
             "unchecked=True to replay verl's own routed_experts without a token check"
         )
 
+    spans = _unrouted_spans(routes, input_ids, tensors, reader) if digests is None and not recorded else None
     values = (routes.values() if routes.is_nested else routes).clone()
     _clear_dense_columns(values, routes.is_nested, geometry, rows, reader)
-    if digests is None and not recorded:
-        _clear_unrouted(values, routes, input_ids, tensors, reader)
+    if spans is not None:
+        _clear_unrouted(values, routes.is_nested, spans, mask_BS)
     if routes.is_nested:
         return torch.nested.nested_tensor_from_jagged(values, offsets=routes.offsets())  # type: ignore[attr-defined]
     return values
@@ -173,14 +167,12 @@ def _clear_dense_columns(
     values[..., dense, :] = -1
 
 
-def _clear_unrouted(
-    values: torch.Tensor, routes: torch.Tensor, input_ids: torch.Tensor, tensors: Any, reader: str
-) -> None:
-    """verl's zero padding -> -1 where verl's masks say no engine routed the position (module docstring)."""
+def _unrouted_spans(routes: torch.Tensor, input_ids: torch.Tensor, tensors: Any, reader: str) -> list[tuple[int, int]]:
+    """Per sample, the [begin, end) of its rows (padded: positions of its row; jagged: rows of the values) from
+    which no engine routed: from its last generated token (the last `response_mask` 1) on. Every mask is checked
+    here, before the routes are copied."""
     import torch
 
-    if values.shape[-1] >= 2:
-        values[(values == 0).all(-1)] = -1  # a duplicated expert is never a route
     mask_BS = checked_mask(
         field(tensors, "attention_mask", reader, "where verl's zero rows are padding"), None, input_ids.size(0), reader
     )
@@ -188,40 +180,42 @@ def _clear_unrouted(
     prompt_width = checked_prompt_width(
         field(tensors, "prompts", reader, "the prompt width"), width, mask_BS.shape[0], reader
     )
-    response_mask = field(tensors, "response_mask", reader, "which response tokens the engine generated")
-    if (
-        not isinstance(response_mask, torch.Tensor)
-        or response_mask.is_nested
-        or tuple(response_mask.shape)
-        != (
-            mask_BS.shape[0],
-            width - prompt_width,
-        )
-    ):
-        raise BatchFieldError(
-            f"{reader}: response_mask is a {type(response_mask).__name__} of shape "
-            f"{tuple(getattr(response_mask, 'shape', ()))}; verl's is (batch, response_length = "
-            f"{width - prompt_width}) with 1 on generated tokens"
-        )
-    generated_BR = response_mask.to(mask_BS.device) != 0
-    prompt_lens = mask_BS[:, :prompt_width].sum(1)
+    generated_BR = checked_response_mask(
+        field(tensors, "response_mask", reader, "which response tokens the engine generated"),
+        mask_BS.shape[0],
+        width - prompt_width,
+        reader,
+    ).to(mask_BS.device)
     positions_R = torch.arange(width - prompt_width, device=mask_BS.device)
-    last_B = torch.where(generated_BR, positions_R, -1).max(1).values  # -1: nothing generated, nothing routed
-    if routes.is_nested:
-        cu = routes.offsets().to(values.device)  # type: ignore[attr-defined]
-        if bool((mask_BS.sum(1).to(cu.device) != cu.diff()).any()):
-            raise BatchFieldError(
-                f"{reader}: attention_mask counts {mask_BS.sum(1).tolist()} tokens per sample but routed_experts "
-                f"holds {cu.diff().tolist()} rows; keep the batch's own mask with its routes"
-            )
-        for b in range(cu.numel() - 1):
-            first = int(prompt_lens[b]) + int(last_B[b]) if int(last_B[b]) >= 0 else 0
-            values[int(cu[b]) + first : int(cu[b + 1])] = -1
-        return
-    values[mask_BS.to(values.device) == 0] = -1
-    for b in range(values.shape[0]):
-        first = prompt_width + int(last_B[b]) if int(last_B[b]) >= 0 else 0
-        values[b, first:] = -1
+    last_B = torch.where(generated_BR, positions_R, -1).max(1).values.tolist()  # -1: nothing generated or routed
+    if not routes.is_nested:
+        return [(prompt_width + last if last >= 0 else 0, width) for last in last_B]
+    cu = routes.offsets().to("cpu", torch.int64)  # type: ignore[attr-defined]
+    if bool((mask_BS.sum(1).cpu() != cu.diff()).any()):
+        raise BatchFieldError(
+            f"{reader}: attention_mask counts {mask_BS.sum(1).tolist()} tokens per sample but routed_experts "
+            f"holds {cu.diff().tolist()} rows; keep the batch's own mask with its routes"
+        )
+    prompt_lens = mask_BS[:, :prompt_width].sum(1).tolist()
+    return [
+        (int(cu[b]) + (int(prompt_lens[b]) + last if last >= 0 else 0), int(cu[b + 1])) for b, last in enumerate(last_B)
+    ]
+
+
+def _clear_unrouted(
+    values: torch.Tensor, jagged: bool, spans: list[tuple[int, int]], mask_BS: torch.Tensor | None
+) -> None:
+    """verl's zero padding -> -1 where verl's masks say no engine routed the position (module docstring)."""
+    if values.shape[-1] >= 2:
+        values[(values == 0).all(-1)] = -1  # a duplicated expert is never a route
+    if not jagged:
+        assert mask_BS is not None
+        values[mask_BS.to(values.device) == 0] = -1
+    for b, (begin, end) in enumerate(spans):
+        if jagged:
+            values[begin:end] = -1
+        else:
+            values[b, begin:end] = -1
 
 
 __all__ = ["VERL_ROUTES_KEY", "routed_experts_for_batch"]
