@@ -21,7 +21,9 @@ before each step, the set-up checked at start-up); any other version stops the p
   `ForcedRoutesError`), and the server keeps serving. A good request's prompt is salted with its
   routes' digest (vLLM's `cache_salt`, `forced_routes.salted`), so prefix-cache hits reuse only KV
   computed under the same forced routes; a request without forced routes whose own salt has the
-  reserved prefix is refused (it would reuse forced KV).
+  reserved prefix is refused (it would reuse forced KV). Forced routes on a streaming-input chunk
+  (`resumable`: vLLM's input-stream sessions, 0.30-0.33) are refused by name: vLLM checks each chunk alone
+  while the session's positions span every chunk, and keeps the first chunk's cache salt (issue 38 item 4).
 - 0.30: `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
   forward in which some request asks for forcing, the runner's `ForcingWorker` sets every MoE layer's
   forced rows for the step (`forcing.worker`); they are cleared after the forward, also when it raises.
@@ -143,6 +145,14 @@ def check_request(processor: Any, request: Any) -> None:
         )
     if not (forced or weights):
         return
+    if forced and getattr(request, "resumable", False):
+        raise ForcedRoutesError(
+            f"{where}: forced routes (vllm_xargs {XARG_KEY!r}) are refused on a streaming-input request (a resumable "
+            "session chunk, AsyncLLM input stream): vLLM hands this check each chunk's prompt only while the "
+            "session's positions run over every earlier chunk and output, and it keeps the first chunk's cache salt, "
+            "so no chunk's routes can be checked or forced at their positions; send the whole prompt as one request "
+            "(a next turn as a new request with the earlier turns' traces merged, RouteTrace.merge)"
+        )
     model_config = processor.model_config
     asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})" if forced else f"{where}: vllm_xargs {WEIGHTS_KEY!r}"
     if vllm_forcing_path() is ForcingPath.MRV2:
