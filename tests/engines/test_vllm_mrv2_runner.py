@@ -17,7 +17,6 @@ Legend: N = token rows, E = experts, K = top-k.
 from __future__ import annotations
 
 import copy
-import re
 import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -358,66 +357,9 @@ def test_vllm_032s_own_input_processor_checks_and_salts_forced_requests(vllm032:
 def test_forced_routes_on_vllm_032s_streaming_input_are_refused_by_name_at_the_front_end(
     vllm032: SimpleNamespace,
 ) -> None:
-    """Issue 38 item 4, through vLLM 0.32's own streaming-input path: `AsyncLLM._add_streaming_input_request` (its
-    code, on the real `InputProcessor` wrapped by the plugin; only the engine-core hand-off is a recorder) sends each
-    chunk through `process_inputs(..., resumable=True)` with that chunk's prompt. A chunk carrying forced routes,
-    even routes that fit the chunk, ends the stream with the refusal by name and never reaches the engine; a plain
-    session's chunks pass untouched (no salt); the same routes as a plain request are served."""
-    import asyncio
+    """Issue 38 item 4, through vLLM 0.32's own streaming-input path (`AsyncLLM._add_streaming_input_request` on
+    the real `InputProcessor`, `tests/engines/test_vllm_streaming_input.py`): a chunk forcing routes, even routes
+    that fit the chunk, ends the session with the refusal by name and never reaches the engine."""
+    from tests.engines.test_vllm_streaming_input import StreamingFrontEnd
 
-    from vllm import SamplingParams
-    from vllm.engine.protocol import StreamingInput
-    from vllm.exceptions import VLLMValidationError
-    from vllm.inputs.engine import tokens_input
-    from vllm.v1.engine.async_llm import AsyncLLM, InputStreamError
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    from routereplay.engines.vllm.forced_routes import SALT_PREFIX, XARG_KEY
-
-    added: list[Any] = []
-
-    async def add_request(request: Any, *args: Any) -> None:  # AsyncLLM._add_request: the hand-off to the core
-        added.append(request)
-
-    async def supported_tasks() -> tuple[str, ...]:
-        return ("generate",)
-
-    engine = SimpleNamespace(
-        input_processor=InputProcessor(vllm032.config),
-        model_config=vllm032.config.model_config,
-        get_supported_tasks=supported_tasks,
-        _add_request=add_request,
-        _run_output_handler=lambda: None,
-        _validate_streaming_input_sampling_params=AsyncLLM._validate_streaming_input_sampling_params,
-    )
-    chunk = list(range(10, 16))
-    fits_chunk = encode_forced(routes(6, seed=51, served=SERVED))  # valid for the chunk as a prompt of its own
-
-    def params(extra: dict[str, Any] | None = None) -> Any:
-        return SamplingParams(max_tokens=2, extra_args=extra)
-
-    def session(chunks: list[tuple[list[int], Any]]) -> Any:
-        async def stream() -> Any:
-            for prompt, chunk_params in chunks:
-                yield StreamingInput(prompt=tokens_input(prompt), sampling_params=chunk_params)
-
-        async def run() -> Any:
-            queue = await AsyncLLM._add_streaming_input_request(engine, "s1", stream(), params())
-            assert queue._input_stream_task is not None
-            await queue._input_stream_task
-            return queue.output
-
-        added.clear()
-        return asyncio.run(run())
-
-    assert session([(chunk, None), ([30, 31], params())]) is None  # plain: both chunks and the end marker added
-    assert [r.resumable for r in added] == [True, True, False] and all(r.cache_salt is None for r in added)
-    for chunks in ([(chunk, params({XARG_KEY: fits_chunk}))], [(chunk, None), ([30, 31], params({XARG_KEY: "x"}))]):
-        error = session(chunks)
-        assert isinstance(error, InputStreamError) and isinstance(error.cause, VLLMValidationError)
-        assert isinstance(error.cause.__cause__, ForcedRoutesError)
-        assert re.search(r"forced routes .* refused on a streaming-input request .* send the whole", str(error.cause))
-        assert not any(XARG_KEY in (r.sampling_params.extra_args or {}) for r in added), "a forced chunk was added"
-    processor = InputProcessor(vllm032.config)
-    plain = processor.process_inputs("r2", {"prompt_token_ids": chunk}, params({XARG_KEY: fits_chunk}), ("generate",))
-    assert str(plain.cache_salt).startswith(SALT_PREFIX)
+    StreamingFrontEnd(vllm032.config).check_refusals(encode_forced(routes(6, seed=51, served=SERVED)))
