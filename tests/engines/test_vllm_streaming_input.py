@@ -62,7 +62,8 @@ class StreamingFrontEnd:
                 yield StreamingInput(prompt=tokens_input(prompt), sampling_params=chunk_params)
 
         async def run() -> Any:
-            queue = await AsyncLLM._add_streaming_input_request(self.engine, "s1", stream(), params)
+            add = AsyncLLM._add_streaming_input_request  # its own code, on this front end (not an AsyncLLM)
+            queue = await add(self.engine, "s1", stream(), params)  # type: ignore[arg-type]
             assert queue._input_stream_task is not None
             await queue._input_stream_task
             return queue.output
