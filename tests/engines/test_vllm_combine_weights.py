@@ -174,3 +174,78 @@ def test_vllm_weights_are_what_its_experts_received_and_what_hf_replay_gives(col
             got_ids, got_weights = (v[: trace.num_tokens] for v in hf_seen[layer][0])  # the last token: no row
             assert np.array_equal(got_ids.numpy(), trace.experts[:, column]), f"HF layer {layer}: ids"
             assert np.array_equal(got_weights.float().numpy(), trace.weights[:, column]), f"HF layer {layer}: weights"
+
+
+def test_weights_nobody_takes_are_dropped_and_the_real_worker_stays_under_its_byte_limit(
+    colocated_qwen3: Colocated,
+) -> None:
+    """Issue 38 item 7, on vLLM 0.30's own runner in this process. Requests asking for weights through vLLM's own
+    `LLM.generate`, never taken (what `vllm serve` does; one asks with 1, as its OpenAI server delivers JSON true),
+    hold their rows while they run (bytes summed from the kept arrays themselves); once they have left the runner
+    they are dropped and counted. Under a byte limit one request's rows are kept and the others are dropped whole,
+    named; an engine call whose rows could not fit is refused before anything runs."""
+    import vllm
+
+    from routereplay.engines.vllm.combine_weights import weights_for
+    from routereplay.engines.vllm.forced_routes import WEIGHTS_KEY
+    from routereplay.engines.vllm.forcing.weights import row_bytes
+    from routereplay.engines.vllm.plugin import forcing_worker
+    from routereplay.errors import ConfigError, WeightsCaptureError
+    from routereplay.trace.route_trace import RouteTrace
+
+    engine = colocated_qwen3.engine
+    worker = forcing_worker(runner(engine))
+    store = worker.weights
+    per_row = row_bytes(len(worker.served.moe_layers), worker.served.top_k)
+    saved = (store.capacity, store.max_bytes)
+
+    def held() -> int:
+        kept = [*store.live.values(), *store.finished.values()]
+        return sum(a.nbytes for w in kept for a in (*w.positions, *w.ids, *w.weights))
+
+    def ask(flags: list[object], lengths: list[int], seed: int) -> list[Any]:
+        params = [
+            vllm.SamplingParams(max_tokens=4, seed=seed + i, extra_args={WEIGHTS_KEY: f}, detokenize=False)
+            for i, f in enumerate(flags)
+        ]
+        inputs = [{"prompt_token_ids": p} for p in prompts(seed, lengths)]
+        return engine.llm.generate(inputs, params, use_tqdm=False)
+
+    def plain_step() -> None:  # the next step: the worker learns that the earlier requests left the runner
+        engine.llm.generate([{"prompt_token_ids": prompts(5, [6])[0]}], vllm.SamplingParams(max_tokens=1))
+
+    try:
+        store.capacity = 0  # a server's worker: no engine reserved room (the session's engine may have)
+        store.take([*store.live, *store.finished])
+        evicted = store.evicted
+        outputs = ask([True, 1, True], [20, 24, 28], seed=91)
+        rows = {o.request_id: len(o.prompt_token_ids) + 3 for o in outputs}  # prompt + 3 fed decode tokens
+        assert sorted(w.num_kept for w in store.live.values()) == sorted(rows.values())
+        assert store.kept_bytes == held() == sum(rows.values()) * per_row
+        plain_step()
+        assert (len(store), store.kept_bytes, held(), store.evicted) == (0, 0, 0, evicted + 3)
+        taken = store.take(list(rows))
+        assert sorted(taken) == sorted(rows) and all(w.dropped and not w.num_kept for w in taken.values())
+        served = worker.served
+        ids_TLK = np.tile(np.arange(served.top_k, dtype=np.int16), (1, len(served.moe_layers), 1))
+        trace = RouteTrace(ids_TLK, served.num_experts, served.moe_layers)
+        with pytest.raises(WeightsCaptureError, match="finished and no engine took them"):
+            weights_for(trace, taken[outputs[0].request_id], "prompt 0")
+
+        store.capacity, store.max_bytes = 3, (24 + 3) * per_row  # room for one request's rows
+        over = store.over_limit
+        outputs = ask([True, True, True], [24, 24, 24], seed=93)
+        assert store.kept_bytes == held() <= store.max_bytes
+        taken = store.take([o.request_id for o in outputs])
+        kept = sorted(taken.values(), key=lambda w: w.num_kept)
+        assert [w.num_kept for w in kept] == [0, 0, 27] and store.over_limit == over + 2
+        assert all(f"would pass the {store.max_bytes} bytes" in str(w.dropped) for w in kept[:2])
+
+        before = worker_counters(runner(engine))["weights_requests"]
+        with pytest.raises(ConfigError, match=r"this call's 56 rows .* above the 10 one vLLM worker keeps"):
+            store.max_bytes = 10
+            engine.generate(prompts(95, [24, 24]), SamplingParams(max_new_tokens=4), capture_weights=True)
+        assert worker_counters(runner(engine))["weights_requests"] == before, "a refused call ran requests"
+    finally:
+        store.capacity, store.max_bytes = saved
+        store.take([*store.live, *store.finished])

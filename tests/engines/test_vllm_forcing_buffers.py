@@ -62,14 +62,14 @@ def test_weights_are_kept_only_when_asked_for_at_a_fixed_address() -> None:
     assert buffers.weights_TLK is not None
     assert buffers.weights_TLK.dtype == torch.float32 and buffers.weights_TLK.shape == (4, 3, 2)
     address = buffers.weights_TLK.data_ptr()
-    buffers.load(np.array([1]), np.full((1, 3, 2), 3))
+    buffers.load(np.array([1]), np.tile([3, 5], (1, 3, 1)))
     buffers.clear()
     assert buffers.weights_TLK.data_ptr() == address
 
 
 def test_clear_unforces_every_row_and_a_later_load_starts_clean() -> None:
     buffers = ForcingBuffers(max_tokens=8, moe_layers=LAYERS, top_k=2, device="cpu")
-    buffers.load(np.array([7, 2]), np.full((2, 3, 2), 5))
+    buffers.load(np.array([7, 2]), np.tile([5, 6], (2, 3, 1)))
     assert buffers.forced and buffers.mask_TL.sum() == 6
     buffers.clear()
     assert not buffers.forced and not buffers.mask_TL.any()
@@ -100,6 +100,16 @@ def test_a_step_whose_rows_are_all_minus_one_forces_nothing() -> None:
         (np.array([0.0]), np.zeros((1, 3, 2)), r"must be integers"),
         (np.array([0]), np.full((1, 3, 2), 16), r"expert id 16 is not below the model's 16 experts"),
         (np.array([], dtype=np.int64), np.zeros((0, 5, 9), dtype=np.int64), r"do not fit"),
+        (np.array([5]), np.array([[[1, 2], [3, 3], [1, 2]]]), r"token row 5, MoE layer 3 names an expert twice"),
+        (np.array([0]), np.zeros((1, 3, 2), dtype=np.int64), r"names an expert twice \(\[0, 0\]; 3 such"),
+        (
+            np.array([0]),
+            np.array([[[1, 2], [3, 4], [5, 6]]], dtype="m8[s]"),
+            r"experts \(timedelta64\[s\]\) must be integers",
+        ),
+        (np.array([0], dtype="m8[s]"), np.array([[[1, 2], [3, 4], [5, 6]]]), r"must be integers"),
+        (np.array([0], dtype="M8[s]"), np.array([[[1, 2], [3, 4], [5, 6]]]), r"must be integers"),
+        (np.array([True]), np.array([[[1, 2], [3, 4], [5, 6]]]), r"must be integers"),
     ],
 )
 def test_bad_rows_are_refused_by_name(rows: np.ndarray, experts: np.ndarray, message: str) -> None:
@@ -107,6 +117,14 @@ def test_bad_rows_are_refused_by_name(rows: np.ndarray, experts: np.ndarray, mes
     with pytest.raises(ForcedRoutesError, match=message):
         buffers.load(rows, experts)
     assert not buffers.mask_TL.any(), "a refused load changes nothing"
+
+
+def test_distinct_ids_in_any_order_and_live_layers_are_not_duplicates() -> None:
+    buffers = ForcingBuffers(max_tokens=8, moe_layers=LAYERS, top_k=3, device="cpu", num_experts=16)
+    buffers.load(
+        np.array([0, 1]), np.array([[[2, 0, 1], [-1, -1, -1], [15, 3, 7]], [[0, 15, 14], [1, 2, 0], [-1] * 3]])
+    )
+    assert buffers.mask_TL[:2].tolist() == [[True, False, True], [True, True, False]]
 
 
 def test_an_id_past_int32_is_refused_not_wrapped() -> None:
@@ -123,6 +141,9 @@ def test_an_id_past_int32_is_refused_not_wrapped() -> None:
         (4, (1, 1), 2, "repeat"),
         (4.7, LAYERS, 2, "must be integers"),
         (None, LAYERS, 2, "must be integers"),
+        (4, None, 2, r"moe_layers=None\): pass the model's MoE layer numbers as a tuple"),
+        (4, 3, 2, r"moe_layers=3\): pass the model's MoE layer numbers"),
+        (4, (1, None), 2, "must be integers"),
     ],
 )
 def test_bad_sizes_are_refused_by_name(max_tokens: object, layers: tuple[int, ...], top_k: int, message: str) -> None:

@@ -243,17 +243,38 @@ def test_finished_requests_drop_their_routes_and_a_step_without_forced_rows_clea
     assert runner.forcing.rows.rows_of(batch) is None
 
 
-def test_a_streaming_input_update_with_a_longer_prompt_and_routes_is_checked_again(runner: Runner) -> None:
-    """MRv2 re-sends a request whose input grew (streaming input) as new, with its longer prompt: its new routes
-    are checked against that prompt and force the new positions; the same request re-sent unchanged is not."""
+def test_a_streaming_input_update_of_a_forced_session_routes_live_and_never_reanchors_its_routes(
+    runner: Runner,
+) -> None:
+    """Issue 38 item 4. MRv2 re-sends a streaming-input session whose prompt grew by a chunk as new, with the
+    session's whole prompt and the update's routes (checked by vLLM's front end against the chunk alone). Such an
+    update (one that bypassed the plugin's front end, which refuses it by name) is refused: no row of the update is
+    forced, and when the session is recomputed from position 0 (a preemption, or a prefix-cache reset of running
+    requests) the first chunk's tokens are not forced with the update's experts. Counted once, in `refused_requests`.
+    The same session re-sent unchanged after that keeps its (refused) plan; an unforced session's update stays
+    unforced."""
     first = list(range(10, 16))
-    longer = [*first, 40, 41, 42, 43]
-    trace, grown = routes(6, seed=9), routes(10, seed=10)
-    runner.step({"a": 6}, new=[runner.new("a", first, encode_forced(trace))])
-    runner.step({"a": 1})
-    update = runner.new("a", longer, encode_forced(grown), computed=7)
-    batch, forced = runner.step({"a": 3}, new=[update])
-    assert forced and runner.check(batch, {"a": grown}) == 3 * 2  # positions 7..9 of the grown routes
-    assert runner.forcing.rows.forced_requests == 2
-    runner.forcing.rows.admit([update])
-    assert runner.forcing.rows.forced_requests == 2, "the same request, routes and prompt: not checked again"
+    longer = [*first, 50, 40, 41, 42, 43]  # the session: chunk 1, its kept output (50), chunk 2
+    trace, chunk_routes = routes(6, seed=9), routes(5, seed=10)  # chunk 2's own routes, rows 0..4 of the chunk
+    runner.step({"a": 6, "p": 4}, new=[runner.new("a", first, encode_forced(trace)), runner.new("p", [1, 2, 3, 4])])
+    runner.step({"a": 1, "p": 1})
+    update = runner.new("a", longer, encode_forced(chunk_routes), computed=7)
+    batch, forced = runner.step({"a": 4}, new=[update, runner.new("p", [1, 2, 3, 4, 5, 6], computed=5)])
+    assert not forced and runner.check(batch, {}) == 0, "an update's routes were forced at session positions"
+    recomputed = runner.new("a", longer, encode_forced(chunk_routes))  # preempted: recomputed from position 0
+    batch, forced = runner.step({"a": 11}, new=[recomputed], preempted={"a"})
+    assert not forced and runner.check(batch, {}) == 0, "the first chunk was forced with the update's experts"
+    counters = runner.forcing.counters()
+    assert (counters["forced_requests"], counters["refused_requests"]) == (1, 1)
+    assert runner.forcing.rows.plan_of("a") is None and runner.forcing.rows.plan_of("p") is None
+
+
+def test_a_request_resumed_with_its_own_prompt_and_routes_keeps_its_plan(runner: Runner) -> None:
+    """Not a streaming update: the same request re-sent unchanged (preemption, a prefix-cache reset) is not checked
+    again and forces its positions again."""
+    prompt = list(range(10, 20))
+    trace = routes(10, seed=11)
+    runner.step({"a": 6}, new=[runner.new("a", prompt, encode_forced(trace))])
+    batch, forced = runner.step({"a": 10}, new=[runner.new("a", prompt, encode_forced(trace))], preempted={"a"})
+    assert forced and runner.check(batch, {"a": trace}) == 10 * 2
+    assert runner.forcing.counters()["forced_requests"] == 1 and runner.forcing.counters()["refused_requests"] == 0

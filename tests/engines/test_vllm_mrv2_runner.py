@@ -351,3 +351,15 @@ def test_vllm_032s_own_input_processor_checks_and_salts_forced_requests(vllm032:
     with pytest.raises(VLLMValidationError, match=r"request 'r1'.*cannot be served: vLLM runs its V1 model runner"):
         process(vllm032.v1_config, {XARG_KEY: blob})
     assert process(vllm032.v1_config, {}).cache_salt is None
+
+
+@pytest.mark.vllm032
+def test_forced_routes_on_vllm_032s_streaming_input_are_refused_by_name_at_the_front_end(
+    vllm032: SimpleNamespace,
+) -> None:
+    """Issue 38 item 4, through vLLM 0.32's own streaming-input path (`AsyncLLM._add_streaming_input_request` on
+    the real `InputProcessor`, `tests/engines/test_vllm_streaming_input.py`): a chunk forcing routes, even routes
+    that fit the chunk, ends the session with the refusal by name and never reaches the engine."""
+    from tests.engines.test_vllm_streaming_input import StreamingFrontEnd
+
+    StreamingFrontEnd(vllm032.config).check_refusals(encode_forced(routes(6, seed=51, served=SERVED)))

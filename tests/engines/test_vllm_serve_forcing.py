@@ -19,7 +19,7 @@ import pytest
 from routereplay import codec
 from routereplay.engines.hf import SamplingParams
 from routereplay.engines.remote import VLLMClient
-from routereplay.engines.vllm.forced_routes import XARG_KEY, encode_forced, salted
+from routereplay.engines.vllm.forced_routes import WEIGHTS_KEY, XARG_KEY, encode_forced, salted
 from routereplay.errors import ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
 from tests.engines.colocated_engine import Colocated, prompts
@@ -115,3 +115,28 @@ def test_the_servers_refusal_reaches_the_client_by_name(vllm_qwen3: LiveServer) 
     wrong = random_routes(vllm_qwen3.layout, 9, seed=5).select_layers([0, 2])
     with pytest.raises(ForcedRoutesError, match=r"the server refused the forced routes: .*layers \[0, 2\]"):
         client(vllm_qwen3, knows_layout=False).generate([prompt], SamplingParams(), prefix_routes=[wrong])
+
+
+def test_weights_asked_with_json_true_are_served_on_completions_and_chat_and_other_values_refused(
+    vllm_qwen3: LiveServer,
+) -> None:
+    """Issue 38 item 8: vLLM's OpenAI server turns JSON true / false in `vllm_xargs` into 1 / 0 before the plugin
+    sees them; both endpoints serve a request asking with true, false or "true", and refuse 2 or "yes" by name."""
+    prompt = prompts(87, [10])[0]
+    for flag in (True, False, "true"):
+        answer = post(vllm_qwen3, prompt, {WEIGHTS_KEY: flag})
+        assert answer.status_code == 200, (flag, answer.text[:300])
+        chat = httpx.post(
+            vllm_qwen3.url + "/v1/chat/completions",
+            json={
+                "model": vllm_qwen3.served_model_name,
+                "messages": [{"role": "user", "content": "w3 w4 w5"}],
+                "max_tokens": 2,
+                "vllm_xargs": {WEIGHTS_KEY: flag},
+            },
+            timeout=TIMEOUT,
+        )
+        assert chat.status_code == 200, (flag, chat.text[:300])
+    for bad in (2, "yes"):
+        answer = post(vllm_qwen3, prompt, {WEIGHTS_KEY: bad})
+        assert answer.status_code == 400 and f"'routereplay_weights'={bad!r} must be true" in answer.text, answer.text

@@ -327,7 +327,7 @@ class VLLMEngine:
             return [Rollout(p, [], [], None, aborted=True) for p in token_prompts]
         sampling = [self._sampling(params, params.seed + i, f, weights) for i, f in enumerate(forced)]
         if weights:
-            reserve_weights(self.llm, len(token_prompts))
+            reserve_weights(self.llm, len(token_prompts), sum(len(p) + params.max_new_tokens for p in token_prompts))
         inputs = [{"prompt_token_ids": p} for p in token_prompts]
         with self._logs():
             if stop is None:

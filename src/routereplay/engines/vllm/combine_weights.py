@@ -4,7 +4,9 @@
 request with `extra_args[WEIGHTS_KEY] = True`: the routereplay plugin's worker keeps, for each of its
 token rows, the (L, K) combine weights its MoE routers returned after forcing, beside the ids they returned,
 by position (`forcing.weights`). Before the call the engine makes the worker keep at least as many finished
-requests as the call sends (`reserve`); after it, the engine takes them from the worker (`take`:
+requests as the call sends, and checks that the call's rows fit the worker's byte limit (`reserve`; the
+worker keeps no finished request's weights unless an engine reserved room, and never more than
+`ROUTEREPLAY_WEIGHTS_MAX_BYTES`); after it, the engine takes them from the worker (`take`:
 `collective_rpc` with a function, which reaches the runner directly in process) and puts them on each
 rollout's `RouteTrace` (`weights_for`), aligned with its rows (prompt + response - 1, as its routes).
 
@@ -25,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from routereplay.engines.vllm.forcing.weights import RequestWeights
-from routereplay.errors import WeightsCaptureError
+from routereplay.engines.vllm.forcing.weights import MAX_BYTES_ENV, RequestWeights, row_bytes
+from routereplay.errors import ConfigError, WeightsCaptureError
 from routereplay.trace.route_trace import RouteTrace
 
 SHOWN_ROWS = 5  # rows named in an error message
@@ -38,17 +40,28 @@ def _take_on_worker(worker: Any, request_ids: list[str]) -> dict[str, RequestWei
     return take_weights(worker.model_runner, request_ids)
 
 
-def _reserve_on_worker(worker: Any, count: int) -> int:
+def _reserve_on_worker(worker: Any, count: int) -> tuple[int, int]:
     from routereplay.engines.vllm.plugin import forcing_worker
 
-    store = forcing_worker(worker.model_runner).weights
+    forcing = forcing_worker(worker.model_runner)
+    store = forcing.weights
     store.capacity = max(store.capacity, int(count))
-    return store.capacity
+    return store.max_bytes, row_bytes(len(forcing.served.moe_layers), forcing.served.top_k)
 
 
-def reserve(llm: Any, count: int) -> None:
-    """Make the worker keep at least `count` finished requests' weights until taken (one call's requests)."""
-    llm.collective_rpc(_reserve_on_worker, args=(int(count),))
+def reserve(llm: Any, count: int, rows: int) -> None:
+    """Make the worker keep at least `count` finished requests' weights until taken (one call's requests), after
+    checking that the call's `rows` (prompts + new tokens) fit the worker's byte limit (`ConfigError` if not,
+    before anything is generated)."""
+    answers = llm.collective_rpc(_reserve_on_worker, args=(int(count),))
+    for max_bytes, per_row in answers:
+        if int(rows) * per_row > max_bytes:
+            raise ConfigError(
+                f"capture_weights: this call's {int(rows)} rows (prompts + max_new_tokens) would keep "
+                f"{int(rows) * per_row} bytes of combine weights ({per_row} a row), above the {max_bytes} one vLLM "
+                f"worker keeps; send fewer or shorter prompts per call, or set {MAX_BYTES_ENV} higher before the "
+                "engine starts"
+            )
 
 
 def take(llm: Any, request_ids: Sequence[str]) -> dict[str, RequestWeights]:
@@ -64,6 +77,8 @@ def weights_for(trace: RouteTrace, kept: RequestWeights | None, where: str) -> n
     rows = trace.num_tokens
     if trace.start != 0:
         raise WeightsCaptureError(f"{where}: the trace starts at row {trace.start}; weights are kept from position 0")
+    if kept is not None and kept.dropped is not None:
+        raise WeightsCaptureError(f"{where}: the worker dropped this request's combine weights: {kept.dropped}")
     have_T, ids_TLK, weights_TLK = (kept or RequestWeights()).rows(rows)
     routed_T = (experts_TLK[..., 0] >= 0).any(axis=1)  # rows vLLM routed (a -1 row has no weights to give)
     missing_T = routed_T & ~have_T

@@ -111,15 +111,30 @@ def encode_forced(trace: RouteTrace) -> str:
     return base64.b64encode(codec.encode(trace, mode=CodecMode.ORDERED)).decode("ascii")
 
 
+def weights_flag(value: object) -> bool | None:
+    """A `WEIGHTS_KEY` value as vLLM delivers it: True / False; 1 / 0 (vLLM's OpenAI server validates
+    `vllm_xargs` as `str | int | float`, which turns JSON true / false into 1 / 0); "true" / "false" (any case).
+    None for anything else."""
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return value == 1
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return None
+
+
 def asks_weights(extra: Any, where: str) -> bool:
-    """Whether a request's `extra_args` ask for the combine weights beside its routes (`WEIGHTS_KEY`: True);
-    any value but True or False is refused (`ForcedRoutesError`)."""
+    """Whether a request's `extra_args` ask for the combine weights beside its routes (`WEIGHTS_KEY`: true, in any
+    of the forms `weights_flag` reads); any other value is refused (`ForcedRoutesError`)."""
     value = (extra or {}).get(WEIGHTS_KEY, False)
-    if not isinstance(value, bool):
+    flag = weights_flag(value)
+    if flag is None:
         raise ForcedRoutesError(
-            f"{where}: vllm_xargs {WEIGHTS_KEY!r}={value!r} must be true (keep the combine weights) or false"
+            f"{where}: vllm_xargs {WEIGHTS_KEY!r}={value!r} must be true (keep the combine weights) or false "
+            '(JSON true / false, 1 / 0, or "true" / "false")'
         )
-    return value
+    return flag
 
 
 def route_digest(text: str) -> str:
@@ -311,4 +326,5 @@ __all__ = [
     "moe_layers_of",
     "route_digest",
     "salted",
+    "weights_flag",
 ]

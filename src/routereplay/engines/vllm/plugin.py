@@ -21,15 +21,21 @@ before each step, the set-up checked at start-up); any other version stops the p
   `ForcedRoutesError`), and the server keeps serving. A good request's prompt is salted with its
   routes' digest (vLLM's `cache_salt`, `forced_routes.salted`), so prefix-cache hits reuse only KV
   computed under the same forced routes; a request without forced routes whose own salt has the
-  reserved prefix is refused (it would reuse forced KV).
+  reserved prefix is refused (it would reuse forced KV). Forced routes on a streaming-input chunk
+  (`resumable`: vLLM's input-stream sessions, 0.30-0.33) are refused by name: vLLM checks each chunk alone
+  while the session's positions span every chunk, and keeps the first chunk's cache salt (issue 38 item 4).
 - 0.30: `GPUModelRunner._model_forward` (the worker; vLLM's CPU model runner inherits it): before each
   forward in which some request asks for forcing, the runner's `ForcingWorker` sets every MoE layer's
   forced rows for the step (`forcing.worker`); they are cleared after the forward, also when it raises.
   A request may also ask for its combine weights (`extra_args[WEIGHTS_KEY] = True`, forced or not; same
   eager / one-rank checks, and a cache salt of its own so no row of it comes from the prefix cache): the
   worker keeps what each router returned for its rows after forcing, by position, until the in-process
-  engine takes them (`take_weights`; `forcing.weights`). The worker is made on the first step in which a
-  request asks for either; before that, and for requests asking for neither, vLLM runs untouched.
+  engine takes them (`take_weights`; `forcing.weights`: weights nobody takes, a server's, are dropped once their
+  request has left the runner, and everything kept stays under `ROUTEREPLAY_WEIGHTS_MAX_BYTES`, which the front
+  end also checks each weights request against). vLLM's OpenAI server turns JSON true / false in `vllm_xargs`
+  into 1 / 0: both forms, and "true" / "false", are accepted (`forced_routes.weights_flag`). The worker is
+  made on the first step in which a request asks for either; before that, and for requests asking for
+  neither, vLLM runs untouched.
 
 What comes back is vLLM's own capture (`enable_return_routed_experts`), which sees the ids after
 forcing: forced rows are reported with the forced experts, because those are what was dispatched.
@@ -55,8 +61,9 @@ from routereplay.engines.vllm.forced_routes import (
     ServedRouting,
     asks_weights,
     salted,
+    weights_flag,
 )
-from routereplay.engines.vllm.forcing.weights import RequestWeights
+from routereplay.engines.vllm.forcing.weights import MAX_BYTES_ENV, RequestWeights, max_bytes_from_env, row_bytes
 from routereplay.engines.vllm.forcing.worker import RUNNER_ATTR, ForcingWorker
 from routereplay.engines.vllm.mrv2 import (
     PATCHED_MARK,
@@ -138,6 +145,14 @@ def check_request(processor: Any, request: Any) -> None:
         )
     if not (forced or weights):
         return
+    if forced and getattr(request, "resumable", False):
+        raise ForcedRoutesError(
+            f"{where}: forced routes (vllm_xargs {XARG_KEY!r}) are refused on a streaming-input request (a resumable "
+            "session chunk, AsyncLLM input stream): vLLM hands this check each chunk's prompt only while the "
+            "session's positions run over every earlier chunk and output, and it keeps the first chunk's cache salt, "
+            "so no chunk's routes can be checked or forced at their positions; send the whole prompt as one request "
+            "(a next turn as a new request with the earlier turns' traces merged, RouteTrace.merge)"
+        )
     model_config = processor.model_config
     asked = f"{where}: forced routes (vllm_xargs {XARG_KEY!r})" if forced else f"{where}: vllm_xargs {WEIGHTS_KEY!r}"
     if vllm_forcing_path() is ForcingPath.MRV2:
@@ -165,11 +180,27 @@ def check_request(processor: Any, request: Any) -> None:
     if model_config.get_num_experts() <= 0:
         raise ForcedRoutesError(f"{asked}: the served model has no routed experts; there is nothing to force")
     if weights:
+        refuse_weights_bytes(request, served_routing(model_config), where)
         own = WEIGHTS_SALT + uuid.uuid4().hex
         request.cache_salt = own if not request.cache_salt else f"{request.cache_salt}|{own}"
     if forced:
         ForcedRoutes.parse(extra[XARG_KEY], served_routing(model_config), request.prompt_token_ids, where=where)
         request.cache_salt = salted(request.cache_salt, str(extra[XARG_KEY]))
+
+
+def refuse_weights_bytes(request: Any, served: ServedRouting, where: str) -> None:
+    """`ForcedRoutesError` when a request's own rows (prompt + max_tokens) could never fit the byte limit of the
+    combine weights a worker keeps (`forcing.weights`), before the request is queued."""
+    limit = max_bytes_from_env()
+    prompt = len(getattr(request, "prompt_token_ids", None) or ())
+    new_tokens = int(getattr(getattr(request, "sampling_params", None), "max_tokens", None) or 0)
+    need = (prompt + new_tokens) * row_bytes(len(served.moe_layers), served.top_k)
+    if need > limit:
+        raise ForcedRoutesError(
+            f"{where}: vllm_xargs {WEIGHTS_KEY!r}: its {prompt} prompt tokens + max_tokens={new_tokens} would keep "
+            f"{need} bytes of combine weights, above the {limit} a vLLM worker keeps ({MAX_BYTES_ENV}); lower "
+            f"max_tokens, or start vLLM with {MAX_BYTES_ENV} set higher"
+        )
 
 
 def refuse_mrv2(vllm_config: Any, asked: str) -> None:
@@ -222,7 +253,7 @@ def asks_for_plugin(runner: Any) -> bool:
     for request_id in batch.req_ids[: int(batch.num_reqs)]:
         state = runner.requests.get(request_id)
         extra = getattr(getattr(state, "sampling_params", None), "extra_args", None)
-        if extra and (XARG_KEY in extra or extra.get(WEIGHTS_KEY) is True):
+        if extra and (XARG_KEY in extra or weights_flag(extra.get(WEIGHTS_KEY, False)) is True):
             return True
     return False
 
@@ -264,6 +295,9 @@ def worker_counters(runner: Any) -> dict[str, int]:
             "steps_forced": 0,
             "weights_requests": 0,
             "weights_rows": 0,
+            "weights_evicted": 0,
+            "weights_over_limit": 0,
+            "weights_kept_bytes": 0,
         }
     return worker.counters()
 
@@ -275,6 +309,7 @@ __all__ = [
     "forcing_worker",
     "is_registered",
     "refuse_mrv2",
+    "refuse_weights_bytes",
     "register",
     "served_routing",
     "take_weights",

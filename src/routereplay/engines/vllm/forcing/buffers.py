@@ -63,6 +63,11 @@ class ForcingBuffers:
         capture_weights: bool = False,
         num_experts: int | None = None,
     ) -> None:
+        if not isinstance(moe_layers, (tuple, list)):
+            raise ForcedRoutesError(
+                f"ForcingBuffers(moe_layers={moe_layers!r}): pass the model's MoE layer numbers as a tuple of "
+                "integers (its global decoder-layer numbers, ServedRouting.moe_layers)"
+            )
         sizes = (max_tokens, top_k, *moe_layers, *(() if num_experts is None else (num_experts,)))
         if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in sizes):
             raise ForcedRoutesError(
@@ -132,9 +137,10 @@ class ForcingBuffers:
                 f"ForcingBuffers.load: rows {rows_N.shape} and experts {experts_NLK.shape} do not fit; pass N row "
                 f"indices and an (N, {len(self.moe_layers)}, {self.top_k}) array (MoE layers {self.moe_layers})"
             )
-        if not (np.issubdtype(rows_N.dtype, np.integer) and np.issubdtype(experts_NLK.dtype, np.integer)):
+        if rows_N.dtype.kind not in "iu" or experts_NLK.dtype.kind not in "iu":  # numpy files timedelta64 as integer
             raise ForcedRoutesError(
-                f"ForcingBuffers.load: rows ({rows_N.dtype}) and experts ({experts_NLK.dtype}) must be integers"
+                f"ForcingBuffers.load: rows ({rows_N.dtype}) and experts ({experts_NLK.dtype}) must be integers "
+                "(signed or unsigned; not bool, float, timedelta64 or datetime64)"
             )
         if rows_N.min() < 0 or rows_N.max() >= self.max_tokens:
             raise ForcedRoutesError(
@@ -160,6 +166,14 @@ class ForcingBuffers:
                 "ForcingBuffers.load: a (row, layer) mixes -1 with expert ids, or holds an id below -1; a layer's "
                 "row is either all expert ids (forced) or all -1 (live)"
             )
+        twice_NL = _names_an_expert_twice(experts_NLK)
+        if twice_NL.any():
+            n, column = (int(i) for i in np.argwhere(twice_NL)[0])
+            raise ForcedRoutesError(
+                f"ForcingBuffers.load: token row {int(rows_N[n])}, MoE layer {self.moe_layers[column]} names an "
+                f"expert twice ({experts_NLK[n, column].tolist()}; {int(twice_NL.sum())} such (row, layer)); a "
+                "route is a set of top_k distinct expert ids (zero padding is not 'no route': use -1)"
+            )
 
     def _wait_for_staging(self) -> None:
         """The previous step's copy out of the staging memory has finished (host-side wait, outside a forward)."""
@@ -171,6 +185,19 @@ class ForcingBuffers:
         self.mask_TL[:span].copy_(self._staged_mask_TL[:span], non_blocking=True)
         if self._event is not None:
             self._event.record()
+
+
+def _names_an_expert_twice(experts_NLK: np.ndarray) -> np.ndarray:
+    """(N, L) bool: forced (row, layer)s naming an expert twice (a live one is all -1, never counted). Pairwise
+    compares of contiguous top-k columns: 0.4 ms for 2,048 rows x 48 layers x top-8 on one EPYC core, where a
+    sort along K takes 5 ms and shifted compares reduced along K 13 ms."""
+    num_rows, num_layers, top_k = experts_NLK.shape
+    columns_KR = np.ascontiguousarray(experts_NLK.reshape(-1, top_k).T)  # R = N * L
+    twice_R = np.zeros(columns_KR.shape[1], dtype=bool)
+    for i in range(top_k):
+        for j in range(i + 1, top_k):
+            twice_R |= columns_KR[i] == columns_KR[j]
+    return (twice_R & (columns_KR[0] >= 0)).reshape(num_rows, num_layers)
 
 
 __all__ = ["ForcingBuffers"]

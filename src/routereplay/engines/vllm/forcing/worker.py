@@ -18,7 +18,9 @@ routers are wrapped once (`forcing.router.LayerForcing`) and pass through when n
 Combine weights (`extra_args[WEIGHTS_KEY] = True`, forced or not): in a step where some request asks, every
 wrapped router keeps the (weights, ids) it returned after forcing; once the forward has run, `keep_weights`
 stores each asking request's rows, by position, in `weights` (`forcing.weights.WeightsStore`), and the
-engine takes them after its call (`take_weights`). A step where no request asks keeps nothing. The weights
+engine takes them after its call (`take_weights`); weights nobody takes (a server's requests) are dropped
+once the request has left the runner, and all kept rows stay under a byte limit (`forcing.weights`: counted
+in `weights_evicted` and `weights_over_limit`). A step where no request asks keeps nothing. The weights
 kept are the model's combine weights as its HF definition has them: the router's, times the factor vLLM's
 MoE runner scales the experts' output by where the model moves `routed_scaling_factor` from the weights to
 the output (`output_scale`; DeepSeek-V2/V3 and GLM-4.5 in vLLM 0.30: their experts are called with
@@ -165,7 +167,7 @@ class ForcingWorker:
             plan = self.request_plan(request_id, runner.requests.get(request_id))
             if plan.routes is not None:
                 forced.append((index, plan.routes))
-            if plan.weights:
+            if plan.weights and self.weights.accepts(request_id):  # not once dropped over the byte limit
                 asking.append((index, request_id))
         if not (forced or asking) or positions is None:
             return False
@@ -222,10 +224,10 @@ class ForcingWorker:
         ids_NLK = torch.stack([k[1][:rows] for k in kept if k is not None], dim=1).to(torch.int32)
         weights_host = weights_NLK.detach().cpu().numpy()
         ids_host = ids_NLK.cpu().numpy()
-        for asked in self.asking:
+        for asked in self.asking:  # `keep` checks the byte limit before it copies the views
             span = slice(asked.first, asked.last)
-            self.weights.keep(asked.request_id, asked.positions_n, ids_host[span].copy(), weights_host[span].copy())
-            self.weights_rows += asked.last - asked.first
+            if self.weights.keep(asked.request_id, asked.positions_n, ids_host[span], weights_host[span]):
+                self.weights_rows += asked.last - asked.first
 
     def end_step(self) -> None:
         """Clear the step's forced rows and kept weights (also when the forward raised)."""
@@ -251,6 +253,9 @@ class ForcingWorker:
             "steps_forced": self.steps_forced,
             "weights_requests": self.weights_requests,
             "weights_rows": self.weights_rows,
+            "weights_evicted": self.weights.evicted,
+            "weights_over_limit": self.weights.over_limit,
+            "weights_kept_bytes": self.weights.kept_bytes,
         }
 
 

@@ -13,10 +13,14 @@ device tensor is read, so filling the forcing buffers never waits for the GPU.
 `RowMap` keeps the checked forced routes of the runner's requests, keyed by request id:
 - `admit` sees each request the scheduler hands the runner as new (`scheduled_new_reqs`: a first
   schedule; in MRv2 also a request resumed after preemption, kept as it was, and a streaming-input update
-  with a longer prompt or other routes, checked again). A request carrying
-  `extra_args[XARG_KEY]` is checked once (`ForcedRoutes.parse`, the front end's checks against the
-  loaded model) and kept until it finishes; a request that fails the check is counted in
-  `refused_requests` and routes live (its client sees the capture differ: `ForcingNotAppliedError`).
+  whose prompt grew by a chunk). A request carrying `extra_args[XARG_KEY]` is checked once
+  (`ForcedRoutes.parse`, the front end's checks against the loaded model) and kept until it finishes; a
+  request that fails the check is counted in `refused_requests` and routes live (its client sees the
+  capture differ: `ForcingNotAppliedError`). A streaming-input update of a session that forces routes is
+  refused the same way, for the rest of the session: vLLM checks a chunk's routes against that chunk alone
+  while the session's positions span every chunk, and it keeps the first chunk's cache salt, so neither the
+  chunk's routes nor the first chunk's plan (re-anchored, they would force the first chunk's tokens with the
+  update's experts on a recompute) can be right. The front end refuses such chunks by name (`plugin`).
 - `forget` drops finished requests (`finished_req_ids`); a preempted request keeps its plan, since MRv2
   re-sends it as new, recomputing from position 0 or from its prefix-cache hit.
 - `rows_of(batch)` gives the step's forced rows and their experts, or None when no row is forced.
@@ -43,6 +47,7 @@ from routereplay.errors import ForcedRoutesError
 
 LOG = logging.getLogger("routereplay.vllm.forcing")
 _UNFORCED = object()  # a request seen without forced routes
+_ABSENT = object()  # a request not seen yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,15 +81,22 @@ class RowMap:
     def admit(self, new_requests: Any) -> None:
         """Check the forced routes of requests scheduled as new (`SchedulerOutput.scheduled_new_reqs`).
 
-        A request already known with the same routes and prompt (resumed after preemption) keeps its plan; one
-        re-sent with another prompt or other routes (MRv2's streaming-input update) is checked again."""
+        A request already known with the same routes and prompt (resumed after preemption, or after
+        `reset_prefix_cache(reset_running_requests=True)`) keeps its plan. One re-sent with another prompt or
+        other routes is a streaming-input update (the session's prompt grew by a chunk): if it or the session
+        forces routes, the session routes live from then on, counted in `refused_requests` (the front end
+        refuses such chunks by name; only a request that bypassed it lands here)."""
         for data in new_requests:
             request_id = str(data.req_id)
             extra = getattr(getattr(data, "sampling_params", None), "extra_args", None) or {}
             asked = (extra.get(XARG_KEY), len(getattr(data, "prompt_token_ids", None) or ()))
-            if request_id not in self.plans or self.asked.get(request_id) != asked:
+            known = self.plans.get(request_id, _ABSENT)
+            if known is _ABSENT:
                 self.plans[request_id] = self._parse(request_id, data)
-                self.asked[request_id] = asked
+            elif self.asked.get(request_id) != asked:
+                forcing = XARG_KEY in extra or isinstance(known, ForcedRoutes | ForcedRoutesError)
+                self.plans[request_id] = self._refuse_update(request_id, known) if forcing else _UNFORCED
+            self.asked[request_id] = asked
 
     def forget(self, finished_ids: Any) -> None:
         """Drop the plans of requests that finished or were aborted (`SchedulerOutput.finished_req_ids`)."""
@@ -95,6 +107,19 @@ class RowMap:
     def plan_of(self, request_id: str) -> ForcedRoutes | None:
         plan = self.plans.get(request_id)
         return plan if isinstance(plan, ForcedRoutes) else None
+
+    def _refuse_update(self, request_id: str, known: Any) -> ForcedRoutesError:
+        """A streaming-input update of a session that forces routes: live from now on (counted once per request)."""
+        if isinstance(known, ForcedRoutesError):
+            return known
+        error = ForcedRoutesError(
+            f"vLLM request {request_id!r}: forced routes (extra_args {XARG_KEY!r}) on a streaming-input session: its "
+            "prompt grew by a chunk, and vLLM gives a chunk's routes no session positions and keeps the first "
+            "chunk's cache salt; the session routes live from here on (send the whole prompt as one request)"
+        )
+        self.refused_requests += 1
+        LOG.error("%s (routed live)", error)
+        return error
 
     def _parse(self, request_id: str, data: Any) -> Any:
         extra = getattr(getattr(data, "sampling_params", None), "extra_args", None) or {}
