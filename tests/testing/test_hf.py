@@ -55,9 +55,9 @@ def _moe_lm_types() -> dict[str, str]:
     ):
         for model_type, names in mapping.items():
             for name in names if isinstance(names, (list, tuple)) else (names,):
-                path = module_of.get(name)
-                if path in moe_modules:
-                    found.setdefault(model_type, path.parent.name)
+                module = module_of.get(name)
+                if module is not None and module in moe_modules:
+                    found.setdefault(model_type, module.parent.name)
     return found
 
 

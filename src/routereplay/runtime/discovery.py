@@ -172,8 +172,8 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
                     name,
                     family,
                     f"looped layer: layers {loop.start}-{loop.stop - 1} run {passes} times per forward "
-                    f"(loop_num_passes={passes}), so this router routes each token {passes} times, and a trace holds one "
-                    "row per (token, layer); refused rather than force one pass's routes on every pass",
+                    f"(loop_num_passes={passes}), so this router routes each token {passes} times, and a trace holds "
+                    "one row per (token, layer); refused rather than force one pass's routes on every pass",
                 )
             )
             continue
