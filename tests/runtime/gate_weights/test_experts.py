@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import routereplay
 from routereplay.errors import WeightsUnsupportedError
 from tests.runtime.models import gate_weights_probe
-from tests.runtime.test_families import MODEL_TYPES, _inputs
+from tests.runtime.test_families import MODEL_TYPES, _attach, _inputs
 
 pytestmark = pytest.mark.hf
 
@@ -29,8 +28,7 @@ REFUSED = {
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_own_weights_replay_bit_for_bit_or_a_named_refusal(model_type: str) -> None:
-    model = hf_tiny.tiny_model(model_type)
-    replayer = routereplay.attach(model)
+    model, replayer = _attach(model_type)  # looped models: the layers outside the loop
     inputs = _inputs(model)
     if model_type in REFUSED:
         with pytest.raises(WeightsUnsupportedError, match=REFUSED[model_type]):

@@ -2,16 +2,24 @@
 
 Nothing here downloads anything: every model is its family's own config class with its defaults,
 shrunk, then built with random weights (`torch.manual_seed(seed)`) by the auto class for that type.
-`MOE_MODEL_TYPES` lists every `model_type` of transformers 5.23 whose decoder routes tokens through
+`MOE_MODEL_TYPES` lists every `model_type` of transformers 5.24 whose decoder routes tokens through
 a learned router; `EXCLUDED` lists the MoE (or MoE-looking) types that are left out, with the reason.
 Each tiny model runs `model(input_ids=ids, attention_mask=ones)` on CPU in milliseconds and returns
 logits of shape (batch, seq, text vocab); all of them together build + forward + backward in seconds.
 
-How `MOE_MODEL_TYPES` was found (once, then hard-coded so the list is stable): scan every
+Releases. The lists are those of the newest release tested (5.24.0); the fixtures are tested on 5.23.0
+too. `ADDED_IN` names the types a release after 5.23.0 brought, and `BROKEN_IN` the types whose own
+forward fails in a given release (an upstream bug, with the type that covers their routers meanwhile).
+`installed_moe_model_types()` is `MOE_MODEL_TYPES` as the installed release has them: the tests run
+those, and `installed_exclusions()` says why the others are left out there.
+
+How `MOE_MODEL_TYPES` was found (once per release, then hard-coded so the list is stable): scan every
 `transformers/models/*/modeling_*.py` for classes named `*Experts`, `*SparseMoeBlock`, `*MoE*`,
-`*Router`, `*TopkRouter`, `*Gate`; keep the model types of those packages (and composite types whose
-default `text_config` is one of them, e.g. kimi_k25 -> deepseek_v3) that have a causal-LM,
-image-text-to-text or multimodal-LM head and run a text-only forward.
+`*Router`, `*TopkRouter`, `*Gate`; keep the model types whose causal-LM, image-text-to-text or
+multimodal-LM class is defined in such a module (also config-only types that reuse another family's
+classes, e.g. sarvam_moe -> Glm4MoeForCausalLM), and composite types whose default `text_config` is
+one of them (e.g. kimi_k25 -> deepseek_v3), that run a text-only forward. `tests/testing/test_hf.py`
+repeats the scan on the installed release, so a new MoE type fails the tests until it is listed.
 
 The shrink itself is `routereplay.testing.hf.surgery` (what it does to every config is described there)
 with the sizes and per-family overrides of `routereplay.testing.hf.sizes`.
@@ -19,6 +27,7 @@ with the sizes and per-family overrides of `routereplay.testing.hf.sizes`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -70,7 +79,10 @@ MOE_MODEL_TYPES: tuple[str, ...] = (
     "hunyuan_v1_moe",
     "hy_v3",
     "hy_v4",
+    "hy_v4_vl",
     "inkling2",
+    "inkling2_loop",
+    "inkling2_loop_text",
     "inkling2_text",
     "inkling_text",
     "jamba",
@@ -79,6 +91,7 @@ MOE_MODEL_TYPES: tuple[str, ...] = (
     "kimi_linear",
     "kolibri1",
     "laguna",
+    "lara_mini",
     "lfm2_moe",
     "llama4",
     "llama4_text",
@@ -107,6 +120,8 @@ MOE_MODEL_TYPES: tuple[str, ...] = (
     "qwen3_vl_moe",
     "qwen4_exp",
     "qwen4_exp_text",
+    "sarvam_mla",
+    "sarvam_moe",
     "solar_open",
     "step3p7",
     "unlimited_ocr",
@@ -146,6 +161,7 @@ EXCLUDED: dict[str, str] = {
     "ernie4_5_vl_moe_text": _NO_CLASS + "ernie4_5_vl_moe",
     "glm4v_moe_text": _NO_HEAD + "glm4v_moe",
     "glm5_next_text": _NO_HEAD + "glm5_next",
+    "hy_v4_vl_text": _NO_HEAD + "hy_v4_vl",
     "mistral_large4_text": _NO_HEAD + "mistral_large4",
     "muse_spark_text": _NO_HEAD + "muse_spark",
     "qwen3_omni_moe_text": _NO_CLASS + "qwen3_omni_moe_thinker",
@@ -159,7 +175,67 @@ EXCLUDED: dict[str, str] = {
     "vitpose_backbone": "vision backbone whose MoE MLP picks experts by dataset index, not by a learned router",
 }
 
+# types (of MOE_MODEL_TYPES or EXCLUDED) that a release after 5.23.0 added: they exist from that release on
+ADDED_IN: Mapping[str, str] = {
+    "hy_v4_vl": "5.24.0",
+    "hy_v4_vl_text": "5.24.0",
+    "inkling2_loop": "5.24.0",
+    "inkling2_loop_text": "5.24.0",
+    "lara_mini": "5.24.0",
+    "sarvam_mla": "5.24.0",  # SarvamMLAConfig on DeepSeek-V3's classes
+    "sarvam_moe": "5.24.0",  # SarvamMoEConfig on GLM-4-MoE's classes
+}
+# types whose own forward fails in a release (an upstream bug): {type: {release: why}}; their routers stay
+# covered by the type the reason names, and the tests check that the failure is still there
+BROKEN_IN: Mapping[str, Mapping[str, str]] = {
+    "llama4": {
+        "5.24.0": (
+            "transformers 5.24.0: Llama4ForConditionalGeneration.forward reads `outputs.image_outputs` from its "
+            "text model's MoeCausalLMOutputWithPast (AttributeError on every forward, text-only or with images); "
+            "its decoder and Llama4Router are covered by llama4_text"
+        )
+    },
+}
+
 _LAYER_LIST_NAMES = ("layers", "blocks", "h")
+
+
+def _release(version: str | None) -> str:
+    """`version`, or the installed transformers' version without a local or dev suffix ("5.24.0")."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    from packaging.version import Version
+
+    return Version(version).base_version
+
+
+def installed_moe_model_types(version: str | None = None) -> tuple[str, ...]:
+    """`MOE_MODEL_TYPES` that transformers `version` (default: the installed one) has and can run.
+
+    Left out: types `ADDED_IN` a later release, and types `BROKEN_IN` this one (`installed_exclusions`)."""
+    from packaging.version import Version
+
+    release = _release(version)
+    return tuple(
+        t
+        for t in MOE_MODEL_TYPES
+        if Version(ADDED_IN.get(t, "0")) <= Version(release) and release not in BROKEN_IN.get(t, {})
+    )
+
+
+def installed_exclusions(version: str | None = None) -> dict[str, str]:
+    """Why each MoE-looking type of transformers `version` (default: installed) is left out: `EXCLUDED`, and the
+    types `BROKEN_IN` that release; types it does not have yet are not listed."""
+    from packaging.version import Version
+
+    release = _release(version)
+    out = {t: why for t, why in EXCLUDED.items() if Version(ADDED_IN.get(t, "0")) <= Version(release)}
+    for model_type, releases in BROKEN_IN.items():
+        if release in releases:
+            out[model_type] = releases[release]
+    return dict(sorted(out.items()))
 
 
 def tiny_config(model_type: str, *, seed: int = 0, **fields: Any) -> PretrainedConfig:

@@ -14,6 +14,8 @@ Per-family overrides (`TEXT_OVERRIDES` by text-config model_type, `OVERRIDES` by
 - glm4v_moe_text / ernie4_5_vl_moe_text: explicit mrope_section for head_dim 16.
 - granitemoehybrid: [mamba, attention, mamba] (the default is all-mamba).
 - hunyuan_v1_moe: per-layer moe_topk list [2, 2].
+- inkling2_loop_text (also inside inkling2_loop): 4 layers, an attention-residual block per layer, layers 1-2
+  looped twice (the default loops layers 6-17, past the tiny model's layers: no loop would run).
 - jamba: 4 layers, attention at 2, experts at 1 and 3.
 - jetmoe: 2 kv heads (it has no num_attention_heads).
 - lfm2_moe: layer_types [conv, full_attention, conv] (the default None breaks the model).
@@ -57,6 +59,7 @@ HEADS = 4
 HEAD_DIM = 16
 TEXT_SIZES: Mapping[str, int] = {
     "vocab_size": 128,
+    "unpadded_vocab_size": 128,  # inkling2 (5.24+): the LM head's width; the rows past it are dropped
     "hidden_size": 64,
     "d_model": 64,
     "intermediate_size": 64,
@@ -187,6 +190,14 @@ TEXT_OVERRIDES: Mapping[str, Mapping[str, Any]] = {
         "layer_types": ["linear_attention", "full_attention", "linear_attention"],
     },
     "hunyuan_v1_moe": {"moe_topk": [TOP_K, TOP_K]},
+    "inkling2_loop_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        "n_layers_per_attn_res_block": 1,
+        "loop_layer_index_start": 1,
+        "loop_layer_index_end": 3,
+        "loop_num_passes": 2,
+    },
     "jamba": {
         "num_hidden_layers": 4,
         "attn_layer_period": 4,
