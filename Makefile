@@ -45,7 +45,8 @@ VERL_DEPS := codetiming dill hydra-core pylatexenc "tensordict>=0.8,<=0.10,!=0.9
 # wheel), SkyRL --no-deps --ignore-requires-python, then what its FSDP worker path and its trainer really import
 # (ray only imported, never started: SkyRL decorates its workers with ray.remote at import; skyrl-gym via its
 # generator types; torchdata, its trainer's StatefulDataLoader), then routereplay. megatron-core 0.16 (--no-deps,
-# CPU-importable) lets the tests run SkyRL's own Megatron R3 consumer (replay_utils.setup_per_microbatch_replay_forward) against routereplay.
+# CPU-importable) lets the tests run SkyRL's own Megatron R3 consumer (replay_utils.setup_per_microbatch_replay_forward)
+# against routereplay.
 # Two shims, test-venv only, in tests/integrations/skyrl/ (conftest.py): typing.TypedDict ->
 # typing_extensions.TypedDict before SkyRL imports (pydantic refuses typing.TypedDict on Python < 3.12, in
 # skyrl/tinker/types.py), and a pure-PyTorch flash_attn.bert_padding (pad_input / unpad_input, which SkyRL's
