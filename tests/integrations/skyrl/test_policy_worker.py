@@ -230,9 +230,7 @@ def test_r3_through_skyrls_own_fsdp2_sharding(cpu: None, monkeypatch: pytest.Mon
     assert worker.routereplay_stats()["fallback_rows"] == 3 * len(seqs) * len(MOE_LAYERS)
 
 
-def test_r2_one_recording_spans_every_forward_until_the_next_update(
-    cpu: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_r2_one_recording_spans_every_forward_until_the_next_update(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """SkyRL's default `recompute_old_logprobs_per_minibatch` forwards each policy mini-batch separately, all before
     the first update: the forwards add to one recording (each update finds its samples, whichever mini-batch
     recorded them), and the first forward after an update starts the next recording (the last one's dropped)."""

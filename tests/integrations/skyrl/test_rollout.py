@@ -245,5 +245,5 @@ def test_add_call_and_add_tokens_check_token_ids_as_given() -> None:
         rollout.add_call("s", [1, 2, True, 4, 5], routes(4))
     rollout.add_generation("s", [1, 2, 3], [4, 5], routes(4), prompt_start=0)
     with pytest.raises(ConfigError, match=r"sample 's': token_ids\[5\] = '6.0' \(float\)"):
-        rollout.add_tokens("s", [1, 2, 3, 4, 5, 6.0])
+        rollout.add_tokens("s", [1, 2, 3, 4, 5, 6.0])  # type: ignore[list-item]
     assert rollout.tokens("s") == [1, 2, 3, 4, 5]

@@ -98,7 +98,9 @@ def test_r2_replays_what_skyrls_old_log_prob_pass_recorded_in_every_update(
     gen = generator()
     trainer = case.build_trainer(cfg, gen)
     boundaries: list[tuple[int, int]] = []
-    calls, _ = probed_step(trainer, tamper=lambda batch: boundaries.extend(batch.metadata["policy_mini_batch_boundaries"]))
+    calls, _ = probed_step(
+        trainer, tamper=lambda batch: boundaries.extend(batch.metadata["policy_mini_batch_boundaries"])
+    )
     assert [end - start for start, end in boundaries] == [case.SAMPLES] * case.PROMPTS  # 4 mini-batches
     lengths = lengths_of(gen)
     for layer in case.MOE_LAYERS:
@@ -197,7 +199,8 @@ def test_skyrls_own_trainer_batch_is_refused_unless_the_worker_opts_out_and_then
     trainer = case.build_trainer(
         case.skyrl_config(checkpoint, *case.R3_OVERRIDES), generator("skyrl"), routereplay_trainer=False
     )
-    with pytest.raises(UncheckedRoutesError, match=f"without the 'routereplay_route_digests' column.*{UNCHECKED_ENV}=1"):
+    refusal = f"without the 'routereplay_route_digests' column.*{UNCHECKED_ENV}=1"
+    with pytest.raises(UncheckedRoutesError, match=refusal):
         case.train_step(trainer)
     loop.setenv(UNCHECKED_ENV, "1")
     case.train_step(trainer)

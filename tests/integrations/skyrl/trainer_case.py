@@ -14,16 +14,18 @@ Stand-ins, each because this machine has no GPU (named here and in docs/skyrl.md
   chunk a worker gets is a deserialized copy; a handle's `.method.remote(ref)` resolves its ref arguments, runs
   the method and puts its result. SkyRL's loss registries stay local (they sync to a Ray actor only when Ray is
   initialized);
-- `cpu_cuda`: `torch.cuda.set_device` / `synchronize` are no-ops, `current_device()` answers "cpu" and SkyRL's
-  device meshes are built on "cpu" (gloo); SkyRL's `_sync_non_persistent_buffers` (`.cuda()`, nothing to
-  broadcast on one rank) is skipped;
+- `cpu_stand_ins` also answers SkyRL's CUDA calls on the CPU: `torch.cuda.set_device` / `synchronize` are
+  no-ops, `current_device()` answers "cpu", SkyRL's device meshes are built on "cpu" (gloo), and its
+  `_sync_non_persistent_buffers` (`.cuda()`, nothing to broadcast on one rank) is skipped;
 - config: `trainer.placement.colocate_all=false` (no GPU to share with vLLM), `trainer.flash_attn=false` and
-  `trainer.remove_microbatch_padding=false` (no flash-attn build; SkyRL packs micro-batches only with it: the
-  packed layout runs in `test_policy_worker.py`), `trainer.logger=console`, a small batch (`train_batch_size=4` prompts in 4 policy
-  mini-batches of 1, as SkyRL's defaults have four: 1024 / 256, `n_samples_per_prompt=2`), a learning rate
-  that moves routing within one step, and `trainer.placement.colocate_policy_ref=false` (its placement group
-  asks Ray for a GPU bundle), `generator.inference_engine.enable_ray_prometheus_stats=false` (it scrapes vLLM's
-  metrics off Ray's nodes);
+  `trainer.remove_microbatch_padding=false` (no flash-attn build, and SkyRL packs micro-batches only with it;
+  the packed layout runs in `test_policy_worker.py`), `trainer.logger=console`, a small batch
+  (`train_batch_size=4` prompts in 4 policy mini-batches of 1, as SkyRL's defaults have four: 1024 / 256;
+  `n_samples_per_prompt=2`), a learning rate that moves routing within one step,
+  `trainer.placement.colocate_policy_ref=false` (its placement group asks Ray for a GPU bundle) and
+  `generator.inference_engine.enable_ray_prometheus_stats=false` (it scrapes vLLM's metrics off Ray's nodes).
+  Everything else is SkyRL's default: `recompute_old_logprobs_per_minibatch=true`, micro-batches of one sample,
+  gradient checkpointing, the KL loss (so SkyRL's own FSDP ref worker runs too), GRPO;
 - the generator (`TinyGenerator`) is a `GeneratorInterface` of the test's: no vLLM here. It returns SkyRL's
   `GeneratorOutput`; with routes, built per trajectory by SkyRL's own `RoutedExpertTrace` (SkyRL's generator's
   bookkeeping) or by routereplay's `RolloutRoutes`.
@@ -202,7 +204,8 @@ def build_trainer(cfg: Any, generator: Any, *, routereplay_trainer: bool = True)
         cfg=cfg, tracker=None, tokenizer=word_tokenizer(64), train_dataset=None, eval_dataset=None,
         inference_engine_client=None, generator=generator, colocate_pg=None,
     )  # fmt: skip
-    workers = [InProcessActorClass(c) for c in (fsdp_worker.PolicyWorker, fsdp_worker.CriticWorker, fsdp_worker.RefWorker)]
+    classes = (fsdp_worker.PolicyWorker, fsdp_worker.CriticWorker, fsdp_worker.RefWorker)
+    workers = [InProcessActorClass(c) for c in classes]
     trainer.build_models(*workers)
     return trainer
 
@@ -216,7 +219,8 @@ def prompts() -> list[dict[str, Any]]:
     rows = []
     for index, length in enumerate(PROMPT_LENGTHS):
         words = " ".join(f"w{4 + (7 * index + j) % 50}" for j in range(length))
-        rows.append({"prompt": [{"role": "user", "content": words}], "env_class": "gsm8k", "env_extras": {}, "uid": str(index)})
+        chat = [{"role": "user", "content": words}]
+        rows.append({"prompt": chat, "env_class": "gsm8k", "env_extras": {}, "uid": str(index)})
     return rows
 
 
@@ -259,7 +263,8 @@ class TinyGenerator:
             trace.record_generation(
                 prompt_token_count=len(prompt), generated_token_count=len(response), routed_experts=rows_CLK
             )
-            return trace.finalize(token_count=len(prompt) + len(response), loss_mask=[0] * len(prompt) + [1] * len(response))
+            loss_mask = [0] * len(prompt) + [1] * len(response)
+            return trace.finalize(token_count=len(loss_mask), loss_mask=loss_mask)
         from routereplay.integrations.skyrl import RolloutRoutes, RouteGeometry
 
         geometry = RouteGeometry(num_experts=NUM_EXPERTS, num_layers=NUM_LAYERS, top_k=TOP_K, moe_layers=MOE_LAYERS)
@@ -272,8 +277,8 @@ class TinyGenerator:
 def train_step(trainer: Any, *, tamper: Callable[[Any], None] | None = None) -> dict[str, float]:
     """One step of SkyRL's `RayPPOTrainer.train()` loop body: generate, postprocess, convert, the old-log-prob
     pass, advantages, `train_critic_and_policy`; `tamper` edits the batch SkyRL built before its first pass."""
-    from skyrl.train.generators.utils import prepare_generator_input
     from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
+    from skyrl.train.generators.utils import prepare_generator_input
 
     cfg = trainer.cfg
     trainer.global_step += 1

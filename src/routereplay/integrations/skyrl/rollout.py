@@ -103,9 +103,8 @@ class RolloutRoutes(EngineCallRoutes):
     ) -> RouteTrace:
         """One call as SkyRL's generator sees it (`RoutedExpertTrace.record_generation`): the prompt it sent,
         the ids it got, the routes, and the `routed_experts_prompt_start` the request carried."""
-        token_ids = np.concatenate([
-            checked_ids(prompt_token_ids, sample_id, "prompt_token_ids"), checked_ids(output_ids, sample_id, "output_ids")
-        ])  # fmt: skip
+        prompt_N = checked_ids(prompt_token_ids, sample_id, "prompt_token_ids")
+        token_ids = np.concatenate([prompt_N, checked_ids(output_ids, sample_id, "output_ids")])
         return self.add_call(
             sample_id, token_ids, routes, start=prompt_start, policy_version=policy_version, policy=policy
         )
@@ -159,7 +158,8 @@ def checked_ids(values: Any, sample_id: SampleId, name: str) -> np.ndarray:
                 "list of ints"
             )
         if values.size and (int(values.min()) < 0 or int(values.max()) >= MAX_TOKEN_ID):
-            raise ConfigError(f"{where}: token ids must lie in [0, 2**31), got {int(values.min())}..{int(values.max())}")
+            low, high = int(values.min()), int(values.max())
+            raise ConfigError(f"{where}: token ids must lie in [0, 2**31), got {low}..{high}")
         return values.astype(np.int64)
     if not isinstance(values, (list, tuple)):
         raise ConfigError(f"{where} is a {type(values).__name__}; pass the call's token ids as a list of ints")
