@@ -122,11 +122,13 @@ def test_without_r2_skyrls_updates_route_off_the_old_log_prob_pass(loop: pytest.
     trainer = case.build_trainer(case.skyrl_config(checkpoint), gen)
     calls, _ = probed_step(trainer)
     lengths = lengths_of(gen)
-    moved = 0
+    moved = [0] * TRAJECTORIES
     for layer in case.MOE_LAYERS:
         forward, update = passes(calls[layer], lengths)
-        moved += sum(int((seen[0] != rows).any(-1).sum()) for rows, seen in zip(forward, update, strict=True))
-    assert moved > 0
+        for i, (rows, seen) in enumerate(zip(forward, update, strict=True)):
+            moved[i] += int((seen[0] != rows).any(-1).sum())
+    assert moved[: case.SAMPLES] == [0] * case.SAMPLES  # the first mini-batch updates before any optimizer step
+    assert sum(moved[case.SAMPLES :]) > 0, moved
 
 
 @pytest.mark.parametrize("routes", ["skyrl", "routereplay"], ids=["RoutedExpertTrace", "RolloutRoutes"])
