@@ -126,22 +126,27 @@ def get(refs: Any, **_options: Any) -> Any:
     return pickle.loads(refs.payload) if isinstance(refs, LocalRef) else refs
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteMethod:
+    """`handle.method` of a Ray actor: `.remote(*args)` resolves ref arguments, runs the method, puts its result."""
+
+    method: Callable[..., Any]
+
+    def remote(self, *args: Any, **kwargs: Any) -> LocalRef:
+        result = self.method(*(get(a) for a in args), **{k: get(v) for k, v in kwargs.items()})
+        if inspect.iscoroutine(result):
+            result = asyncio.run(result)
+        return put(result)
+
+
 class InProcessHandle:
-    """A Ray actor handle's stand-in: `handle.method.remote(*args)` runs `method` here, refs resolved."""
+    """A Ray actor handle's stand-in, around the worker built in this process."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.worker, name)
-
-        def remote(*args: Any, **kwargs: Any) -> LocalRef:
-            result = method(*(get(a) for a in args), **{k: get(v) for k, v in kwargs.items()})
-            if inspect.iscoroutine(result):
-                result = asyncio.run(result)
-            return put(result)
-
-        return type("RemoteMethod", (), {"remote": staticmethod(remote)})()
+    def __getattr__(self, name: str) -> RemoteMethod:
+        return RemoteMethod(getattr(self.worker, name))
 
 
 class InProcessActorClass:
