@@ -44,10 +44,11 @@ VERL_DEPS := codetiming dill hydra-core pylatexenc "tensordict>=0.8,<=0.10,!=0.9
 	wandb tensorboard accelerate datasets pandas pyarrow pybind11 "ray>=2.40,<3" cachetools fastapi uvicorn
 # SkyRL 0.4.0 (routereplay.integrations.skyrl) declares Requires-Python >= 3.12 (its modules run on 3.11) and
 # pins transformers<=5.16.1 and hydra-core==1.3.4, so its tests run in their own venv: torch first (the CPU
-# wheel), SkyRL --no-deps --ignore-requires-python, then what its FSDP worker path really imports (ray only
-# imported, never started: SkyRL decorates its workers with ray.remote at import; skyrl-gym via its generator
-# types), then routereplay. megatron-core 0.16 (--no-deps, CPU-importable) lets the tests run SkyRL's own
-# Megatron R3 consumer (replay_utils.setup_per_microbatch_replay_forward) against routereplay.
+# wheel), SkyRL --no-deps --ignore-requires-python, then what its FSDP worker path and its trainer really import
+# (ray only imported, never started: SkyRL decorates its workers with ray.remote at import; skyrl-gym via its
+# generator types; torchdata, its trainer's StatefulDataLoader), then routereplay. megatron-core 0.16 (--no-deps,
+# CPU-importable) lets the tests run SkyRL's own Megatron R3 consumer (replay_utils.setup_per_microbatch_replay_forward)
+# against routereplay.
 # Two shims, test-venv only, in tests/integrations/skyrl/ (conftest.py): typing.TypedDict ->
 # typing_extensions.TypedDict before SkyRL imports (pydantic refuses typing.TypedDict on Python < 3.12, in
 # skyrl/tinker/types.py), and a pure-PyTorch flash_attn.bert_padding (pad_input / unpad_input, which SkyRL's
@@ -59,7 +60,7 @@ SKYRL := skyrl==0.4.0
 SKYRL_TRANSFORMERS := transformers==5.16.1
 SKYRL_DEPS := hydra-core==1.3.4 omegaconf==2.3.1 ray==2.57.0 peft==0.18.1 cloudpathlib==0.26.0 loguru==0.7.3 \
 	func_timeout==4.3.5 jaxtyping==0.3.11 skyrl-gym==0.4.0 aiohttp==3.14.5 orjson==3.13.0 pybase64==1.5.1 \
-	datasets==5.2.0
+	datasets==5.2.0 torchdata==0.11.0
 # two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
 # `make test` installs nothing more; `make test` after `make demo` adds the rest)
 DEMO_STAMP := $(VENV)/.installed-demo

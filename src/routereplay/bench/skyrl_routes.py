@@ -77,7 +77,7 @@ def run(config: SkyRLRoutesBenchConfig, progress: Callable[[str], None] | None =
         packed += values_NLK.nbytes + np.dtype(np.int32).itemsize  # + this trajectory's cu_seqlens entry
         mask += np.zeros(width, dtype=np.bool_).nbytes  # router_padding_mask row
         tally.add(trace)
-    digest = len(route_digests([trace])[0])
+    digest = len(route_digests([trace], geometry)[0])
     n = c.samples
     return {
         "suite": "skyrl",

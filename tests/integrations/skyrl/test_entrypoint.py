@@ -137,3 +137,34 @@ def test_runtime_env_carries_the_r2_switch_to_actors_the_trainer_task_creates(mo
         assert ray.get(task.options(runtime_env=runtime_env()).remote()) == "R2"
     finally:
         ray.shutdown()
+
+
+def test_the_entrypoint_builds_routereplays_trainer_with_skyrls_arguments() -> None:
+    """`run_trainer` runs `experiment_class()(cfg)`: SkyRL's `BasePPOExp` whose `get_trainer` builds SkyRL's
+    `RayPPOTrainer` with routereplay's digest column (`trainer_class()`), from the arguments SkyRL passes."""
+    from skyrl.train.entrypoints.main_base import BasePPOExp
+    from skyrl.train.trainer import RayPPOTrainer
+
+    from routereplay.integrations.skyrl.entrypoint import experiment_class
+    from routereplay.integrations.skyrl.trainer import TRAINER_NAME, trainer_class
+
+    cls = experiment_class()
+    assert issubclass(cls, BasePPOExp)
+    cfg = skyrl_config("trainer.logger=console", "generator.inference_engine.enable_ray_prometheus_stats=false")
+    arguments = {"tracker": None, "tokenizer": None, "train_dataset": None, "eval_dataset": None,
+                 "inference_engine_client": None, "generator": None, "colocate_pg": None}  # fmt: skip
+    trainer = cls.get_trainer(cls.__new__(cls), cfg, **arguments)
+    assert type(trainer) is trainer_class() and type(trainer).__name__ == TRAINER_NAME
+    assert isinstance(trainer, RayPPOTrainer) and trainer.cfg is cfg
+
+
+def test_runtime_env_carries_both_worker_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from routereplay.integrations.skyrl.entrypoint import runtime_env, validate
+
+    monkeypatch.setenv("ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES", "1")
+    assert runtime_env() == {"env_vars": {"ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES": "1"}}
+    monkeypatch.setenv(MODE_ENV, "R2")
+    assert runtime_env() == {"env_vars": {MODE_ENV: "R2", "ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES": "1"}}
+    monkeypatch.setenv("ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES", "maybe")
+    with pytest.raises(ConfigError, match="ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES='maybe': set it to 1"):
+        validate(skyrl_config("trainer.logger=console"))

@@ -228,3 +228,31 @@ def test_r3_through_skyrls_own_fsdp2_sharding(cpu: None, monkeypatch: pytest.Mon
         for seen in passes:
             assert torch.equal(seen[layer][routed], want[routed]), f"layer {layer}"
     assert worker.routereplay_stats()["fallback_rows"] == 3 * len(seqs) * len(MOE_LAYERS)
+
+
+def test_r2_one_recording_spans_every_forward_until_the_next_update(cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SkyRL's default `recompute_old_logprobs_per_minibatch` forwards each policy mini-batch separately, all before
+    the first update: the forwards add to one recording (each update finds its samples, whichever mini-batch
+    recorded them), and the first forward after an update starts the next recording (the last one's dropped)."""
+    monkeypatch.setenv("ROUTEREPLAY_SKYRL_ROUTER_REPLAY", "R2")
+    seqs = sequences()
+    data = training_batch(seqs, None)
+    model = tiny_model()
+    worker = build_worker(model, trainer_config(r3=False), remove_padding=True)
+    first, second = data[0:2], data[2:4]  # SkyRL's mini-batches: contiguous slices, in order
+    with dispatched(model) as calls:
+        worker.forward(first)
+        worker.forward(second)
+    assert worker.routereplay_stats()["recorded_samples"] == len(seqs)
+    recorded = {la: token_rows(data["attention_mask"], True, calls[la]) for la in MOE_LAYERS}
+    for mini_batch in (second, first):  # an update per mini-batch, in any order
+        with dispatched(model) as calls:
+            worker.forward_backward(mini_batch)
+            worker.optim_step()
+        replayed = {la: token_rows(mini_batch["attention_mask"], True, calls[la]) for la in MOE_LAYERS}
+        offset = 0 if mini_batch is first else int(first["attention_mask"].sum())
+        for layer in MOE_LAYERS:
+            want = recorded[layer][offset : offset + len(replayed[layer])]
+            assert torch.equal(sorted_rows(replayed[layer]), sorted_rows(want)), f"layer {layer}"
+    worker.forward(second)  # the next train batch's first old-log-prob pass
+    assert worker.routereplay_stats()["recorded_samples"] == len(second["sequences"])

@@ -17,6 +17,7 @@ import pytest
 
 from routereplay.codec import decode
 from routereplay.errors import (
+    ConfigError,
     DtypeError,
     DuplicatedPrefixError,
     ExpertIdRangeError,
@@ -207,3 +208,42 @@ def test_bad_envelopes_are_refused_before_decoding() -> None:
     np.testing.assert_array_equal(decode_skyrl(spliced, **kwargs).experts, routes(4)[:, 1:])
     with pytest.raises(PayloadSizeError, match="holds 31 base64 characters"):
         decode_skyrl({**good, "data": memoryview(good["data"].encode())[:-1]}, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ([1.7, 2, 3], r"prompt_token_ids\[0\] = '1.7' \(float\) is not a token id"),
+        (["1", "2", "3"], r"prompt_token_ids\[0\] = '1' \(str\) is not a token id"),
+        ([5, True, 3], r"prompt_token_ids\[1\] = 'True' \(bool\) is not a token id"),
+        ([5, None, 3], r"prompt_token_ids\[1\] = 'None' \(NoneType\) is not a token id"),
+        (None, "prompt_token_ids is a NoneType; pass the call's token ids as a list of ints"),
+        ("abc", "prompt_token_ids is a str"),
+        ([2**70, 1, 2], r"prompt_token_ids\[0\] = 1180591620717411303424 is outside the token ids' range"),
+        ([-1, 1, 2], r"prompt_token_ids\[0\] = -1 is outside the token ids' range"),
+        (np.array([1.0, 2.0, 3.0]), "prompt_token_ids is a float64 array"),
+        (np.array([True, False, True]), "prompt_token_ids is a bool array"),
+        (np.array([[1, 2, 3]]), r"prompt_token_ids is a int64 array of shape \(1, 3\)"),
+    ],
+    ids=["float", "str", "bool", "None-inside", "None", "str-whole", "2**70", "negative", "float-array",
+         "bool-array", "2-D"],
+)  # fmt: skip
+def test_add_generation_refuses_token_ids_that_are_not_ints_before_any_cast(prompt: Any, match: str) -> None:
+    """Item 9: token ids were cast to int64 first (1.7 -> 1, '1' -> 1, True -> 1; None / 'abc' / 2**70 raised
+    numpy's errors). Each is a ConfigError naming the sample, the argument and the position; nothing is stored."""
+    rollout = RolloutRoutes(GEOMETRY)
+    with pytest.raises(ConfigError, match=f"sample 's': {match}"):
+        rollout.add_generation("s", prompt, [4, 5], routes(4), prompt_start=0)
+    with pytest.raises(ConfigError, match=f"sample 's': {match.replace('prompt_token_ids', 'output_ids')}"):
+        rollout.add_generation("s", [1, 2, 3], prompt, routes(4), prompt_start=0)
+    assert "s" not in rollout.store
+
+
+def test_add_call_and_add_tokens_check_token_ids_as_given() -> None:
+    rollout = RolloutRoutes(GEOMETRY)
+    with pytest.raises(ConfigError, match=r"sample 's': token_ids\[2\] = 'True' \(bool\)"):
+        rollout.add_call("s", [1, 2, True, 4, 5], routes(4))
+    rollout.add_generation("s", [1, 2, 3], [4, 5], routes(4), prompt_start=0)
+    with pytest.raises(ConfigError, match=r"sample 's': token_ids\[5\] = '6.0' \(float\)"):
+        rollout.add_tokens("s", [1, 2, 3, 4, 5, 6.0])  # type: ignore[list-item]
+    assert rollout.tokens("s") == [1, 2, 3, 4, 5]

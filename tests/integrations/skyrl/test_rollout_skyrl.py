@@ -119,7 +119,7 @@ def batch(skyrl: Any, rollout: RolloutRoutes, samples: dict[str, tuple[list[int]
     sequences, attention_mask, packed = out[0], out[1], out[6]
     padding = skyrl.preprocess.make_router_padding_mask(attention_mask, [len(a) for a in arrays])
     return {"packed": packed, "attention_mask": attention_mask, "router_padding_mask": padding, "sequences": sequences,
-            "digests": route_digests(rollout.traces(ids)), "traces": rollout.traces(ids)}  # fmt: skip
+            "digests": route_digests(rollout.traces(ids), GEOMETRY), "traces": rollout.traces(ids)}  # fmt: skip
 
 
 def two_trajectories(skyrl: Any) -> dict[str, Any]:

@@ -9,8 +9,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from routereplay.errors import ExpertIdRangeError, PayloadLimitError, RowCountError
-from routereplay.integrations.skyrl import decode_skyrl
+from routereplay.errors import ConfigError, ExpertIdRangeError, PayloadLimitError, RowCountError
+from routereplay.integrations.skyrl import decode_skyrl, unpack_envelope
 
 READ = {"num_experts": 300, "moe_layers": (1, 2)}
 
@@ -63,3 +63,18 @@ def test_an_id_out_of_range_names_its_payload_layer_past_a_dense_layer() -> None
     routes_TAK[3, 2] = [7, 16]  # payload layer 2 (dense layer 0 is in the payload)
     with pytest.raises(ExpertIdRangeError, match=r"payload layer 2: expert id 16 is outside \[0, 16\)"):
         decode_skyrl(routes_TAK, num_experts=16, moe_layers=(1, 2), num_tokens=6)
+
+
+@pytest.mark.parametrize("max_bytes", [None, "1000", 1.5, -1, True], ids=["None", "str", "float", "negative", "bool"])
+def test_a_bad_max_bytes_is_a_config_error_for_every_form(max_bytes: object) -> None:
+    """Item 9: `decode_skyrl(envelope, max_bytes=None)` compared None with the size (TypeError)."""
+    routes_TAK = np.zeros((5, 3, 2), np.uint8)
+    routes_TAK[:, 1:] = [0, 1]
+    envelope = {"data": base64.b64encode(routes_TAK.tobytes()).decode(), "shape": [5, 3, 2], "dtype": "uint8"}
+    for value in (envelope, {"choices": [{"routed_experts": envelope}]}, routes_TAK):
+        with pytest.raises(ConfigError, match="max_bytes.* must be (an int )?>= 0"):
+            decode_skyrl(value, **READ, num_tokens=6, max_bytes=max_bytes)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_bytes.* must be (an int )?>= 0"):
+        unpack_envelope(envelope, max_bytes=max_bytes)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="limits must be a WireLimits, got NoneType"):
+        unpack_envelope(envelope, limits=None)  # type: ignore[arg-type]

@@ -62,11 +62,16 @@ def random_routes(seqs: list[tuple[list[int], list[int]]], num_experts: int = 16
     return out
 
 
-def training_batch(seqs: list[tuple[list[int], list[int]]], routes: list[np.ndarray] | None, *, seed: int = 0) -> Any:
+def training_batch(
+    seqs: list[tuple[list[int], list[int]]], routes: list[np.ndarray] | None, *, seed: int = 0, digests: bool = True
+) -> Any:
     """The `TrainingInputBatch` SkyRL's trainer builds (`convert_to_training_input`) plus what its forward pass
-    and advantage step add: old log-probs, advantages."""
+    and advantage step add: old log-probs, advantages; with routes, routereplay's trainer's digest column too
+    (`digests=False`: SkyRL's own trainer's batch, without it)."""
     from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
     from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors, make_router_padding_mask
+
+    from routereplay.integrations.skyrl.digest import DIGEST_KEY, digest_column, generator_digests
 
     prompts = [p for p, _ in seqs]
     responses = [r for _, r in seqs]
@@ -83,6 +88,9 @@ def training_batch(seqs: list[tuple[list[int], list[int]]], routes: list[np.ndar
         "rollout_expert_indices": packed,
         "router_padding_mask": None if routes is None else make_router_padding_mask(mask_BS, [len(r) for r in routes]),
     }
+    if routes is not None and digests:
+        output = {"prompt_token_ids": prompts, "response_ids": responses, "rollout_expert_indices": routes}
+        batch[DIGEST_KEY] = digest_column(generator_digests(output) or [])
     generator = torch.Generator().manual_seed(seed)
     batch["advantages"] = torch.randn(loss_mask.shape, generator=generator) * loss_mask
     batch["action_log_probs"] = torch.zeros(loss_mask.shape)

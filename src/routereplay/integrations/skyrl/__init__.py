@@ -9,8 +9,9 @@ Rollout side (docs/skyrl.md):
                      array and vLLM's forms of one engine call, checked before decoding
 - `rollout.py`       `RolloutRoutes`: calls merged per trajectory by `routed_experts_prompt_start` in a
                      `RouteStore`; `generator_routes` (SkyRL's generator form, one dtype from E), compact column
-- `packed_routes.py` `routes_of_packed`: SkyRL's batch `PackedTensor` back to (B, S, M, K) with -1, checked;
-                     `route_digests` tie packed rows to their tokens
+- `packed_routes.py` `routes_of_packed`: SkyRL's batch `PackedTensor` back to (B, S, M, K) with -1, checked
+- `digest.py`        the digest column (`DIGEST_KEY`) that ties packed rows to their tokens: from the generator
+                     output (`generator_digests`) or the merged traces (`route_digests`)
 
 Trainer side:
 - `policy_worker.py`   SkyRL's `FSDPPolicyWorkerBase` with R3 / R2 (`policy_worker_class`, `install` behind
@@ -19,23 +20,34 @@ Trainer side:
                        `ROUTEREPLAY_SKYRL_ROUTER_REPLAY=R2` in the workers' environment (`entrypoint.runtime_env`)
 - `micro_batch.py`     `ModelInputLayout`: routes and token ids laid out as SkyRL's `HFModelWrapper` feeds the model
                        (packed `remove_microbatch_padding`, padded, Ulysses SP), its input ids checked
-- `recorded_routes.py` R2's recordings, found again by each sample's tokens, shared over SkyRL's dp group
+- `recorded_routes.py` R2's recordings (one per train batch, over every mini-batch's forward), found again by
+                       each sample's tokens, shared over SkyRL's dp group
+- `token_check.py`     R3's token check against the digest column: on by default, the per-worker opt-out
+                       `ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES=1`, the unchecked samples counted
+- `trainer.py`         SkyRL's `RayPPOTrainer` adding the digest column from the generator output (`trainer_class`)
 - `entrypoint.py`      `python -m routereplay.integrations.skyrl.entrypoint`: SkyRL's `main_base` with its config
-                       check relaxed only for FSDP R3 (`validate`), the R2 switch in the Ray runtime env, `install`
+                       check relaxed only for FSDP R3 (`validate`), the workers' switches in the Ray runtime env,
+                       `install`, and routereplay's trainer
 
 Importing this package imports no SkyRL: SkyRL is imported inside the functions that need it.
 Tests: `make test-skyrl` (SkyRL 0.4.0 in its own .venv-skyrl: it pins transformers<=5.16.1, hydra-core==1.3.4).
 """
 
-from routereplay.integrations.skyrl.packed_routes import route_digests, routes_of_packed
+from routereplay.integrations.skyrl.digest import DIGEST_KEY, route_digests
+from routereplay.integrations.skyrl.packed_routes import routes_of_packed
 from routereplay.integrations.skyrl.policy_worker import MODE_ENV, install, policy_worker_class, replay_mode
 from routereplay.integrations.skyrl.rollout import RolloutRoutes, RouteGeometry, generator_routes, route_dtype
+from routereplay.integrations.skyrl.token_check import UNCHECKED_ENV
+from routereplay.integrations.skyrl.trainer import RouteReplayTrainerMixin, trainer_class
 from routereplay.integrations.skyrl.wire_form import decode_skyrl, unpack_envelope
 
 __all__: list[str] = [
+    "DIGEST_KEY",
     "MODE_ENV",
+    "UNCHECKED_ENV",
     "RolloutRoutes",
     "RouteGeometry",
+    "RouteReplayTrainerMixin",
     "decode_skyrl",
     "generator_routes",
     "install",
@@ -44,5 +56,6 @@ __all__: list[str] = [
     "route_digests",
     "route_dtype",
     "routes_of_packed",
+    "trainer_class",
     "unpack_envelope",
 ]

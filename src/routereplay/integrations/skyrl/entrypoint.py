@@ -12,9 +12,13 @@ FSDP strategy, where routereplay's worker replays the routes:
   `mp` backend and `moe_enable_routing_replay=true` are required (ConfigError, SkyRL's reasons), `validate_cfg`
   runs with the routes flag off, and the one other check the flag gates in `validate_cfg` (no
   `merge_stepwise_output`) is made here. SkyRL's files are not edited;
-- `runtime_env()`: `ROUTEREPLAY_SKYRL_ROUTER_REPLAY` for the Ray task (SkyRL's `prepare_runtime_environment`
-  forwards only variables it names, and `SKYRL_*`); actors the task creates (SkyRL's workers) inherit it;
-- `run_trainer(cfg)`: the Ray task, SkyRL's `skyrl_entrypoint` with `install(cfg)` before `BasePPOExp(cfg).run()`;
+- `runtime_env()`: `ROUTEREPLAY_SKYRL_ROUTER_REPLAY` and `ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES` for the Ray task
+  (SkyRL's `prepare_runtime_environment` forwards only variables it names, and `SKYRL_*`); actors the task
+  creates (SkyRL's workers) inherit them;
+- `experiment_class()`: SkyRL's `BasePPOExp` whose `get_trainer` builds routereplay's trainer (`trainer.py`: SkyRL's
+  `RayPPOTrainer` plus the digest column that turns the worker's token check on);
+- `run_trainer(cfg)`: the Ray task, SkyRL's `skyrl_entrypoint` with `install(cfg)` before
+  `experiment_class()(cfg).run()`;
 - `main(argv)`: parse with `SkyRLTrainConfig.from_cli_overrides`, `validate`, SkyRL's `initialize_ray`, run the task.
 
 Nothing here imports SkyRL or Ray until a function runs.
@@ -22,6 +26,7 @@ Nothing here imports SkyRL or Ray until a function runs.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -29,6 +34,10 @@ from typing import Any
 
 from routereplay.errors import ConfigError
 from routereplay.integrations.skyrl.policy_worker import MEGATRON_KEY, MODE_ENV, install, replay_mode
+from routereplay.integrations.skyrl.token_check import UNCHECKED_ENV, unchecked_opt_out
+from routereplay.integrations.skyrl.trainer import trainer_class
+
+WORKER_ENV = (MODE_ENV, UNCHECKED_ENV)  # what the workers read, carried to them in the Ray runtime env
 
 FSDP_STRATEGIES = ("fsdp", "fsdp2")  # validate_cfg renames fsdp2 to fsdp
 ROUTES_KEY = "generator.inference_engine.enable_return_routed_experts"
@@ -46,6 +55,7 @@ def validate(cfg: Any) -> None:
     from skyrl.train.utils.utils import validate_cfg
 
     replay_mode(cfg.trainer)  # a bad ROUTEREPLAY_SKYRL_ROUTER_REPLAY, or R2 with the R3 key, refused in the driver
+    unchecked_opt_out()  # a bad ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES, likewise
     fsdp = cfg.trainer.strategy in FSDP_STRATEGIES
     if fsdp and cfg.trainer.policy.megatron_config.moe_enable_routing_replay and not replays_on_fsdp(cfg):
         raise ConfigError(  # SkyRL checks this pair for Megatron only; the FSDP worker would fail at its first pass
@@ -79,18 +89,33 @@ def validate(cfg: Any) -> None:
 
 
 def runtime_env() -> dict[str, Any]:
-    """The Ray runtime env that carries `MODE_ENV` to the trainer task and the workers it creates (empty when
-    unset); pass it as `skyrl_entrypoint.options(runtime_env=runtime_env())` in an entrypoint of your own."""
-    value = os.environ.get(MODE_ENV)
-    return {"env_vars": {MODE_ENV: value}} if value else {}
+    """The Ray runtime env that carries `WORKER_ENV` (the mode, the token-check opt-out) to the trainer task and the
+    workers it creates (empty when neither is set); pass it as `skyrl_entrypoint.options(runtime_env=runtime_env())`
+    in an entrypoint of your own."""
+    values = {name: os.environ[name] for name in WORKER_ENV if os.environ.get(name)}
+    return {"env_vars": values} if values else {}
+
+
+@functools.cache
+def experiment_class() -> type:
+    """SkyRL's `BasePPOExp` building routereplay's trainer (`trainer.trainer_class()`) with SkyRL's arguments."""
+    from skyrl.train.entrypoints.main_base import BasePPOExp
+
+    def get_trainer(self: Any, cfg: Any, tracker: Any, tokenizer: Any, train_dataset: Any, eval_dataset: Any,
+                    inference_engine_client: Any, generator: Any, colocate_pg: Any) -> Any:  # fmt: skip
+        return trainer_class()(
+            cfg=cfg, tracker=tracker, tokenizer=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            inference_engine_client=inference_engine_client, generator=generator, colocate_pg=colocate_pg,
+        )  # fmt: skip
+
+    return type("RouteReplayPPOExp", (BasePPOExp,), {"get_trainer": get_trainer})
 
 
 def run_trainer(cfg: Any) -> None:
-    """The trainer task: routereplay's worker installed in this process, then SkyRL's `BasePPOExp(cfg).run()`."""
-    from skyrl.train.entrypoints.main_base import BasePPOExp
-
+    """The trainer task: routereplay's worker installed in this process, then SkyRL's experiment with
+    routereplay's trainer (`experiment_class()(cfg).run()`)."""
     install(cfg)
-    BasePPOExp(cfg).run()
+    experiment_class()(cfg).run()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -110,4 +135,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["main", "replays_on_fsdp", "run_trainer", "runtime_env", "validate"]
+__all__ = ["WORKER_ENV", "experiment_class", "main", "replays_on_fsdp", "run_trainer", "runtime_env", "validate"]

@@ -1,4 +1,4 @@
-"""SkyRL's packed `rollout_expert_indices` read back, checked: `routes_of_packed`, and its digest column.
+"""SkyRL's packed `rollout_expert_indices` read back, checked: `routes_of_packed`.
 
 SkyRL 0.4.0 collates every trajectory's route array into one `PackedTensor` (`utils/packed_tensor.py`;
 `train/dataset/preprocess.py` `_collate_rollout_expert_indices`): `values` `[sum(seq_len_i), L, K]` over each
@@ -8,14 +8,15 @@ no captured route). The batch is left-padded (`attention_mask`), so a trajectory
 
 `routes_of_packed` turns that into the padded `(B, S, M, K)` routes routereplay's replayer takes (MoE layers
 only, -1 wherever there is no captured route: padding, the dummy tail, never expert 0). Everything is checked
-before the output is allocated, each fault refused by name: a `values` shape that is not `[rows, L, K]` of the
-model (`BatchGeometryError`), `cu_seqlens` that do not run 0..rows or disagree with the attention mask's lengths
-(`RowCountError`), a dtype that is not an integer type or cannot hold every id below E (`DtypeError`; SkyRL
-picks uint8 when a batch's largest id is below 256, so a uint8 batch of a model with E > 256 may have lost
-ids to a cast, SkyRL #1912), ids >= E or repeated in a row (`ExpertIdRangeError`, `DuplicateExpertError`), and,
-with the digest column `route_digests` wrote at rollout time, a trajectory whose rows were shifted, cut or
-swapped against its tokens (`TokenMismatchError`). The bytes of the digests are small (16 per trajectory);
-SkyRL's `TrainingInputBatch` has no field for them, so the caller carries them beside it.
+before the output is allocated, each fault refused by name: a field that is not a dense tensor with data (a
+sparse or meta tensor: `BatchFieldError`), a `values` shape that is not `[rows, L, K]` of the model
+(`BatchGeometryError`), `cu_seqlens` that do not run 0..rows or disagree with the attention mask's lengths
+(`RowCountError`), a dtype that is not one of SkyRL's integer types or cannot hold every id below E
+(`DtypeError`; SkyRL picks uint8 when a batch's largest id is below 256, so a uint8 batch of a model with E > 256
+may have lost ids to a cast, SkyRL #1912), ids >= E or repeated in a row (`ExpertIdRangeError`,
+`DuplicateExpertError`), and, with the digest column (`digest.py`: written by routereplay's trainer from the
+generator's output, or `route_digests` of the merged traces), a trajectory whose rows were shifted, cut or
+swapped against its tokens (`TokenMismatchError`).
 
 Legend: B trajectories, S padded positions, N tokens of one trajectory, C captured rows, R packed rows,
 L every hidden layer, M MoE layers, K top-k, E experts.
@@ -23,7 +24,6 @@ L every hidden layer, M MoE layers, K top-k, E experts.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,46 +39,28 @@ from routereplay.errors import (
     RowCountError,
     TokenMismatchError,
 )
-from routereplay.integrations.skyrl.rollout import captured_rows
+from routereplay.integrations.skyrl.digest import checked_digests, sample_digest
 from routereplay.integrations.verl import RouteGeometry
-from routereplay.trace.route_trace import RouteTrace
 
 if TYPE_CHECKING:
     import torch
 
-DIGEST_TAG = b"routereplay.skyrl.packed.v1"
-
-
-def sample_digest(ids_C: np.ndarray, experts_CMK: np.ndarray) -> bytes:
-    """16 bytes of SHA-256 over a trajectory's captured token ids and their route sets (rows sorted: routes are
-    sets, so SkyRL's router order and routereplay's sorted rows digest alike)."""
-    h = hashlib.sha256(DIGEST_TAG)
-    h.update(np.asarray(experts_CMK.shape, dtype="<i8").tobytes())
-    h.update(np.ascontiguousarray(ids_C, dtype="<i8").tobytes())
-    h.update(np.ascontiguousarray(np.sort(experts_CMK, axis=-1), dtype="<i4").tobytes())
-    return h.digest()[:16]
-
-
-def route_digests(traces: Sequence[RouteTrace]) -> list[bytes]:
-    """Per merged trace (from `RolloutRoutes.traces`), the digest of its captured prefix and the tokens it
-    names, in batch order: what `routes_of_packed(..., digests=)` checks."""
-    digests = []
-    for index, trace in enumerate(traces):
-        if trace.token_ids is None or trace.start != 0:
-            raise BatchFieldError(
-                f"trajectory {index}: the trace names no token ids (or starts past token 0); take the merged "
-                "traces of RolloutRoutes, which name their tokens"
-            )
-        captured = captured_rows(trace)
-        digests.append(sample_digest(trace.token_ids[:captured], trace.experts[:captured]))
-    return digests
+# what SkyRL's collate writes (ROUTED_EXPERT_DTYPES: uint8, int16, int32), and int64, a plain widening of them
+ROUTE_DTYPES = ("uint8", "int16", "int32", "int64")
 
 
 def _tensor(value: Any, name: str) -> torch.Tensor:
+    """`value` as a dense tensor that holds data: nested, sparse and meta tensors are refused by name."""
     import torch
 
     if not isinstance(value, torch.Tensor) or value.is_nested:
         raise BatchFieldError(f"{name} must be a (non-nested) torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided or value.is_meta:
+        where = "the meta device (no data)" if value.is_meta else f"layout {value.layout}"
+        raise BatchFieldError(
+            f"{name} is a tensor on {where}; SkyRL's batch fields are dense tensors with data (call .to_dense() or "
+            "load the batch SkyRL built)"
+        )
     return value
 
 
@@ -151,11 +133,12 @@ def routes_of_packed(
     geometry: RouteGeometry,
     router_padding_mask: torch.Tensor | None,
     sequences: torch.Tensor | None = None,
-    digests: Sequence[bytes] | None = None,
+    digests: Sequence[bytes] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SkyRL's `rollout_expert_indices` (a `PackedTensor`) as padded `(B, S, M, K)` routes of the MoE layers,
     -1 where `router_padding_mask` says no captured route (required: SkyRL's dummy rows hide behind it).
-    `digests` (from `route_digests`, with the batch's `sequences`) tie each trajectory's rows to its tokens."""
+    `digests` (the batch's `DIGEST_KEY` column, or `route_digests` of the merged traces), with the batch's
+    `sequences`, tie each trajectory's rows to its tokens."""
     import torch
 
     if not isinstance(geometry, RouteGeometry):
@@ -172,8 +155,13 @@ def routes_of_packed(
             f"rollout_expert_indices.values has shape {tuple(values.shape)}; SkyRL packs [rows, layers, top_k] with "
             f"every hidden layer vLLM reports: expected [rows, {g.num_layers}, {g.top_k}] for this model"
         )
-    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-        raise DtypeError(f"rollout_expert_indices.values is {values.dtype}; expert ids are integers")
+    dtype_name = str(values.dtype).removeprefix("torch.")
+    if dtype_name not in ROUTE_DTYPES:
+        raise DtypeError(
+            f"rollout_expert_indices.values is {values.dtype}; SkyRL packs expert ids as one of "
+            f"{', '.join(ROUTE_DTYPES[:3])} (its ROUTED_EXPERT_DTYPES; int64 is read too): the field was cast or "
+            "built by something other than SkyRL's collate"
+        )
     if torch.iinfo(values.dtype).max < g.num_experts - 1:
         raise DtypeError(
             f"rollout_expert_indices.values is {values.dtype}, too narrow for {g.num_experts} experts (ids up to "
@@ -194,13 +182,28 @@ def routes_of_packed(
             f"router_padding_mask of shape {tuple(no_route_BS.shape)} for attention_mask "
             f"{tuple(keep_BS.shape)}: it must have the same shape and be True wherever attention_mask is 0"
         )
+    expected = None
+    ids_BS = None
+    if digests is not None:
+        expected = checked_digests(digests, int(keep_BS.shape[0]))
+        if sequences is None:
+            raise BatchFieldError(
+                "digests need the batch's sequences: pass sequences= (the [batch, seq_len] token ids)"
+            )
+        ids_BS = _tensor(sequences, "sequences")
+        if tuple(ids_BS.shape) != tuple(keep_BS.shape) or ids_BS.dtype.is_floating_point:
+            raise BatchFieldError(
+                f"sequences of shape {tuple(ids_BS.shape)} ({ids_BS.dtype}) for attention_mask {tuple(keep_BS.shape)}: "
+                "the batch's integer token ids, shaped like the mask"
+            )
     keep_R = ~no_route_BS[keep_BS]  # SkyRL's rows follow the real tokens in batch order (left padding)
     starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     moe = g.moe_layers
-    experts_RMK = values.to("cpu").index_select(1, torch.as_tensor(moe, dtype=torch.long))  # its own dtype
+    values_RLK = values.to("cpu")
+    experts_RMK = values_RLK.index_select(1, torch.as_tensor(moe, dtype=torch.long))  # its own dtype
     _checked_ids(experts_RMK, keep_R, starts, moe, g.num_experts)
-    if digests is not None:
-        _check_digests(digests, sequences, keep_BS, keep_R, experts_RMK, starts)
+    if expected is not None and ids_BS is not None:
+        _check_digests(expected, ids_BS.to("cpu", torch.int64), keep_BS, keep_R, values_RLK, starts)
     out_dtype = torch.int16 if g.num_experts <= (1 << 15) - 1 else torch.int32
     rows_RMK = experts_RMK.to(out_dtype)
     rows_RMK[~keep_R] = -1  # SkyRL's dummy tail (experts 0..K-1) is no route: the replayer routes it live
@@ -210,36 +213,30 @@ def routes_of_packed(
 
 
 def _check_digests(
-    digests: Sequence[bytes],
-    sequences: torch.Tensor | None,
+    digests: list[bytes],
+    ids_BS: torch.Tensor,
     keep_BS: torch.Tensor,
     keep_R: torch.Tensor,
-    experts_RMK: torch.Tensor,
+    values_RLK: torch.Tensor,
     starts: list[int],
 ) -> None:
+    """`TokenMismatchError` naming the first trajectory whose captured rows and tokens are not the digested pair;
+    a trajectory without a captured row (SkyRL's batch padding) replays nothing and is skipped."""
     import torch
 
-    batch = int(keep_BS.shape[0])
-    if sequences is None:
-        raise BatchFieldError("digests need the batch's sequences: pass sequences= (the [batch, seq_len] token ids)")
-    ids_BS = _tensor(sequences, "sequences").to("cpu", torch.int64)
-    if tuple(ids_BS.shape) != tuple(keep_BS.shape) or len(digests) != batch:
-        raise BatchFieldError(
-            f"{len(digests)} digests and sequences of shape {tuple(ids_BS.shape)} for attention_mask "
-            f"{tuple(keep_BS.shape)}: one digest per trajectory, sequences shaped like the mask"
-        )
-    for b in range(batch):
-        ids_N = ids_BS[b][keep_BS[b]]
+    for b in range(int(keep_BS.shape[0])):
         captured_N = keep_R[starts[b] : starts[b + 1]]
-        rows_NMK = experts_RMK[starts[b] : starts[b + 1]]
-        rows_CMK = rows_NMK[captured_N].to(torch.int32).numpy()
-        if sample_digest(ids_N[captured_N].numpy(), rows_CMK) != digests[b]:
+        if not bool(captured_N.any()):
+            continue
+        ids_N = ids_BS[b][keep_BS[b]]
+        rows_CLK = values_RLK[starts[b] : starts[b + 1]][captured_N].to(torch.int32).numpy()
+        if sample_digest(ids_N[captured_N].numpy(), rows_CLK) != digests[b]:
             raise TokenMismatchError(
                 f"trajectory {b}: its packed route rows and its tokens ({int(captured_N.sum())} captured of "
-                f"{ids_N.numel()}) are not the pair route_digests was given at rollout: the rows were shifted, cut "
-                "or reordered apart from the tokens, or the trajectories swapped places; rebuild the batch from the "
-                "generator output"
+                f"{ids_N.numel()}) are not the pair the generator returned (digest differs): the rows were shifted, "
+                "cut or reordered apart from the tokens, or trajectories swapped places; rebuild the batch from the "
+                "generator output and move rollout_expert_indices, sequences and the digest column together"
             )
 
 
-__all__ = ["route_digests", "routes_of_packed", "sample_digest"]
+__all__ = ["ROUTE_DTYPES", "routes_of_packed"]

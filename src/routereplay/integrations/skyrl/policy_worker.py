@@ -14,11 +14,17 @@ Modes, switched the way SkyRL switches its Megatron replay:
   replays the batch's `rollout_expert_indices`;
 - `R2` when the workers' environment has `ROUTEREPLAY_SKYRL_ROUTER_REPLAY=R2` (SkyRL has no R2 key): the
   forward pass records the trainer's own routing (`recorded_routes.py`), every update replays it; rollout
-  routes on the batch are refused under R2 (they would silently turn it into R3);
+  routes on the batch are refused under R2 (they would silently turn it into R3). One recording spans every
+  `forward` call between two updates: SkyRL's default `trainer.recompute_old_logprobs_per_minibatch=true` runs
+  the old-log-prob pass once per policy mini-batch (`trainer._execute_forward_pass`), all of them before the
+  first `forward_backward`, so the first forward after an update starts a new recording and the following
+  ones add to it;
 - otherwise (`disabled`): exactly SkyRL's worker.
 
 Routes are read by `packed_routes.routes_of_packed` (geometry, `cu_seqlens`, dtype vs E, ids, duplicates, all
-checked before anything is allocated for the model), laid out as SkyRL's wrapper lays the micro-batch out
+checked before anything is allocated for the model; under R3 the whole batch is first checked against its
+digest column, which routereplay's trainer adds: `token_check.py`, refused without it unless this worker opted
+out, then counted), laid out as SkyRL's wrapper lays the micro-batch out
 (`micro_batch.py`: packed `remove_microbatch_padding`, padded, Ulysses SP), and every forward checks that SkyRL
 fed the model the tokens the routes were placed for. A position with no captured route (`router_padding_mask`:
 the final sampled token, a synthetic EOS, tool tokens no later turn evaluated, SkyRL's padding micro-batch) is
@@ -46,9 +52,16 @@ import torch
 from torch import nn
 
 from routereplay.errors import ConfigError, MissingDependencyError, MissingRoutesError
+from routereplay.integrations.skyrl.digest import DIGEST_KEY
 from routereplay.integrations.skyrl.micro_batch import ModelInputLayout, layout_of
 from routereplay.integrations.skyrl.packed_routes import routes_of_packed
 from routereplay.integrations.skyrl.recorded_routes import RecordedRoutes
+from routereplay.integrations.skyrl.token_check import (
+    METRIC_PREFIX,
+    TokenCheckCounts,
+    unchecked_opt_out,
+    unchecked_refusal,
+)
 from routereplay.integrations.verl import RouteGeometry
 
 MODE_ENV = "ROUTEREPLAY_SKYRL_ROUTER_REPLAY"
@@ -85,12 +98,17 @@ def r2_with_rollout_routes(where: str) -> str:
 
 @dataclass(slots=True)
 class WorkerRouting:
-    """Per-worker replay state: the Replayer bound to the HF model, its geometry, R2's recordings."""
+    """Per-worker replay state: the Replayer bound to the HF model, its geometry, R2's recordings (`recording`:
+    the forward passes since the last update add to one recording), R3's token-check counts (`unchecked`: the
+    current call's batch replays unchecked)."""
 
     replayer: Any = None
     module: nn.Module | None = None
     geometry: RouteGeometry | None = None
     recorded: RecordedRoutes = field(default_factory=RecordedRoutes)
+    recording: bool = False
+    counts: TokenCheckCounts = field(default_factory=TokenCheckCounts)
+    unchecked: bool = False
 
     def bind(self, module: nn.Module) -> Any:
         """`routereplay.attach` the HF model once (again if SkyRL swapped it), its geometry checked."""
@@ -146,42 +164,60 @@ class RouteReplayPolicyWorkerMixin:
     def routereplay_stats(self) -> dict[str, Any]:
         """The replayer's counters (`ReplayStats`: replayed rows, live -1 rows per layer, recomputations) and the mode;
         a plain dict, so a Ray caller can read them (`worker.routereplay_stats.remote()`)."""
-        replayer = self.routing().replayer
-        counts = dataclasses.asdict(replayer.stats) if replayer is not None else {}
-        return {"mode": self.router_replay_mode(), "recorded_samples": len(self.routing().recorded), **counts}
+        state = self.routing()
+        counts = dataclasses.asdict(state.replayer.stats) if state.replayer is not None else {}
+        checks = dataclasses.asdict(state.counts)
+        return {"mode": self.router_replay_mode(), "recorded_samples": len(state.recorded), **checks, **counts}
 
     def hf_model(self) -> nn.Module:
         wrapper = self.model  # type: ignore[attr-defined]
         return getattr(wrapper, "model", wrapper)
 
     def forward(self, data: Any, loss_fn: Any = None, **kwargs: Any) -> Any:
-        """SkyRL's forward; under R2 the old-log-prob pass (no `loss_fn`) starts a new recording, shared over dp."""
+        """SkyRL's forward; under R2 the old-log-prob pass (no `loss_fn`) records, the first forward after an update
+        starting a new recording (one per train batch, however many mini-batches SkyRL forwards), shared over dp."""
         mode = self.router_replay_mode()
         recording = loss_fn is None and mode == "R2"
         if loss_fn is None:
             self.check_batch(data, mode, "forward")
-        if recording:
-            self.routing().recorded.clear()
+        state = self.routing()
+        if recording and not state.recording:
+            state.recorded.clear()
+            state.recording = True
         out = super().forward(data, loss_fn=loss_fn, **kwargs)  # type: ignore[misc]
         if recording:
             mesh = getattr(self, "device_mesh", None)
-            self.routing().recorded.share(mesh.get_group("dp") if mesh is not None else None)
+            state.recorded.share(mesh.get_group("dp") if mesh is not None else None)
         return out
 
     def forward_backward(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        """SkyRL's forward_backward, the whole batch's routes checked before its first micro-batch runs."""
+        """SkyRL's forward_backward, the whole batch's routes checked before its first micro-batch runs; the next
+        old-log-prob pass starts a new R2 recording."""
+        self.routing().recording = False
         self.check_batch(data, self.router_replay_mode(), "update")
         return super().forward_backward(data, *args, **kwargs)  # type: ignore[misc]
 
     def check_batch(self, data: Any, mode: str, where: str) -> None:
         """Refuse a batch whose routes contradict the mode or are bad (`routes_of_packed`'s checks), with batch-wide
-        trajectory numbers, before any micro-batch runs the model (and before an update has half-stepped)."""
+        trajectory numbers, before any micro-batch runs the model (and before an update has half-stepped). Under R3
+        the batch's rows are checked against its tokens with the digest column; without the column the batch is
+        refused unless this worker opted out (`token_check.UNCHECKED_ENV`), then counted."""
         packed = data.get("rollout_expert_indices")
         if mode == "R2" and packed is not None:
             raise ConfigError(r2_with_rollout_routes(f"rollout_expert_indices in the {where} pass"))
-        if mode == "R3":
-            padding_mask = data.get("router_padding_mask")
-            self.rollout_routes(packed, data["sequences"], data["attention_mask"], padding_mask, where)
+        state = self.routing()
+        state.unchecked = False
+        if mode != "R3":
+            return
+        sequences = data["sequences"]
+        digests = data.get(DIGEST_KEY)
+        samples = int(sequences.shape[0])
+        if digests is None and packed is not None and not unchecked_opt_out():
+            raise unchecked_refusal(samples, where)
+        padding_mask = data.get("router_padding_mask")
+        self.rollout_routes(packed, sequences, data["attention_mask"], padding_mask, where, digests=digests)
+        state.unchecked = digests is None
+        state.counts.add(samples, checked=digests is not None, where=where)
 
     def _forward_micro_batch(self, micro_batch: Any) -> Any:
         mode = self.router_replay_mode()
@@ -209,6 +245,18 @@ class RouteReplayPolicyWorkerMixin:
         mode = self.router_replay_mode()
         if mode == "disabled":
             return super()._forward_backward_micro(experience, microbatch_weight, **kwargs)  # type: ignore[misc]
+        state = self.routing()
+        before = dataclasses.replace(state.replayer.stats) if state.replayer is not None else None
+        metrics = self._replayed_micro(experience, microbatch_weight, mode, **kwargs)
+        stats = state.replayer.stats
+        unchecked = int(experience.sequences.shape[0]) if state.unchecked else 0
+        metrics[METRIC_PREFIX + "unchecked_samples"] = float(unchecked)
+        for name in ("replayed_rows", "fallback_rows"):
+            metrics[METRIC_PREFIX + name] = float(getattr(stats, name) - (getattr(before, name) if before else 0))
+        return metrics
+
+    def _replayed_micro(self, experience: Any, microbatch_weight: float, mode: str, **kwargs: Any) -> Any:
+        """SkyRL's `_forward_backward_micro` under R3 (the rollout's routes) or R2 (this worker's recording)."""
         packed = experience.rollout_expert_indices
         sequences, mask = experience.sequences, experience.attention_mask
         if mode == "R3":
@@ -223,9 +271,11 @@ class RouteReplayPolicyWorkerMixin:
             return super()._forward_backward_micro(experience, microbatch_weight, **kwargs)  # type: ignore[misc]
 
     def rollout_routes(
-        self, packed: Any, sequences: torch.Tensor, mask: torch.Tensor, padding_mask: Any, where: str
-    ) -> torch.Tensor:
-        """R3: the micro-batch's `rollout_expert_indices` as (B, S, M, K), -1 where no route was captured."""
+        self, packed: Any, sequences: torch.Tensor, mask: torch.Tensor, padding_mask: Any, where: str,
+        digests: Any = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """R3: the micro-batch's `rollout_expert_indices` as (B, S, M, K), -1 where no route was captured; with
+        `digests` (the batch's digest column) each trajectory's rows checked against its tokens first."""
         if packed is None:
             raise MissingRoutesError(
                 f"{MEGATRON_KEY}=true (R3): a micro-batch of the {where} pass has no rollout_expert_indices; set "
@@ -235,8 +285,9 @@ class RouteReplayPolicyWorkerMixin:
         state.bind(self.hf_model())
         assert state.geometry is not None
         return routes_of_packed(
-            packed, mask, geometry=state.geometry, router_padding_mask=padding_mask, sequences=sequences
-        ).to(torch.int64)
+            packed, mask, geometry=state.geometry, router_padding_mask=padding_mask, sequences=sequences,
+            digests=digests,
+        ).to(torch.int64)  # fmt: skip
 
     @contextmanager
     def routed(

@@ -7,7 +7,10 @@ verl's `routed_experts` does; the worker keeps it instead, keyed by each sample'
 of SHA-256), and every update finds each sample's rows by its own tokens: a sample is never given another's
 routes, whichever micro-batch or rank it lands on. With several DP ranks, each rank's recordings are
 all-gathered over SkyRL's `dp` group at the end of the forward pass (every rank then holds the whole batch's
-routes, in the narrowest dtype that holds E: 1 byte per (token, MoE layer, slot) up to 256 experts).
+routes, in the narrowest dtype that holds E: 1 byte per (token, MoE layer, slot) up to 256 experts). One
+recording spans every forward call until the next update (SkyRL's default `recompute_old_logprobs_per_minibatch`
+forwards each policy mini-batch separately, all before the first update): each call adds its samples, and
+shares only those it added.
 
 Samples with equal tokens share one entry (the first recorded): R2 replays the trainer's routing of those
 tokens, which is the same function of the same tokens. Legend: B samples, S padded positions, N attended
@@ -45,9 +48,11 @@ class RecordedRoutes:
 
     num_experts: int = 0
     rows: dict[bytes, torch.Tensor] = field(default_factory=dict)
+    unshared: list[bytes] = field(default_factory=list)  # keys remembered since the last `share`
 
     def clear(self) -> None:
         self.rows.clear()
+        self.unshared.clear()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -64,7 +69,10 @@ class RecordedRoutes:
                     f"sample {b}: the recording pass left attended tokens without a route; the model's layout is "
                     "not the one routereplay read back (report this with the SkyRL version)"
                 )
-            self.rows.setdefault(sample_key(sequences_BS[b].cpu()[keep_S]), rows_NMK.to(dtype))
+            key = sample_key(sequences_BS[b].cpu()[keep_S])
+            if key not in self.rows:
+                self.rows[key] = rows_NMK.to(dtype)
+                self.unshared.append(key)
 
     def routes_for(self, sequences_BS: torch.Tensor, mask_BS: torch.Tensor, *, live: bool = False) -> torch.Tensor:
         """(B, S, M, K) int64 routes of a training micro-batch, -1 off the attended positions. `live` (SkyRL's
@@ -94,11 +102,13 @@ class RecordedRoutes:
         return out_BSMK
 
     def share(self, group: dist.ProcessGroup | None) -> None:
-        """All-gather every rank's recordings over `group` (SkyRL's dp group), so any rank can serve any sample."""
+        """All-gather the recordings every rank added since its last `share` over `group` (SkyRL's dp group), so
+        any rank can serve any sample of the recording."""
         world = dist.get_world_size(group) if dist.is_initialized() else 1
+        added, self.unshared = self.unshared, []
         if world <= 1:
             return
-        mine = {key: rows.numpy() for key, rows in self.rows.items()}
+        mine = {key: self.rows[key].numpy() for key in added}
         gathered: list[dict[bytes, np.ndarray] | None] = [None] * world
         dist.all_gather_object(gathered, mine, group=group)
         for other in gathered:

@@ -21,8 +21,12 @@ Out of the merged traces:
   count (uint8 for E <= 256, int16 up to 2**15), never from the ids a turn happened to hold. SkyRL's form has
   no "no route" value: a -1 row inside the prefix is refused (carry the compact column instead).
 - `compact_column`: routereplay's codec blob per trajectory (-1 rows, token ids and provenance kept).
-- `route_digests` (`packed_routes.py`): per trajectory a digest of (token ids, captured rows) that the trainer
-  side checks SkyRL's packed `rollout_expert_indices` against.
+- `digest.route_digests`: per trajectory a digest of (token ids, generator form) that the trainer side checks
+  SkyRL's packed `rollout_expert_indices` against (routereplay's trainer computes the same digests from the
+  generator output itself, so a generator needs no code for it).
+
+Token ids are checked as given, before any cast: a list of ints (not bools, floats, strings or None) or an
+integer ndarray, each id in [0, 2**31) (`ConfigError` naming the sample, the argument and the position).
 
 Legend: N = tokens of a trajectory, C = captured rows (the prefix with routes), L = every hidden layer,
 M = MoE layers, K = top-k.
@@ -41,6 +45,7 @@ from routereplay.errors import ConfigError, MissingRoutesError
 from routereplay.integrations.skyrl.wire_form import skyrl_routes
 from routereplay.integrations.verl import Engine, RouteGeometry
 from routereplay.integrations.verl import RolloutRoutes as EngineCallRoutes
+from routereplay.integrations.verl.rollout import MAX_TOKEN_ID
 from routereplay.store.sample import SampleId
 from routereplay.trace.provenance import MergePolicy
 from routereplay.trace.route_trace import RouteTrace
@@ -98,10 +103,33 @@ class RolloutRoutes(EngineCallRoutes):
     ) -> RouteTrace:
         """One call as SkyRL's generator sees it (`RoutedExpertTrace.record_generation`): the prompt it sent,
         the ids it got, the routes, and the `routed_experts_prompt_start` the request carried."""
-        token_ids = np.concatenate([np.asarray(prompt_token_ids, np.int64), np.asarray(output_ids, np.int64)])
+        prompt_N = checked_ids(prompt_token_ids, sample_id, "prompt_token_ids")
+        token_ids = np.concatenate([prompt_N, checked_ids(output_ids, sample_id, "output_ids")])
         return self.add_call(
             sample_id, token_ids, routes, start=prompt_start, policy_version=policy_version, policy=policy
         )
+
+    def add_call(
+        self,
+        sample_id: SampleId,
+        token_ids: Sequence[int] | np.ndarray,
+        routes: Any,
+        *,
+        engine: Engine | str = Engine.VLLM,
+        start: int = 0,
+        policy_version: int | None = None,
+        policy: MergePolicy | str = MergePolicy.KEEP,
+    ) -> RouteTrace:
+        """One call by the sample's full token ids after it (checked as given, `checked_ids`), its routes and the
+        call's `routed_experts_prompt_start` (`start`)."""
+        ids = checked_ids(token_ids, sample_id, "token_ids")
+        return super().add_call(
+            sample_id, ids, routes, engine=engine, start=start, policy_version=policy_version, policy=policy
+        )
+
+    def add_tokens(self, sample_id: SampleId, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Tokens no call routed joined the sample (the final observation): its full token ids now, checked."""
+        super().add_tokens(sample_id, checked_ids(token_ids, sample_id, "token_ids"))
 
     def prompt_start(self, sample_id: SampleId) -> int:
         """The `routed_experts_prompt_start` the sample's next call should send: the rows routed so far (0 for
@@ -117,6 +145,33 @@ class RolloutRoutes(EngineCallRoutes):
     def compact_column(self, sample_ids: Sequence[SampleId], *, mode: CodecMode | str = CodecMode.SET) -> list[bytes]:
         """routereplay's compact column: one codec blob per trajectory (-1 rows, token ids, provenance kept)."""
         return [encode(trace, mode=mode) for trace in self.traces(sample_ids)]
+
+
+def checked_ids(values: Any, sample_id: SampleId, name: str) -> np.ndarray:
+    """One argument's token ids as int64 (n,), checked before any cast: a list / tuple of ints or a 1-D integer
+    ndarray, every id in [0, 2**31); a bool, float, string, None or a too-large int is a `ConfigError`."""
+    where = f"sample {sample_id!r}: {name}"
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or values.dtype.kind not in "iu":
+            raise ConfigError(
+                f"{where} is a {values.dtype} array of shape {values.shape}; token ids are a 1-D integer array or a "
+                "list of ints"
+            )
+        if values.size and (int(values.min()) < 0 or int(values.max()) >= MAX_TOKEN_ID):
+            low, high = int(values.min()), int(values.max())
+            raise ConfigError(f"{where}: token ids must lie in [0, 2**31), got {low}..{high}")
+        return values.astype(np.int64)
+    if not isinstance(values, (list, tuple)):
+        raise ConfigError(f"{where} is a {type(values).__name__}; pass the call's token ids as a list of ints")
+    for position, value in enumerate(values):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise ConfigError(
+                f"{where}[{position}] = {str(value)[:40]!r} ({type(value).__name__}) is not a token id: token ids are "
+                "ints (a float, bool or string would be cast silently into another token)"
+            )
+        if not 0 <= value < MAX_TOKEN_ID:
+            raise ConfigError(f"{where}[{position}] = {value} is outside the token ids' range [0, 2**31)")
+    return np.array(values, dtype=np.int64).reshape(-1)
 
 
 def captured_rows(trace: RouteTrace) -> int:
@@ -166,4 +221,4 @@ def generator_routes(traces: Sequence[RouteTrace], geometry: RouteGeometry) -> l
     return arrays
 
 
-__all__ = ["RolloutRoutes", "RouteGeometry", "captured_rows", "generator_routes", "route_dtype"]
+__all__ = ["RolloutRoutes", "RouteGeometry", "captured_rows", "checked_ids", "generator_routes", "route_dtype"]

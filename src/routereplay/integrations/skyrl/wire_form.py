@@ -34,11 +34,18 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from routereplay.errors import DtypeError, PayloadEncodingError, PayloadSizeError, TraceShapeError, location
+from routereplay.errors import (
+    ConfigError,
+    DtypeError,
+    PayloadEncodingError,
+    PayloadSizeError,
+    TraceShapeError,
+    location,
+)
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.wire import decode_vllm
 from routereplay.wire.assembler import Expectation, check_rows
-from routereplay.wire.limits import DEFAULT_LIMITS, WireLimits, is_int
+from routereplay.wire.limits import DEFAULT_LIMITS, WireLimits, checked_decoder_args, checked_int, is_int
 from routereplay.wire.payload import DEFAULT_MAX_BYTES, b64_to_bytes, pick_choice
 
 ENVELOPE_KEYS = ("data", "shape", "dtype")  # generate_wire.PackedArrayKey
@@ -63,6 +70,9 @@ def unpack_envelope(
 ) -> np.ndarray:
     """The (T, L, K) array of one `{data, shape, dtype}` envelope; dtype, shape and sizes checked first, and with
     `expect` (its `num_tokens`) the declared row count too, before the base64 is decoded."""
+    max_bytes = checked_int(max_bytes, "max_bytes")  # a ConfigError, before the size comparison uses it
+    if not isinstance(limits, WireLimits):
+        raise ConfigError(f"limits must be a WireLimits, got {type(limits).__name__}")
     if not is_envelope(envelope):
         keys = sorted(map(str, envelope))[:6] if isinstance(envelope, Mapping) else type(envelope).__name__
         raise PayloadEncodingError(
@@ -191,6 +201,7 @@ def decode_skyrl(
 
     `prompt_start` is the `routed_experts_prompt_start` the request carried (SkyRL's `RoutedExpertTrace.
     prompt_start` before the call); `num_tokens` is the prompt plus the generated tokens of the call."""
+    max_bytes, policy_version, _, sequence = checked_decoder_args(max_bytes, policy_version, True, sequence)
     expect = Expectation(  # decode_vllm's own, built first: rows and limits are checked before any widening
         num_experts=num_experts, moe_layers=moe_layers, num_layers=num_layers, top_k=top_k, start=prompt_start,
         start_name="prompt_start", num_tokens=num_tokens, limits=limits,
