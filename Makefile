@@ -60,7 +60,7 @@ SKYRL_DEPS := hydra-core==1.3.4 omegaconf==2.3.1 ray==2.57.0 peft==0.18.1 cloudp
 	datasets==5.2.0
 # SGLang 0.5.23 (routereplay.engines.sglang: the sglang.srt.plugins plugin) pins torch==2.14.1 and ~50 CUDA packages, so
 # its tests run in their own venv: torch first (the CPU wheel), then sglang --no-deps, then only what the tested
-# modules import (SGLANG_DEPS; openai, sniffio, partial-json-parser and compressed-tensors --no-deps, as measured),
+# modules import (SGLANG_DEPS; partial-json-parser and compressed-tensors --no-deps, as measured),
 # transformers 5.23, and routereplay -e (its `sglang.srt.plugins` entry point is what SGLang's load_plugins() finds).
 # torchvision 0.28.0 (the release for torch 2.13) goes in --no-deps: the registry's wheel is the CUDA build, never a
 # torch upgrade. Two shims, test-venv only, in tests/engines/sglang/conftest.py (docs/sglang.md): the torchvision
@@ -71,10 +71,11 @@ SGLANG_VENV  := .venv-sglang
 SGLANG_BIN   := $(SGLANG_VENV)/bin
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG := sglang==0.5.23
-SGLANG_NODEPS := torchvision==0.28.0 openai==3.57.0 sniffio==1.3.1 partial-json-parser==0.2.1.1.post7 \
-	compressed-tensors==0.20.1
-SGLANG_DEPS := $(TRITON) orjson psutil pybase64 requests pillow starlette msgspec pyzmq ipython aiohttp dill \
-	apache-tvm-ffi sentencepiece einops loguru gguf pytest pytest-xdist hypothesis
+# SGLang's own pins where it has one (openai, compressed-tensors, sentencepiece, apache-tvm-ffi); torch 2.13 and
+# transformers 5.23 (the project's) instead of its torch 2.14.1 and transformers 5.19.0
+SGLANG_NODEPS := torchvision==0.28.0 partial-json-parser==0.2.1.1.post7 compressed-tensors==0.18.0
+SGLANG_DEPS := $(TRITON) openai==2.8.0 orjson psutil pybase64 requests pillow starlette msgspec pyzmq ipython aiohttp dill \
+	apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 einops loguru gguf pytest pytest-xdist hypothesis
 # two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
 # `make test` installs nothing more; `make test` after `make demo` adds the rest)
 DEMO_STAMP := $(VENV)/.installed-demo
