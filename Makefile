@@ -61,6 +61,24 @@ SKYRL_TRANSFORMERS := transformers==5.16.1
 SKYRL_DEPS := hydra-core==1.3.4 omegaconf==2.3.1 ray==2.57.0 peft==0.18.1 cloudpathlib==0.26.0 loguru==0.7.3 \
 	func_timeout==4.3.5 jaxtyping==0.3.11 skyrl-gym==0.4.0 aiohttp==3.14.5 orjson==3.13.0 pybase64==1.5.1 \
 	datasets==5.2.0 torchdata==0.11.0
+# SGLang 0.5.23 (routereplay.engines.sglang: the sglang.srt.plugins plugin) pins torch==2.14.1 and ~50 CUDA packages, so
+# its tests run in their own venv: torch first (the CPU wheel), then sglang --no-deps, then only what the tested
+# modules import (SGLANG_DEPS; partial-json-parser and compressed-tensors --no-deps, as measured),
+# transformers 5.23, and routereplay -e (its `sglang.srt.plugins` entry point is what SGLang's load_plugins() finds).
+# torchvision 0.28.0 (the release for torch 2.13) goes in --no-deps: the registry's wheel is the CUDA build, never a
+# torch upgrade. Two shims, test-venv only, in tests/engines/sglang/conftest.py (docs/sglang.md): the torchvision
+# operator schemas `nms` / `qnms` declared where its CUDA `_C.so` does not load (its Python parts then import:
+# SGLang's image processors import it), and SGLang's pinned, CUDA-registered host buffer allocated as a plain CPU
+# tensor (ALLOC_MEMORY_FUNCS["cpu"], per test).
+SGLANG_VENV  := .venv-sglang
+SGLANG_BIN   := $(SGLANG_VENV)/bin
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG := sglang==0.5.23
+# SGLang's own pins where it has one (openai, compressed-tensors, sentencepiece, apache-tvm-ffi); torch 2.13 and
+# transformers 5.23 (the project's) instead of its torch 2.14.1 and transformers 5.19.0
+SGLANG_NODEPS := torchvision==0.28.0 partial-json-parser==0.2.1.1.post7 compressed-tensors==0.18.0
+SGLANG_DEPS := $(TRITON) openai==2.8.0 orjson psutil pybase64 requests pillow starlette msgspec pyzmq ipython aiohttp dill \
+	apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 einops loguru gguf pytest pytest-xdist hypothesis
 # two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
 # `make test` installs nothing more; `make test` after `make demo` adds the rest)
 DEMO_STAMP := $(VENV)/.installed-demo
@@ -72,14 +90,14 @@ EXAMPLES_OUT := build/examples
 # max(1, cores // workers) torch/OpenMP threads, so workers x threads never exceeds the cores.
 # On a busy machine: make test TEST_WORKERS=1
 TEST_WORKERS ?= auto
-# `make test` runs the four small suites of other releases / venvs (megatron-core 0.16, vLLM 0.32, verl, SkyRL) two
+# `make test` runs the five small suites of other releases / venvs (megatron-core 0.16, vLLM 0.32, verl, SkyRL, SGLang) two
 # at a time, each single-process with one torch thread (2 x 1 threads: the cores, not more), output kept per suite
 
 # the C kernels (setup.py) are built in place by the editable install; a changed source rebuilds them
 KERNELS := setup.py src/routereplay/codec/set_kernel.c src/routereplay/wire/base64_kernel.c src/routereplay/json_scan.c
 KERNEL_STAMP := $(VENV)/.kernels
 
-.PHONY: demo examples test test-megatron016 test-vllm032 test-verl test-skyrl lint bench clean
+.PHONY: demo examples test test-megatron016 test-vllm032 test-verl test-skyrl test-sglang lint bench clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -110,6 +128,14 @@ $(SKYRL_STAMP): pyproject.toml Makefile
 	$(SKYRL_BIN)/python -m pip install --quiet $(TORCH) $(SKYRL_TRANSFORMERS) $(SKYRL_DEPS) -e ".[dev,hf]"
 	touch $(SKYRL_STAMP)
 
+$(SGLANG_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install --quiet --upgrade pip
+	$(SGLANG_BIN)/python -m pip install --quiet $(TORCH)
+	$(SGLANG_BIN)/python -m pip install --quiet --no-deps $(SGLANG) $(SGLANG_NODEPS)
+	$(SGLANG_BIN)/python -m pip install --quiet $(TORCH) $(TRANSFORMERS) $(SGLANG_DEPS) -e .
+	touch $(SGLANG_STAMP)
+
 $(KERNEL_STAMP): $(DEMO_STAMP) $(KERNELS)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(KERNEL_STAMP)
@@ -133,9 +159,10 @@ examples: $(DEMO_STAMP)
 	$(BIN)/routereplay convert $(EXAMPLES)/qwen3_30b_a3b_sglang.json $(EXAMPLES_OUT)/qwen3_30b_a3b.rrt --force \
 		--num-layers 48 --top-k 8 --num-experts 128
 
-test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(KERNEL_STAMP)
+test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(SGLANG_STAMP) $(KERNEL_STAMP)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
-		$(MAKE) --no-print-directory -j 2 --output-sync=target test-megatron016 test-vllm032 test-verl test-skyrl
+		$(MAKE) --no-print-directory -j 2 --output-sync=target test-megatron016 test-vllm032 test-verl test-skyrl \
+		test-sglang
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # the Megatron adapter's tests on megatron-core 0.16 too: that release (17 MB) overlays the venv's 0.19
@@ -165,6 +192,10 @@ test-verl: $(VERL_STAMP)
 test-skyrl: $(SKYRL_STAMP)
 	$(SKYRL_BIN)/python -m pytest -q -n 0 -p no:cacheprovider tests/integrations/skyrl
 
+# routereplay.engines.sglang against SGLang 0.5.23's own classes on CPU, in its own venv (the shims: see SGLANG_VENV)
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_BIN)/python -m pytest -q -n 0 -p no:cacheprovider tests/engines/sglang
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
@@ -173,4 +204,4 @@ bench: $(STAMP) $(KERNEL_STAMP)
 	$(BIN)/routereplay bench all --output BENCHMARKS.md --readme README.md
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(SKYRL_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(SKYRL_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
