@@ -15,17 +15,17 @@ import pytest
 
 pytest.importorskip("sglang.srt.managers.schedule_batch")
 
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from sglang.srt.runtime_context import get_parallel  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
-from transformers import Qwen3MoeConfig  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.sampling.sampling_params import SamplingParams
+from transformers import Qwen3MoeConfig
 
-from routereplay.engines.sglang.forcing import CUSTOM_KEY, SGLangForcing, step_rows  # noqa: E402
-from routereplay.engines.sglang.forcing.hooks import BATCH_ATTR, REQ_ATTR  # noqa: E402
-from routereplay.engines.vllm.forced_routes import encode_forced  # noqa: E402
-from routereplay.errors import ForcedRoutesError  # noqa: E402
-from routereplay.trace.route_trace import RouteTrace  # noqa: E402
+from routereplay.engines.sglang.forcing import CUSTOM_KEY, SGLangForcing, step_rows
+from routereplay.engines.sglang.forcing.hooks import BATCH_ATTR, REQ_ATTR
+from routereplay.engines.vllm.forced_routes import encode_forced
+from routereplay.errors import ForcedRoutesError
+from routereplay.trace.route_trace import RouteTrace
 
 E, K, LAYERS = 8, 2, (0, 1, 2)
 CONFIG = Qwen3MoeConfig(
