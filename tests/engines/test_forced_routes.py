@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from routereplay import codec
 from routereplay.engines.hf import SamplingParams
-from routereplay.engines.remote import SGLangClient, VLLMClient
+from routereplay.engines.remote import VLLMClient
 from routereplay.engines.vllm.forced_routes import (
     XARG_KEY,
     ForcedRoutes,
@@ -34,7 +34,6 @@ from routereplay.errors import (
     ExpertIdRangeError,
     ForcedRoutesError,
     ForcingNotAppliedError,
-    UnsupportedByEngineError,
 )
 from routereplay.trace.route_trace import RouteTrace
 from tests.engines.stub_server import StubConfig, stub_server
@@ -224,10 +223,6 @@ def test_client_checks_what_it_can_before_sending() -> None:
                 [[5, 6, 7, 8, 9]], SamplingParams(), prefix_routes=[trace(6, layers=(1, 2, 3), experts=64)]
             )
         assert stub.posts("/v1/completions") == []
-        with pytest.raises(UnsupportedByEngineError, match="SGLang servers cannot be told which experts"):
-            SGLangClient(stub.url, num_layers=4, top_k=2, num_experts=64).generate(
-                [[5, 6]], SamplingParams(), prefix_routes=[trace(1, layers=(1, 2, 3), experts=64)]
-            )
 
 
 def test_a_router_that_cannot_be_forced_routes_live_counts_and_logs(caplog: pytest.LogCaptureFixture) -> None:

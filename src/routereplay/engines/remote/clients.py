@@ -16,7 +16,11 @@ as the codec blob, base64, in the body's `vllm_xargs` (`engines/vllm/forced_rout
 with the routereplay plugin (`engines/vllm/plugin`, installed with the `vllm` extra) checks and
 forces; a refusal comes back as `ForcedRoutesError` with the server's reason, and returned routes
 that differ from the forced ones on a forced row as `ForcingNotAppliedError` (a server without the
-plugin ignores the field). The request loop, the model check and the
+plugin ignores the field). `SGLangClient.generate(..., prefix_routes=)` does the same against an SGLang
+0.5.23 with the routereplay plugin (`engines/sglang/forcing`): the blob goes in the body's
+`sampling_params.custom_params`, the plugin checks it in the front end (HTTP 400 naming the key, raised here
+as `ForcedRoutesError`) and in the scheduler, and what comes back is SGLang's own capture of the forced rows
+(`ForcingNotAppliedError` when they differ). The request loop, the model check and the
 response field checks both clients share are `RemoteEngine` (engines/remote/engine.py). Requests go
 through `BoundedHTTP` (engines/remote/http.py): `timeout` (silence), `deadline` (seconds per attempt, connect
 to last byte; default 2 x timeout), `max_response_bytes` and `retries` / `backoff` are keyword
@@ -207,6 +211,7 @@ class SGLangClient(RemoteEngine):
 
     name = "SGLang"
     generate_path = "/generate"
+    supports_prefix_replay = True  # with the routereplay plugin on the server (else ForcingNotAppliedError)
 
     def __init__(
         self,
@@ -253,6 +258,29 @@ class SGLangClient(RemoteEngine):
                 "--model-path (or --served-model-name), or point the client at the right server"
             )
         return info
+
+    def _with_forced(self, body: dict[str, Any], prompt: list[int], forced: RouteTrace, index: int) -> dict[str, Any]:
+        """The body with `forced` in `sampling_params.custom_params`; checked here first against the model's
+        layout as the client knows it (`moe_layers`, else every one of `num_layers`)."""
+        moe_layers = self.moe_layers if self.moe_layers is not None else tuple(range(self.num_layers))
+        served = ServedRouting(self.num_experts, self.top_k, self.num_layers, moe_layers)
+        ForcedRoutes.check(forced, served, prompt, where=f"SGLang server {self.url}, sequence {index}")
+        sampling = dict(body["sampling_params"])
+        sampling["custom_params"] = {**(sampling.get("custom_params") or {}), XARG_KEY: encode_forced(forced)}
+        return {**body, "sampling_params": sampling}
+
+    def _rollout(
+        self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams, forced: RouteTrace | None
+    ) -> Rollout:
+        try:
+            return super()._rollout(http, index, prompt, params, forced)
+        except EngineRequestError as exc:
+            if exc.status == 400 and XARG_KEY in exc.body:
+                raise ForcedRoutesError(
+                    f"SGLang server {self.url}, sequence {index}: the server refused the forced routes: "
+                    f"{exc.body[: 4 * EXCERPT_CHARS]}"
+                ) from exc
+            raise
 
     def _body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
         sampling: dict[str, Any] = {
