@@ -169,6 +169,34 @@ def test_proc_stat_is_read_as_busy_cpu_seconds(tmp_path: Path) -> None:
     assert machine_busy_seconds(str(stat)) is None
 
 
+SPIN = (
+    "import sys, time\n"
+    "while time.process_time() < 0.5:\n"
+    "    pass\n"
+    "print('spun', flush=True)\n"
+    "sys.stdin.read()\n"  # alive, so not reaped: its time is in no os.times() of ours
+)
+
+
+def test_a_live_child_processs_cpu_is_this_suites_own() -> None:
+    """`bench delivery`'s gloo ranks run behind a forkserver, alive and unreaped while the suite samples the load:
+    os.times() left their CPU out, so they counted as other processes and the suite read `machine busy`. The CPU
+    of every process in this process's group counts as the suite's own."""
+    import subprocess
+    import sys
+
+    before = conditions.group_cpu_seconds()
+    if before is None:
+        pytest.skip("no /proc on this system: the suite falls back to os.times()")
+    child = subprocess.Popen([sys.executable, "-c", SPIN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "spun\n"
+        after = conditions.group_cpu_seconds()
+    finally:
+        child.communicate("")
+    assert after is not None and after - before >= 0.45  # its 0.5 s, in clock ticks
+
+
 def test_benchmarks_md_carries_each_suites_conditions() -> None:
     result = _Module.run(None, lambda _step: None)
     result["machine"] = {"processor": "AMD EPYC", "cpu_count": 2, "python": "3.11"}

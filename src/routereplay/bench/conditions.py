@@ -5,9 +5,11 @@ Every suite of `routereplay bench` runs through `run_suite`, which
   OMP_NUM_THREADS / MKL_NUM_THREADS, else 1) for the suite and restores the caller's count afterwards, so a
   suite never runs on torch's default of one thread per core by accident (issue 38 item 11: `bench replay` took
   ~100 s a repeat on torch's 2 threads under load, 25 s on one);
-- samples the load before and after: the load average (1, 5, 15 min) and, where `/proc/stat` exists, the
-  CPU time the whole machine spent busy minus this process's own (its reaped children included), which is
-  the mean number of cores *other* processes kept busy during the suite (`other_cores`);
+- samples the load before and after: the load average (1, 5, 15 min) and, where `/proc` exists, the CPU
+  time the whole machine spent busy (`/proc/stat`) minus that of this process's group (this process and
+  every process it started: gloo ranks behind a forkserver, the load suite's busy processes, children
+  already reaped), which over the wall time is the mean number of cores *other* processes kept busy
+  during the suite (`other_cores`);
 - records both in the suite's record as `conditions`, and notes `machine_busy` on a missed absolute-rate
   target (rows/s, seconds; `target(..., rate=True)`) when other processes kept at least `BUSY_OTHER_CORES`
   cores busy (or, without /proc/stat, the load average exceeded the cores): such a miss says more about the
@@ -28,6 +30,7 @@ from typing import Any
 from routereplay.threads import ThreadChoice, ThreadPolicy, ThreadSource, available_cores
 
 BUSY_OTHER_CORES = 0.5  # other processes kept at least this many cores busy on average: the machine was busy
+PROC = "/proc"
 PROC_STAT = "/proc/stat"
 LoadAverage = tuple[float, float, float]
 
@@ -35,7 +38,7 @@ LoadAverage = tuple[float, float, float]
 @dataclass(frozen=True, slots=True)
 class LoadSample:
     """One reading of the machine's load: load average, the whole machine's busy CPU seconds since boot
-    (None without /proc/stat), this process's CPU seconds (reaped children included), and the clock."""
+    (None without /proc/stat), this process group's CPU seconds (`group_cpu_seconds`), and the clock."""
 
     load_average: LoadAverage | None
     machine_busy_s: float | None
@@ -57,9 +60,30 @@ def machine_busy_seconds(path: str = PROC_STAT) -> float | None:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
+def group_cpu_seconds(proc: str = PROC) -> float | None:
+    """CPU seconds of every process in this process's group (`/proc/<pid>/stat`: utime, stime and the reaped
+    children's cutime, cstime), or None without /proc."""
+    group, ticks = os.getpgrp(), 0
+    try:
+        entries = [entry.name for entry in os.scandir(proc) if entry.name.isdigit()]
+    except OSError:
+        return None
+    for pid in entries:
+        try:
+            with open(f"{proc}/{pid}/stat", encoding="ascii", errors="replace") as stream:
+                fields = stream.read().rsplit(")", 1)[1].split()  # after `pid (comm)`: state is field 3
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if len(fields) > 14 and fields[2] == str(group):  # pgrp (field 5); utime..cstime are fields 14-17
+            ticks += sum(int(value) for value in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def sample_load() -> LoadSample:
-    times = os.times()
-    own = times.user + times.system + times.children_user + times.children_system
+    own = group_cpu_seconds()
+    if own is None:  # this process and its reaped children only
+        times = os.times()
+        own = times.user + times.system + times.children_user + times.children_system
     average: LoadAverage | None = None
     if hasattr(os, "getloadavg"):
         one, five, fifteen = os.getloadavg()
@@ -175,6 +199,7 @@ __all__ = [
     "BUSY_OTHER_CORES",
     "LoadSample",
     "SuiteConditions",
+    "group_cpu_seconds",
     "machine_busy_seconds",
     "run_suite",
     "sample_load",
