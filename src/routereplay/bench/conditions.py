@@ -189,6 +189,8 @@ def _triple(load: LoadAverage) -> str:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     if seconds < 90:
         return f"{seconds:.0f} s"
     minutes, rest = divmod(round(seconds), 60)
