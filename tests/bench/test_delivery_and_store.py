@@ -15,7 +15,7 @@ from routereplay.bench.store import SampleSource
 from routereplay.cli.main import EXIT_OK, main
 from routereplay.transport.spans import bundles_for
 
-TARGET_FIELDS = {"value", "target", "direction", "met", "ungraded"}
+TARGET_FIELDS = {"value", "target", "direction", "met", "ungraded", "rate"}  # rate: rows/s or seconds, not a ratio
 
 
 def test_quick_delivery_json_has_every_record_and_target(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,6 +62,7 @@ def test_quick_delivery_json_has_every_record_and_target(capsys: pytest.CaptureF
         "pipeline_rows_per_s",  # issue 26 item 2: vLLM JSON to rank tensors, one thread
     }
     assert targets["pipeline_rows_per_s"]["target"] == 20e6 and targets["pipeline_rows_per_s"]["direction"] == ">="
+    assert [name for name, goal in targets.items() if goal["rate"]] == ["pipeline_rows_per_s"]
     assert all(set(goal) == TARGET_FIELDS and goal["met"] is None for goal in targets.values())
     assert targets["compact_bytes_per_rank_over_dense"]["target"] == pytest.approx(0.35 / 4)
     text = delivery.markdown(result)

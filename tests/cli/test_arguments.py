@@ -143,3 +143,13 @@ def test_every_flag_has_help_text_shown_by_help(command: str, capsys: pytest.Cap
         assert name in out
         shown = " ".join(action.help.split("%(default)s")[0].split()[:4])
         assert shown in out, f"{command} {name}: help text {shown!r} not in --help"
+
+
+def test_train_mode_is_taken_in_any_case(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 38 item 20: `train --mode r3` was refused ("invalid choice: 'r3'"); it is R3. A mode that names none
+    of them is still refused by argparse."""
+    for given, mode in (("r3", "R3"), ("r2", "R2"), ("OFF", "off"), ("R3", "R3")):
+        assert build_parser().parse_args(["train", "--mode", given]).mode == mode
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--mode", "r4"])
+    assert "invalid choice: 'r4'" in capsys.readouterr().err

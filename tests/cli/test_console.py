@@ -54,3 +54,44 @@ def test_piped_text_is_not_wrapped_at_80_columns(capsys: pytest.CaptureFixture[s
     show(text)
     out = capsys.readouterr().out
     assert out == "qwen3_moe " + "word " * 60 + "end of the phrase\n", "one line, no markup, no padding"
+
+
+# -- issue 38 item 20: the notes under the train and async tables -------------------------------------------------
+
+
+def test_piped_table_notes_are_left_aligned_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    """The notes under the train and async tables were a rich caption: centred under the table and wrapped at its
+    width, so piped they came out ragged (` ≠eng: ...` then `          drift: ...`). Each note is now one line,
+    starting at the first column."""
+    from routereplay.cli.step_tables import ASYNC_NOTES, TRAIN_NOTES, render_async
+
+    row = {
+        "step": 0,
+        "mode": "R3",
+        "reward_mean": 0.5,
+        "rollout_routing_disagreement": 0.0,
+        "rollout_disagreement_per_mini_step": [0.0],
+        "k3_kl": 1e-4,
+        "max_drift": 0.0,
+        "ppo_kl": 1e-3,
+        "clip_frac": 0.1,
+        "grad_norm": 1.0,
+        "fallback_rows": 3,
+        "seconds": {"rollout": 1.0},
+    }
+    render([row])
+    assert capsys.readouterr().out.splitlines()[-len(TRAIN_NOTES) :] == list(TRAIN_NOTES)
+    fully = {
+        **row,
+        "resume_routes": "prefix-replay",
+        "policy_version": 1,
+        "stale_row_fraction": 0.0,
+        "aborts": 2,
+        "resumed_samples": 1,
+        "resumed_row_fraction": 0.1,
+        "prefix_conflicts": 0,
+        "dropped_stale_groups": 0,
+        "samples_per_second": 12.5,
+    }
+    render_async([fully])
+    assert capsys.readouterr().out.splitlines()[-len(ASYNC_NOTES) :] == list(ASYNC_NOTES)

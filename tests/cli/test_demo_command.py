@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.cli.test_convert_and_inspect import cli
 
 
@@ -49,3 +51,25 @@ def test_demo_prints_progress_lines_that_reach_their_totals_on_a_pipe(tmp_path: 
     assert last, lines[:10]
     stuck = {phase: dt for phase, dt in last.items() if dt[0] != dt[1]}
     assert not stuck, f"phases whose last progress line stops short of the total: {stuck}"
+
+
+def test_the_demos_last_line_names_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 38 item 20: the demo ended at its report line, with no word on where R3 goes next, and the threshold
+    mode's column did not name its margin. A recorded result stands in for the demo's run."""
+    import routereplay.rl.demo
+    from routereplay.cli.main import main
+    from routereplay.report.table import NEXT_STEPS
+    from tests.report.test_page import fake_result
+
+    result = fake_result(steps=False)
+    result["config"]["threshold"] = 0.003
+    result["modes"]["R3-threshold"] = {**result["modes"]["R3"], "replace_rate": 0.002}
+    monkeypatch.setattr(routereplay.rl.demo, "run_demo", lambda *_args, **_kwargs: result)
+    assert main(["demo", "--report", str(tmp_path / "report")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == f"report: {tmp_path / 'report'}/report.html (4 files)" and lines[-1] == NEXT_STEPS
+    assert "R3-threshold (margin 0.003)" in "\n".join(lines)
+    for guide in ("replay", "trl", "verl", "skyrl", "megatron"):
+        assert f"docs/{guide}.md" in NEXT_STEPS

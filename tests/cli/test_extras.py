@@ -119,3 +119,48 @@ def test_inspect_zstd_file_without_zstandard_is_unreadable_in_one_line(
     assert "Traceback" not in result.stderr and "routereplay[zstd]" in result.stderr
     verdict = json.loads(result.stdout)
     assert verdict["readable"] is False and "routereplay[zstd]" in verdict["error"]
+
+
+# -- issue 38 items 15 and 18: a missing vLLM and a bad --url, before any heavy import ----------------------------
+
+# run each command line (JSON lists on argv) with vLLM not installed; print its exit status and whether torch (the
+# heavy import every such command makes before its work) was imported by then
+NO_VLLM = (
+    "import json, sys\n"
+    "sys.modules['vllm'] = None\n"
+    "from routereplay.cli.main import main\n"
+    "for args in map(json.loads, sys.argv[1:]):\n"
+    "    print(main(args), 'torch' in sys.modules, flush=True)\n"
+)
+
+
+def test_a_missing_vllm_and_a_bad_url_are_refused_before_any_heavy_import(tmp_path: Path) -> None:
+    """Issue 38 item 18: a missing vLLM was named after seconds of imports (7-14 s under load), and
+    `bench replay-options --engine vllm` even trained the demo model's vLLM variant first (108 s here);
+    `train --url not-a-url` trained or loaded the demo model first. Each is refused before torch is imported.
+    Item 15: the advice names the CPU extra and how to keep a GPU vLLM."""
+    commands = [
+        ["demo", "--engine", "vllm", "--no-report"],
+        ["train", "--engine", "vllm", "--mode", "R3"],
+        ["bench", "vllm"],
+        ["bench", "replay-options", "--engine", "vllm"],
+        ["bench", "async", "--engine", "vllm"],
+        ["train", "--engine", "vllm", "--url", "not-a-url"],
+    ]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "ROUTEREPLAY_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [sys.executable, "-c", NO_VLLM, *map(json.dumps, commands)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.stdout.splitlines() == [f"{EXIT_ERROR} False"] * len(commands), result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == len(commands) and "Traceback" not in result.stderr
+    for line in lines[:-1]:
+        assert "MissingDependencyError" in line and "needs vLLM" in line and "is not installed" in line
+        assert "pip install 'routereplay[vllm]'" in line and "without the vllm extra" in line
+        assert "'Beside a GPU vLLM'" in line
+    assert "ConfigError: --url not-a-url: a server URL starts with http:// or https://" in lines[-1]
+    assert not (tmp_path / "cache").exists()

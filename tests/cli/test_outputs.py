@@ -289,3 +289,28 @@ def test_train_log_starts_each_run_with_a_run_record(
     assert records[0] == {"earlier": True} and [set(r) & {"run", "step"} for r in records[1:]] == [{"run"}, {"step"}]
     run = records[1]["run"]
     assert run["options"]["mode"] == "R3" and run["options"]["steps"] == 1 and run["started"].endswith("+00:00")
+
+
+# -- issue 38 item 13: a report folder's missing parents --------------------------------------------------------
+
+
+def test_a_report_folders_missing_parent_is_refused_not_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`demo --report /nonexist/a/b` created /nonexist/a at the end of the demo, where every other output refuses
+    a missing folder; it is refused before the demo runs (a probe in place of `run_demo` would say it ran)."""
+    import routereplay.rl.demo
+
+    def ran(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the demo ran before its --report was refused")
+
+    monkeypatch.setattr(routereplay.rl.demo, "run_demo", ran)
+    report = tmp_path / "missing" / "a" / "b"
+    assert main(["demo", "--report", str(report)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--report {report}: its parent folder {report.parent} does not exist" in err
+    assert f"mkdir -p {report.parent}" in err and not (tmp_path / "missing").exists()
+    with pytest.raises(OutputPathError, match="its parent folder .* does not exist"):
+        check_output_folder("--tensorboard", tmp_path / "runs" / "exp1")
+    assert check_output_folder("--report", tmp_path / "new") == tmp_path / "new"  # the folder itself is created
+    assert not (tmp_path / "new").exists() and not (tmp_path / "runs").exists()

@@ -132,3 +132,25 @@ def test_terminal_bars_each_reach_their_total() -> None:
         tasks = report.progress.tasks  # type: ignore[attr-defined]
         assert [task.description for task in tasks] == ["scoring (trainer, off then R3)", "bench codec"]
         assert all(task.finished for task in tasks)
+
+
+def test_counted_steps_say_the_time_left() -> None:
+    """Issue 38 item 12: `bench replay` printed "repeat 6/21 8m19s elapsed" and no time left. A counted step gets
+    the mean time of the counts done so far times the ones left, less the time the current one has run."""
+    from routereplay.cli.progress import RepeatClock
+
+    clock = Clock()
+    repeats = RepeatClock(clock=clock)
+    assert repeats.annotate("bench replay", "building the model") == "building the model"
+    assert repeats.annotate("bench replay", "repeat 1/21") == "repeat 1/21"  # nothing finished yet: no guess
+    clock.now += 25.0
+    assert repeats.annotate("bench replay", "repeat 2/21") == "repeat 2/21, ~8m20s left"  # 25 s x 20
+    clock.now += 10.0  # within repeat 2: its 10 s are taken off
+    assert repeats.annotate("bench replay", "repeat 2/21") == "repeat 2/21, ~8m10s left"
+    clock.now += 15.0
+    assert repeats.annotate("bench replay", "repeat 3/21") == "repeat 3/21, ~7m55s left"  # 25 s x 19
+    # another count of the same phase (the load bench's halves) and another phase keep their own clocks
+    assert repeats.annotate("bench load", "repeat 1/3, quiet: train") == "repeat 1/3, quiet: train"
+    clock.now += 60.0
+    assert repeats.annotate("bench load", "repeat 2/3, loaded: demo") == "repeat 2/3, loaded: demo, ~2m00s left"
+    assert repeats.annotate("bench load", "sample 1/4") == "sample 1/4"

@@ -233,3 +233,18 @@ def test_report_intro_explains_every_mode_and_the_steps_caption_every_panel() ->
     caption = CAPTIONS["steps.png"]
     for panel in ("k3 KL", "routing disagreement", "drift"):  # plots.plot_steps' three panels
         assert panel in caption
+
+
+def test_the_threshold_column_names_its_margin_and_the_page_says_what_next(tmp_path: Path) -> None:
+    """Issue 38 item 20: the threshold mode's column said only `R3-threshold`, and the report ended at its figures
+    with no next step; the column names its margin and a last section names the guides that put R3 into a
+    trainer."""
+    result = fake_result(steps=False)
+    result["config"]["threshold"] = 0.01
+    result["modes"]["R3-threshold"] = {**copy.deepcopy(result["modes"]["R3"]), "replace_rate": 0.002}
+    write_report(result, tmp_path)
+    page = (tmp_path / "report.html").read_text(encoding="utf-8")
+    assert "<th>R3-threshold (margin 0.01)</th>" in page and "<th>R3-threshold/off</th>" in page
+    nexts = page[page.index("<h2>Next</h2>") :]
+    for guide in ("replay", "trl", "verl", "skyrl", "megatron", "engines"):
+        assert f"<code>docs/{guide}.md</code>" in nexts

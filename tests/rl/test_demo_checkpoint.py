@@ -63,8 +63,10 @@ def test_a_truncated_cached_demo_model_names_the_folder_to_delete(
     _truncate(cached / "model.safetensors")
     assert main(args) == EXIT_ERROR
     line = _one_line(capsys)
-    assert f"the cached demo model {cached} cannot be loaded (its weights" in line
-    assert f"delete that folder (rm -r {cached}) and run again" in line
+    # issue 38 item 20: the fix (delete the folder) comes first, and no advice meant for a --model follows it
+    assert f"the cached demo model {cached} cannot be loaded: delete that folder (rm -r {cached}) and run again" in line
+    assert "(what failed: its weights (*.safetensors) are truncated or corrupt" in line
+    assert "copy or save the checkpoint again" not in line
     shutil.rmtree(cached)  # what the message says to do
     assert main(args) == EXIT_OK
     assert json.loads(capsys.readouterr().out)["model"]["source"].startswith("trained now")
@@ -79,3 +81,14 @@ def test_an_unknown_model_type_is_one_line(saved: Path, tmp_path: Path, capsys: 
     assert main(["demo", *TINY, "--model", str(unknown)]) == EXIT_ERROR
     line = _one_line(capsys)
     assert "CheckpointError" in line and "not_a_model_type" in line and "pip install" not in line
+    # issue 38 item 20: a fact, not transformers' guess that it is out of date
+    assert "model_type 'not_a_model_type', which transformers 5." in line and "does not have" in line
+    assert "out of date" not in line and "This could be because" not in line
+
+
+def test_a_weights_file_as_model_is_a_file_not_a_folder(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 38 item 20: `--model ckpt/model.safetensors` said "not a checkpoint folder (no config.json there)"."""
+    weights = saved / "model.safetensors"
+    assert main(["demo", *TINY, "--model", str(weights)]) == EXIT_ERROR
+    line = _one_line(capsys)
+    assert f"--model {weights} is a file, not a folder" in line and f"this file's is {saved})" in line

@@ -5,6 +5,8 @@ Files:
                           own forms
 - `colocated_options.py`  Replay options benchmark, vLLM variant: the same options against the in-process vLLM
                           CPU engine's log-probs and routes, with its captured combine weights
+- `conditions.py`         What a suite ran under: the thread policy applied, the load average at its start and
+                          end, other processes' busy cores, its duration; a missed rate target on a busy machine
 - `config.py`             The fields every benchmark config starts with (repeats, seed; routing; samples) and
                           their checks
 - `delivery/`             Delivery benchmark: a batch's routes from the driver to each rank, compact against

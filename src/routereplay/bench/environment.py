@@ -79,7 +79,8 @@ def measured_on(
     """The line that opens a benchmark's table, from its `collect()` record: "Measured on <CPU> (<N> cores[,
     <T> torch threads]), <label> <version>, ...[, on <device>], by `routereplay bench <suite>`", without a
     final stop (the caller goes on). A label is a package as shown (`vLLM`), read from `machine[label.lower()]`."""
-    cores = f"{machine['cpu_count']} cores" + (f", {machine['torch_threads']} torch threads" if threads else "")
+    count = machine["torch_threads"]
+    cores = f"{machine['cpu_count']} cores" + (f", {count} torch thread{'s' if count != 1 else ''}" if threads else "")
     versions = "".join(f"{label} {machine[label.lower()]}, " for label in labels)
     on = f"on {device}, " if device is not None else ""
     return f"Measured on {machine['processor']} ({cores}), {versions}{on}by `routereplay bench {suite}`"

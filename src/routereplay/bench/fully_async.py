@@ -195,13 +195,13 @@ def run(config: AsyncBenchConfig, progress: Callable[[str], None] | None = None)
             engine = VLLMEngine(copy.deepcopy(model), tokenizer, policy_version=0)
         runs = []
         try:
-            for mode in MODES:
-                for policy in POLICIES:
-                    report(f"policies: {mode}, {policy} ({config.steps} steps)")
-                    began = time.perf_counter()
-                    result = _policy_run(model, task, config, mode, policy, engine)
-                    result["seconds"] = time.perf_counter() - began
-                    runs.append(result)
+            pairs = [(mode, policy) for mode in MODES for policy in POLICIES]
+            for number, (mode, policy) in enumerate(pairs, start=1):
+                report(f"policies: run {number}/{len(pairs)}, {mode}, {policy} ({config.steps} steps)")
+                began = time.perf_counter()
+                result = _policy_run(model, task, config, mode, policy, engine)
+                result["seconds"] = time.perf_counter() - began
+                runs.append(result)
         finally:
             if engine is not None:
                 engine.close()

@@ -20,7 +20,7 @@ Files:
 - `progress.py`       Progress of long CLI work on stderr: rich bars on a terminal, plain rate-limited lines
                       elsewhere
 - `step_tables.py`    The tables `routereplay train` prints: one row per GRPO step, synchronous or fully-async
-- `threads.py`        The `--threads N` option of the commands that run the demo model (demo, train, bench
-                      load)
+- `threads.py`        The `--threads N` option of the commands that run torch on the CPU (demo, train, every
+                      bench suite)
 - `train.py`          `routereplay train`: GRPO on the demo task with router replay off, R2 or R3
 """

@@ -115,6 +115,17 @@ def token_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def any_case(*choices: str) -> Callable[[str], str]:
+    """An argparse type that spells `text` as the choice it names in any case (`--mode r3` is `R3`); argparse's
+    `choices` then refuses what names none of them."""
+    spelled = {choice.casefold(): choice for choice in choices}
+
+    def parse(text: str) -> str:
+        return spelled.get(text.casefold(), text)
+
+    return parse
+
+
 def layer_list(text: str, *, max_layer: int = MAX_LAYER_NUMBER) -> list[int]:
     """Parse "1-47", "1,3,5" or "0,2-4" into ascending global layer numbers (no repeats, <= max_layer)."""
     layers: list[int] = []
@@ -235,6 +246,7 @@ __all__ = [
     "add_codec_limit_arguments",
     "add_json_argument",
     "add_payload_arguments",
+    "any_case",
     "bounded_float",
     "bounded_int",
     "codec_limits",

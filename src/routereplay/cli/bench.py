@@ -19,6 +19,7 @@ SUITES = ("codec", "layout", "store", "delivery", "indexer", "replay", "engine")
 # run on their own: `load` spins busy processes and needs an otherwise quiet machine; `vllm` needs routereplay[vllm];
 # `async` trains the demo model (cached) and runs nine GRPO runs
 SEPARATE_SUITES = ("load", "vllm", "async", "verl", "skyrl", "replay-options")
+MODEL_SUITES = ("replay", "engine", "load", "async", "replay-options", "vllm")  # they build transformers models
 
 
 def add_parser(subparsers: Any) -> None:
@@ -56,7 +57,9 @@ def add_parser(subparsers: Any) -> None:
             "replace rate) under off, R3 ids, R3 ids + combine weights and threshold replay, side by side, and the "
             "bytes per row of the weights (not part of `all`). "
             "`all`: every suite, then BENCHMARKS.md (--output) and the README table (--readme). "
-            "Progress goes to stderr."
+            "Every suite runs torch on --threads N intra-op threads (default: OMP_NUM_THREADS if set, else 1) and "
+            "prints the load average at its start and end; how long each suite takes: docs/benchmarks.md. "
+            "Progress goes to stderr, with the time left once a repeat has finished."
         ),
     )
     parser.add_argument("suite", choices=(*SUITES, *SEPARATE_SUITES, "all"), help="which benchmark to run")
@@ -107,7 +110,7 @@ def add_parser(subparsers: Any) -> None:
     load.add_argument(
         "--busy", type=non_negative_int, default=2, help="load: busy processes started for the loaded half (default 2)"
     )
-    add_threads_argument(load)
+    add_threads_argument(parser)  # every suite (`bench.conditions.run_suite`)
     out = parser.add_argument_group("output")
     out.add_argument("--markdown", action="store_true", help="print the markdown tables (the default unless --json)")
     out.add_argument("--output", type=Path, default=Path("BENCHMARKS.md"), help="all: file to write (BENCHMARKS.md)")
@@ -262,10 +265,14 @@ def _suite(name: str, args: argparse.Namespace) -> tuple[ModuleType, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from routereplay.bench import record
-    from routereplay.cli.progress import phase_progress
     from routereplay.errors import ConfigError
 
+    _check_vllm(args)  # before any heavy import: a missing vLLM is named at once, not after minutes
+    if args.suite == "async" and args.threads is not None:
+        raise ConfigError(
+            f"--threads {args.threads}: bench async times fixed thread counts side by side (synchronous GRPO on 1 and "
+            "on 2 intra-op threads, fully-async on 1), so it takes no --threads: drop it"
+        )
     if args.suite == "all":  # BENCHMARKS.md (and the README) are written after minutes of measuring
         from routereplay.cli.outputs import check_output_file
 
@@ -280,16 +287,23 @@ def run(args: argparse.Namespace) -> int:
         suites = {name: _suite(name, args) for name in names}
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    from routereplay.bench import record
+    from routereplay.bench.conditions import run_suite
+    from routereplay.cli.progress import RepeatClock, phase_progress
+
+    if set(names) & set(MODEL_SUITES):
+        _quiet_transformers()
     results: dict[str, dict[str, Any]] = {}
+    clock = RepeatClock()
     with phase_progress() as progress:
         for name, (module, config) in suites.items():
             phase = f"bench {name}"
 
             def report(step: str, phase: str = phase) -> None:
-                progress(phase, 0, None, step)
+                progress(phase, 0, None, clock.annotate(phase, step))
 
             progress(phase, 0, None)
-            results[name] = module.run(config, report)
+            results[name] = run_suite(module, config, report, threads=args.threads)
             progress.end(phase)
     if args.quick:
         record.ungrade(results, "--quick sizes are not comparable with the targets")
@@ -303,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results if args.suite == "all" else results[args.suite], indent=2))
         return 0
     for name, (module, _) in suites.items():
+        print(record.conditions_line(results[name]))
+        print()
         print(module.markdown(results[name]))
         print()
         for goal_name, goal in results[name]["targets"].items():
@@ -315,6 +331,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 MAX_README_BYTES = 16 << 20  # a README larger than this is not the one meant
+
+
+def _check_vllm(args: argparse.Namespace) -> None:
+    """The suites that run a real vLLM: vLLM found (without importing it) before anything heavy is imported."""
+    from routereplay.cli.extras import require_vllm
+
+    if args.suite == "vllm":
+        require_vllm("bench vllm", "(a real vLLM's route capture)")
+    elif args.suite in ("async", "replay-options") and args.engine == "vllm":
+        require_vllm(f"bench {args.suite} --engine vllm", "(an in-process vLLM)")
+
+
+def _quiet_transformers() -> None:
+    """transformers' own progress bars ("Loading weights") off: the bench draws its own progress on stderr."""
+    try:
+        import transformers
+    except ImportError:  # the suites that need it say so
+        return
+    transformers.utils.logging.disable_progress_bar()
 
 
 def _check_readme(path: Path) -> None:

@@ -4,7 +4,8 @@ rich lays a renderable out at the console's width, and a console that is not a t
 wide: piped into a file or `less`, the demo's summary line broke mid-phrase and a GRPO table row split
 over two lines, each padded with trailing spaces. So `show` prints at the terminal's width (at least
 `min_width`) on a TTY, and otherwise lays out at `PIPE_WIDTH` columns (no row is that wide), without
-colour codes, with each line's trailing spaces removed.
+colour codes, with each line's trailing spaces removed. Notes under a table are `footnotes(...)`, one
+left-aligned line each, never a rich caption (centred under the table and wrapped at its width: ragged).
 """
 
 from __future__ import annotations
@@ -35,4 +36,11 @@ def show(*renderables: Any, min_width: int = 0) -> None:
     sys.stdout.flush()
 
 
-__all__ = ["PIPE_WIDTH", "show"]
+def footnotes(*lines: str) -> Any:
+    """Notes to `show` after a table: each a line of its own, left-aligned, taken literally (no rich markup)."""
+    from rich.text import Text
+
+    return Text("\n".join(lines), justify="left")
+
+
+__all__ = ["PIPE_WIDTH", "footnotes", "show"]

@@ -1,4 +1,9 @@
-"""`routereplay env`: versions and platform facts to paste into a bug report."""
+"""`routereplay env`: versions and platform facts to paste into a bug report.
+
+`torch_threads` is the intra-op thread count routereplay's commands run with (`routereplay.threads`:
+`--threads N`, else OMP_NUM_THREADS / MKL_NUM_THREADS, else 1), not torch's own default of one thread per
+core, which `torch_default_threads` shows beside it; `torch_threads_reason` says where the count came from.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +25,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from routereplay.bench.environment import collect
-
-    info = collect()
+    info = facts()
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -30,3 +33,22 @@ def run(args: argparse.Namespace) -> int:
         for key, value in info.items():
             print(f"{key:<{width}}  {'not installed' if value is None else value}")
     return 0
+
+
+def facts() -> dict[str, Any]:
+    """`bench.environment.collect()` with the thread count taken under the commands' thread policy."""
+    import torch
+
+    from routereplay.bench.environment import collect
+    from routereplay.threads import ThreadPolicy
+
+    default = torch.get_num_threads()
+    with ThreadPolicy().applied() as choice:
+        info = collect()
+    ordered: dict[str, Any] = {}
+    for key, value in info.items():
+        ordered[key] = value
+        if key == "torch_threads":
+            ordered["torch_threads_reason"] = choice.reason
+            ordered["torch_default_threads"] = default
+    return ordered

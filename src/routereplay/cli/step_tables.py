@@ -7,6 +7,19 @@ from __future__ import annotations
 
 from typing import Any
 
+# the notes under each table, one line each (`console.footnotes`)
+TRAIN_NOTES = (
+    "≠eng: routing disagreement with the engine's routes (old: the old-log-prob pass; upd: mean over the update "
+    "mini-steps)",
+    "drift: max over the mini-steps of the disagreement with the old-log-prob pass's routing",
+)
+ASYNC_NOTES = (
+    "ver: the trainer's policy version; stale: rows routed by an older version",
+    "aborts: aborted calls of the batch's samples; resumed: samples resumed (rows re-fed)",
+    "conflicts: stored rows a resumed prefill routed otherwise (0 under prefix-replay)",
+    "dropped: groups older than --max-staleness",
+)
+
 
 def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per-step rows for `report.plot_steps`: k3 KL, engine-vs-trainer disagreement, drift."""
@@ -27,7 +40,7 @@ def step_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def render(history: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    from routereplay.cli.console import show
+    from routereplay.cli.console import footnotes, show
 
     if not history:
         return
@@ -35,10 +48,6 @@ def render(history: list[dict[str, Any]]) -> None:
     columns = ("step", "reward", "≠eng old", "≠eng upd", "k3 KL", "drift", "ppo_kl", "clip", "|grad|", "fallback", "s")
     for name in columns:
         table.add_column(name, justify="right")
-    table.caption = (
-        "≠eng: routing disagreement with the engine's routes (old-log-prob pass; mean over update mini-steps); "
-        "drift: max over mini-steps of the disagreement with the old-log-prob pass's routing"
-    )
     for r in history:
         updates = r["rollout_disagreement_per_mini_step"]
         table.add_row(
@@ -54,14 +63,14 @@ def render(history: list[dict[str, Any]]) -> None:
             str(r["fallback_rows"]),
             f"{sum(r['seconds'].values()):.1f}",
         )
-    show(table, min_width=124)  # 11 columns: do not squeeze into 80
+    show(table, footnotes(*TRAIN_NOTES), min_width=124)  # 11 columns: do not squeeze into 80
 
 
 def render_async(history: list[dict[str, Any]]) -> None:
     """The async run's table: reward, mismatch, and where each batch's routes came from."""
     from rich.table import Table
 
-    from routereplay.cli.console import show
+    from routereplay.cli.console import footnotes, show
 
     if not history:
         return
@@ -72,11 +81,6 @@ def render_async(history: list[dict[str, Any]]) -> None:
     columns = ("step", "ver", "reward", "≠eng old", "k3 KL", "ppo_kl", "stale", "aborts", "resumed", "conflicts")
     for name in (*columns, "dropped", "samples/s"):
         table.add_column(name, justify="right")
-    table.caption = (
-        "ver: the trainer's policy version; stale: rows routed by an older version; aborts: aborted calls of the "
-        "batch's samples; resumed: samples resumed (rows re-fed); conflicts: stored rows a resumed prefill routed "
-        "otherwise (0 under prefix-replay); dropped: groups older than --max-staleness"
-    )
     for r in history:
         table.add_row(
             str(r["step"]),
@@ -92,7 +96,7 @@ def render_async(history: list[dict[str, Any]]) -> None:
             str(r["dropped_stale_groups"]),
             f"{r['samples_per_second']:.1f}",
         )
-    show(table, min_width=124)
+    show(table, footnotes(*ASYNC_NOTES), min_width=124)
 
 
-__all__ = ["render", "render_async", "step_rows"]
+__all__ = ["ASYNC_NOTES", "TRAIN_NOTES", "render", "render_async", "step_rows"]

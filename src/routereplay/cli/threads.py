@@ -1,4 +1,4 @@
-"""The `--threads N` option of the commands that run the demo model (demo, train, bench load).
+"""The `--threads N` option of the commands that run torch on the CPU (demo, train, every bench suite).
 
 It feeds `routereplay.threads.ThreadPolicy`: N intra-op torch threads, or, when left out,
 OMP_NUM_THREADS / MKL_NUM_THREADS if set, else 1 (the tiny demo model gains nothing from more,

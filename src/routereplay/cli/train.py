@@ -34,6 +34,7 @@ from typing import Any
 
 from routereplay.cli.arguments import (
     add_json_argument,
+    any_case,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -47,6 +48,7 @@ from routereplay.cli.threads import add_threads_argument
 # stdout carries the command's table or --json: vLLM's own log (stdout by default) goes to stderr; its level is
 # ERROR unless VLLM_LOGGING_LEVEL is set (engines.vllm.workarounds.quiet_vllm_logs, when vLLM is imported)
 VLLM_CLI_LOGGING = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+MODES = ("off", "R2", "R3")  # --mode, spelled in any case
 
 
 def vllm_logs_to_stderr() -> None:
@@ -77,9 +79,10 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=["off", "R2", "R3"],
+        type=any_case(*MODES),
+        choices=MODES,
         default="off",
-        help="router replay: off (default), R2 (the trainer's own routing) or R3 (the engine's routes); one of them",
+        help="router replay: off (default), R2 (the trainer's own routing) or R3 (the engine's routes), in any case",
     )
     parser.add_argument("--steps", type=positive_int, default=4, help="training steps (default 4)")
     group = parser.add_argument_group("model and engine")
@@ -166,7 +169,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from routereplay.cli.extras import require
+    from routereplay.cli.extras import require, require_vllm
 
     needs = {"transformers": "the model and the trainer"}
     if args.plot:
@@ -176,10 +179,12 @@ def run(args: argparse.Namespace) -> int:
     if args.engine != "hf" and args.url:
         needs["httpx"] = f"--engine {args.engine} (the remote client)"
     _check_engine(args)
-    require("train", needs)  # before training the demo model, not after
     _check_async(args)
-    _check_outputs(args)
     colocated = args.engine == "vllm" and not args.url
+    if colocated:  # looked up before any heavy import (vLLM's takes seconds)
+        require_vllm("train --engine vllm", "(an in-process vLLM; or pass --url for a server)")
+    require("train", needs)  # before training the demo model, not after
+    _check_outputs(args)
     if colocated:
         _check_colocated(args)  # vLLM importable, the demo model servable: before any training
 
@@ -324,6 +329,11 @@ def _check_engine(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--url {args.url!r} is empty: pass the server's URL (with --engine vllm or --engine sglang), or drop "
             "--url for the built-in engine"
+        )
+    if args.url and not args.url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"--url {args.url}: a server URL starts with http:// or https:// (e.g. http://127.0.0.1:8000, where "
+            "`vllm serve` or SGLang's server listens); pass the URL the server printed"
         )
     if args.url and args.engine == "hf":
         raise ConfigError(

@@ -26,6 +26,7 @@ the HTML page and the folder.
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,11 @@ from routereplay.report.plots import (
 )
 from routereplay.report.table import (
     METRIC_ROWS,
+    NEXT_STEPS,
     format_fact,
     format_metric,
     format_ratio,
+    mode_label,
     ordered_modes,
 )
 
@@ -156,11 +159,11 @@ def _facts_table(title: str, facts: Mapping[str, Any]) -> str:
     return f"<div><h3>{_esc(title)}</h3>\n<table>\n{rows}</table></div>\n"
 
 
-def _results_table(modes: Mapping[str, Mapping[str, Any]]) -> str:
+def _results_table(modes: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]) -> str:
     modes_M = ordered_modes(modes)
     ratio_modes = [mode for mode in modes_M if mode != "off"] if "off" in modes else []
     labels = {name: (label, desc) for name, label, desc in METRIC_ROWS}
-    head = "".join(f"<th>{_esc(mode)}</th>" for mode in modes_M)
+    head = "".join(f"<th>{_esc(mode_label(mode, config))}</th>" for mode in modes_M)
     head += "".join(f"<th>{_esc(mode)}/off</th>" for mode in ratio_modes)
     lines = [
         '<table class="results">',
@@ -179,6 +182,12 @@ def _results_table(modes: Mapping[str, Mapping[str, Any]]) -> str:
         )
     lines.append("</table>")
     return "\n".join(lines) + "\n"
+
+
+def _next_steps() -> str:
+    """`NEXT_STEPS` as HTML: its docs pages as code."""
+    text = _esc(NEXT_STEPS[0].upper() + NEXT_STEPS[1:])
+    return re.sub(r"docs/[\w-]+\.md", lambda found: f"<code>{found[0]}</code>", text)
 
 
 def render_html(result: Mapping[str, Any], images: Sequence[str]) -> str:
@@ -214,8 +223,9 @@ def render_html(result: Mapping[str, Any], images: Sequence[str]) -> str:
         f"<title>{_esc(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
         f"<h1>{_esc(title)}</h1>\n<p>{intro}</p>\n"
         f'<h2>Setup</h2>\n<div class="facts">\n{"".join(facts)}</div>\n'
-        f"<h2>Results</h2>\n{_results_table(modes)}"
+        f"<h2>Results</h2>\n{_results_table(modes, config)}"
         f"<h2>Figures</h2>\n{figures}"
+        f"<h2>Next</h2>\n<p>{_next_steps()}</p>\n"
         "</body>\n</html>\n"
     )
 

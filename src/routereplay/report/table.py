@@ -2,7 +2,8 @@
 
 `format_metric(name, value)` is the one number formatter, shared with the terminal table of
 `routereplay demo`; `METRIC_ROWS` orders and explains the results-table rows; `ordered_modes`
-puts the replay modes in display order (`off`, `R2`, `R3`, then any other).
+puts the replay modes in display order (`off`, `R2`, `R3`, then any other); `mode_label` is a mode's
+column heading (the threshold mode names its margin); `NEXT_STEPS` ends the demo's output and its report.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ METRIC_ROWS: tuple[tuple[str, str, str], ...] = (
 
 # Replay modes in display order; any other mode follows in record order.
 MODE_ORDER = ("off", "R2", "R3")
+
+# Where to go after the demo: the guides that put R2 / R3 into a trainer, and the engines' routes
+NEXT_STEPS = (
+    "next: R3 in your own trainer: docs/replay.md (any HF transformers MoE model), docs/trl.md, docs/verl.md, "
+    "docs/skyrl.md or docs/megatron.md; your engine's routes: docs/engines.md (in the routereplay source)"
+)
 
 
 def _scientific(value: float, digits: int = 3) -> str:
@@ -147,3 +154,12 @@ def ordered_modes(modes: Mapping[str, Any]) -> list[str]:
     """`off`, `R2`, `R3` first (when present), then any other mode in record order."""
     known = [mode for mode in MODE_ORDER if mode in modes]
     return known + [mode for mode in modes if mode not in MODE_ORDER]
+
+
+def mode_label(mode: str, config: Mapping[str, Any]) -> str:
+    """A mode's column heading: the mode, and for the threshold mode (`demo --threshold M`) its margin
+    (`R3-threshold (margin 0.01)`)."""
+    margin = config.get("threshold")
+    if mode.endswith("-threshold") and isinstance(margin, (int, float)):
+        return f"{mode} (margin {margin:g})"
+    return mode

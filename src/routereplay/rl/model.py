@@ -139,8 +139,8 @@ def load_or_train(
             model, tokenizer = load_checkpoint(folder)
         except ConfigError as exc:  # a truncated model.safetensors (disk full, killed mid-save, a bad copy)
             raise CheckpointError(
-                f"the cached demo model {folder} cannot be loaded ({_cause(exc)}); delete that folder (rm -r "
-                f"{folder}) and run again: the model is trained anew and cached"
+                f"the cached demo model {folder} cannot be loaded: delete that folder (rm -r {folder}) and run again, "
+                f"and the model is trained anew and cached (what failed: {_cause(exc)})"
             ) from None
         return model, tokenizer, f"cached: {folder}"
     try:  # an unwritable cache fails now, not after minutes of training
@@ -243,6 +243,11 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
     import transformers
 
     folder = Path(path)
+    if folder.is_file():
+        raise ConfigError(
+            f"--model {path} is a file, not a folder: pass the checkpoint folder that holds config.json, the weights "
+            f"and the tokenizer (save_pretrained's folder; this file's is {folder.parent})"
+        )
     if not folder.is_dir() or not (folder / "config.json").exists():
         raise ConfigError(
             f"--model {path}: not a checkpoint folder (no config.json there); pass a save_pretrained folder"
@@ -253,6 +258,7 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
             f"--model {path}: the checkpoint has no tokenizer ({', '.join(tokenizer_files)}); save one with "
             "tokenizer.save_pretrained(path)"
         )
+    _check_model_type(folder, path)
     from safetensors import SafetensorError
 
     try:
@@ -280,6 +286,25 @@ def load_checkpoint(path: str | Path) -> tuple[torch.nn.Module, Any]:
     return model.eval(), tokenizer
 
 
+def _check_model_type(folder: Path, path: str | Path) -> None:
+    """A config.json whose model_type this transformers does not know: said as a fact, with no guess about why
+    (transformers' own error guesses that it is out of date)."""
+    import json
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # transformers' own loading names what is wrong with the file
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise CheckpointError(
+            f"--model {path}: its config.json says model_type {model_type!r}, which transformers "
+            f"{transformers.__version__} does not have; pass a checkpoint of a model type it has"
+        )
+
+
 def _first_paragraph(exc: BaseException) -> str:
     """An exception's message up to its first blank line, on one line (transformers appends paragraphs of advice
     on upgrading it to an unknown model_type's error)."""
@@ -287,9 +312,12 @@ def _first_paragraph(exc: BaseException) -> str:
 
 
 def _cause(exc: ConfigError) -> str:
-    """What `load_checkpoint` said, without its `--model PATH: ` head (the cache is not a --model)."""
+    """What `load_checkpoint` said, without its `--model PATH: ` head and its advice for a --model (after its last
+    `; `): the cache is not a --model, and its fix is to delete the folder."""
     text = str(exc)
-    return text.split(": ", 1)[1] if text.startswith("--model ") else text
+    text = text.split(": ", 1)[1] if text.startswith("--model ") else text
+    head, _, advice = text.rpartition("; ")
+    return head if head and advice.count("(") == advice.count(")") else text
 
 
 __all__ = [

@@ -33,7 +33,14 @@ from routereplay.errors import ConfigError, JsonDocumentError
 from routereplay.jsondocument import JsonLimits
 from routereplay.trace.route_trace import RouteTrace
 from routereplay.tracefile.format import FileFormat, parse_json, sniff
-from routereplay.tracefile.payload import PayloadHints, check_recorded, engine_payload, required_hint, with_carried
+from routereplay.tracefile.payload import (
+    PayloadHints,
+    check_recorded,
+    check_required,
+    engine_payload,
+    required_hint,
+    with_carried,
+)
 from routereplay.wire.limits import is_int
 from routereplay.wire.megatron import decode_megatron
 from routereplay.wire.payload import NPY_MAGIC, load_npy, npy_bytes
@@ -105,6 +112,8 @@ def read_trace(
         trace = RouteTrace(array, num_experts, hints.layers, hints.start)
         return (trace.validate(where) if validate else trace), found
     hints = with_carried(hints, document, found, where)
+    sglang = found is FileFormat.SGLANG  # SGLang's payload also leaves out its layer count and top-k
+    check_required(hints, ("num_experts", "num_layers", "top_k") if sglang else ("num_experts",), path)
     num_experts = required_hint(hints.num_experts, "num_experts", path)
     common: dict[str, Any] = {
         "num_experts": num_experts,

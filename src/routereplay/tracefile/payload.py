@@ -115,6 +115,18 @@ def _all_layers(trace: RouteTrace, num_layers: int, dtype: np.dtype[Any]) -> np.
     return experts_TLK
 
 
+def check_required(hints: PayloadHints, names: Sequence[str], path: Path) -> None:
+    """One ConfigError naming every hint in `names` that is missing, so a user adds them all at once."""
+    missing = [name for name in names if getattr(hints, name) is None]
+    if missing:
+        said = ", ".join(missing[:-1]) + (" or " if len(missing) > 1 else "") + missing[-1]
+        advice = [f"{name}= (CLI: {_flag(name)})" for name in missing]
+        passed = ", ".join(advice[:-1]) + (" and " if len(advice) > 1 else "") + advice[-1]
+        raise ConfigError(
+            f"{path.name}: the payload does not record {said}; pass {passed}, taken from the model's config.json"
+        )
+
+
 def required_hint(value: int | None, name: str, path: Path) -> int:
     if value is None:
         raise ConfigError(
