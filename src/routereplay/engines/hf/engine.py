@@ -33,6 +33,7 @@ B = sequences, P = padded prompt length, V = vocabulary, S = positions fed.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -232,6 +233,8 @@ class HFEngine:
         tokens, logprobs = [], []
         recording = self.replayer.record(weights=self.capture_weights) if self.replayer is not None else nullcontext()
         with recording as decode:
+            # transformers 5.24 renamed the KV cache argument and output field `past_key_values` -> `cache`
+            cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
             for step in range(params.max_new_tokens):
                 token_B, logprob_B = sample_tokens(output.logits[:, -1].float(), params, generator)
                 tokens.append(token_B)
@@ -246,8 +249,8 @@ class HFEngine:
                     input_ids=token_B[:, None],
                     attention_mask=mask,
                     position_ids=positions,
-                    past_key_values=output.past_key_values,
                     use_cache=True,
+                    **{cache_name: getattr(output, cache_name)},
                 )
         routes = weights = None
         if prefill is not None and decode is not None:
