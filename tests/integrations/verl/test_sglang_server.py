@@ -160,7 +160,10 @@ def sglang_0_5_23(manager: ScriptedTokenizerManager) -> dict[str, ModuleType]:
         module("sglang.srt.weight_sync"),
         module("sglang.srt.weight_sync.utils", _preprocess_tensor_for_update_weights=noop, update_weights=noop),
         module("sglang.srt.state_capturer"),
-        module("sglang.srt.state_capturer.routed_experts", extract_routed_experts_from_meta_info=extract_routed_experts_from_meta_info),
+        module(
+            "sglang.srt.state_capturer.routed_experts",
+            extract_routed_experts_from_meta_info=extract_routed_experts_from_meta_info,
+        ),
     ]
     tree = {m.__name__: m for m in mods}
     for name, mod in tree.items():  # each submodule an attribute of its parent, as after a real import
@@ -252,7 +255,9 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> Any:
             meta=meta,
         )
     for name in set(sys.modules) - before:  # verl's SGLang modules hold the stand-in: no other test sees them
-        if name.startswith(("sglang", "verl.workers.rollout.sglang_rollout", "routereplay.integrations.verl.sglang_server")):
+        if name.startswith(
+            ("sglang", "verl.workers.rollout.sglang_rollout", "routereplay.integrations.verl.sglang_server")
+        ):
             del sys.modules[name]
 
 
@@ -294,14 +299,18 @@ def test_routereplays_server_hands_verls_agent_loop_the_rows_sglang_encoded(
     rows_TAK = case["rows"]
     routes_TAK = output.routed_experts
     assert routes_TAK.dtype == np.int32 and routes_TAK.shape == rows_TAK.shape
-    assert all(set(a) == set(b) for a, b in zip(routes_TAK.reshape(-1, TOP_K), rows_TAK.reshape(-1, TOP_K)))
+    assert all(
+        set(a) == set(b) for a, b in zip(routes_TAK.reshape(-1, TOP_K), rows_TAK.reshape(-1, TOP_K), strict=True)
+    )
     # what verl's (routereplay-checked) agent loop makes of that TokenOutput: the same rows, naming their tokens
     geometry = RouteGeometry.from_hf_config(server.model_config.hf_config)
     sample = AgentLoopRoutes(geometry, engine="sglang")
     sample.add_output(case["prompt"], output)
     trace = sample.trace(case["prompt"] + case["output"])
     assert trace.layers == tuple(range(NUM_LAYERS)) and (trace.start, trace.stop) == (0, len(rows_TAK))
-    assert all(set(a) == set(b) for a, b in zip(trace.experts.reshape(-1, TOP_K), rows_TAK.reshape(-1, TOP_K)))
+    assert all(
+        set(a) == set(b) for a, b in zip(trace.experts.reshape(-1, TOP_K), rows_TAK.reshape(-1, TOP_K), strict=True)
+    )
     assert list(trace.token_ids) == (case["prompt"] + case["output"])[:-1]
     assert asyncio.run(server.get_route_stats()) == {"decoded": 1, "missing": 0, "dropped": 0}
 

@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from routereplay.errors import ConfigError, MissingRoutesError
+from routereplay.integrations.verl import sglang_routes
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import VERL_ROUTES_KEY
 from routereplay.integrations.verl.micro_batch import (
@@ -95,7 +96,6 @@ from routereplay.integrations.verl.registration import (
     register_under,
     register_when_verl_loads,
 )
-from routereplay.integrations.verl import sglang_routes
 from routereplay.integrations.verl.rollout import RouteGeometry
 from routereplay.integrations.verl.route_checks import (
     RecordedRoutes,

@@ -147,7 +147,8 @@ def register_sglang_replica() -> Callable[[], type]:
         verl_loader()  # verl's: SGLANG_USE_CPU_ENGINE while importing, vLLM stand-ins where vLLM is absent
         import importlib
 
-        return importlib.import_module(SERVER_MODULE).RouteReplaySGLangReplica  # type: ignore[no-any-return]
+        replica: type = importlib.import_module(SERVER_MODULE).RouteReplaySGLangReplica
+        return replica
 
     load.routereplay_loader = True  # type: ignore[attr-defined]
     load.verl_loader = verl_loader  # type: ignore[attr-defined]

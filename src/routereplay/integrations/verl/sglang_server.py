@@ -53,14 +53,18 @@ class RouteReplaySGLangHttpServer(SGLangHttpServer):
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
         await super().launch_server(*args, **kwargs)
-        if not self.config.enable_rollout_routing_replay:
+        config: Any = self.config  # type: ignore[has-type]  # verl's RolloutConfig (its copy on this server)
+        if not config.enable_rollout_routing_replay:
             return
         # the model's routed geometry, checked now rather than at the first rollout
         self.route_geometry = RouteGeometry.from_hf_config(self.model_config.hf_config)
-        self.config = dataclasses.replace(self.config, enable_rollout_routing_replay=False)  # verl's route code off
-        self.tokenizer_manager = RouteRequestingTokenizerManager(self.tokenizer_manager)
+        self.config = dataclasses.replace(config, enable_rollout_routing_replay=False)  # verl's route code off
+        manager: Any = self.tokenizer_manager  # type: ignore[has-type]  # SGLang's, set by verl's launch_server
+        self.tokenizer_manager = RouteRequestingTokenizerManager(manager)
 
-    async def generate(self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, *args: Any, **kwargs: Any) -> TokenOutput:
+    async def generate(
+        self, prompt_ids: Any, sampling_params: dict[str, Any], request_id: str, *args: Any, **kwargs: Any
+    ) -> TokenOutput:
         if self.route_geometry is None:
             return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
         manager = self.tokenizer_manager
