@@ -35,13 +35,16 @@ RAY := ray==2.60.0
 # then the newest transformers 5.10 and verl's runtime deps (its metadata's, plus cachetools, fastapi and
 # uvicorn, which its agent loop imports without declaring them); no vLLM there. megatron-core 0.16 (--no-deps,
 # CPU-importable) lets the tests run verl's own Megatron R3 replay rules (router_replay_utils / _patch).
+# aiohttp 3.14.5 (7 small wheels, no torch): verl's SGLang server module imports it (http_server_engine.py), so
+# routereplay's SGLang server runs on verl's own class; SGLang itself is not installed here (docs/verl.md).
 VERL_VENV  := .venv-verl
 VERL_BIN   := $(VERL_VENV)/bin
 VERL_STAMP := $(VERL_VENV)/.installed
 VERL := verl==0.9.1
 VERL_TRANSFORMERS := transformers==5.10.4
 VERL_DEPS := codetiming dill hydra-core pylatexenc "tensordict>=0.8,<=0.10,!=0.9.0" torchdata peft orjson \
-	wandb tensorboard accelerate datasets pandas pyarrow pybind11 "ray>=2.40,<3" cachetools fastapi uvicorn
+	wandb tensorboard accelerate datasets pandas pyarrow pybind11 "ray>=2.40,<3" cachetools fastapi uvicorn \
+	aiohttp==3.14.5
 # SkyRL 0.4.0 (routereplay.integrations.skyrl) declares Requires-Python >= 3.12 (its modules run on 3.11) and
 # pins transformers<=5.16.1 and hydra-core==1.3.4, so its tests run in their own venv: torch first (the CPU
 # wheel), SkyRL --no-deps --ignore-requires-python, then what its FSDP worker path and its trainer really import

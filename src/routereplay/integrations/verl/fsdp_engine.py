@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from routereplay.errors import ConfigError, MissingRoutesError
+from routereplay.integrations.verl import sglang_routes
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import VERL_ROUTES_KEY
 from routereplay.integrations.verl.micro_batch import (
@@ -91,6 +92,7 @@ from routereplay.integrations.verl.micro_batch import (
 )
 from routereplay.integrations.verl.registration import (
     register_agent_loops_when_verl_loads,
+    register_sglang_replica_when_verl_loads,
     register_under,
     register_when_verl_loads,
 )
@@ -349,3 +351,4 @@ def register_agent_loops() -> None:
 # and verl's agent loops (an AgentLoopWorker imports `external_lib` too) now, or when verl's agent loops load
 register_when_verl_loads(register_engine)
 register_agent_loops_when_verl_loads(register_agent_loops)
+register_sglang_replica_when_verl_loads(sglang_routes.register_sglang_replica)  # SGLang 0.5.23 R3 (sglang_server.py)

@@ -18,7 +18,9 @@ The hook imports nothing itself and changes no verl file; the module keeps verl'
 verl's agent loops go the same way (`register_agent_loops_when_verl_loads`): `fsdp_engine` is imported in every
 `AgentLoopWorker` too (verl's `HFModelConfig` imports `external_lib`), where verl's agent-loop package is loaded,
 and registers routereplay's checked `single_turn_agent` / `tool_agent` at once (`agent_loops.py`); a process that
-imports it first gets them right after `verl.experimental.agent_loop` has registered verl's own loops.
+imports it first gets them right after `verl.experimental.agent_loop` has registered verl's own loops. verl's
+`RolloutReplicaRegistry` likewise (`register_sglang_replica_when_verl_loads`): "sglang" names routereplay's SGLang
+server (`sglang_routes.register_sglang_replica`) once `verl.workers.rollout.replica` has run.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ LOADED_MARKERS = (ENGINE_PACKAGE, "verl.workers.config")  # either loaded: verl 
 HOOK_MARK = "routereplay_verl_engine_hook"  # attribute naming our hook on sys.meta_path (survives reloads)
 AGENT_LOOP_PACKAGE = "verl.experimental.agent_loop"  # its __init__ imports verl's loops, which register themselves
 AGENT_LOOP_HOOK_MARK = "routereplay_verl_agent_loop_hook"
+REPLICA_MODULE = "verl.workers.rollout.replica"  # defines RolloutReplicaRegistry, registers verl's "sglang" loader
+REPLICA_HOOK_MARK = "routereplay_verl_replica_hook"
 
 
 def register_under(cls: type, vendor: str, devices: Sequence[str]) -> None:
@@ -67,6 +71,11 @@ def register_when_verl_loads(register: Callable[[], object]) -> None:
 def register_agent_loops_when_verl_loads(register: Callable[[], object]) -> None:
     """Call `register` now if verl's agent-loop package is loaded, else right after it is imported."""
     when_loaded(AGENT_LOOP_PACKAGE, (AGENT_LOOP_PACKAGE,), AGENT_LOOP_HOOK_MARK, register, "routereplay's agent loops")
+
+
+def register_sglang_replica_when_verl_loads(register: Callable[[], object]) -> None:
+    """Call `register` now if verl's rollout-replica registry is loaded, else right after it is imported."""
+    when_loaded(REPLICA_MODULE, (REPLICA_MODULE,), REPLICA_HOOK_MARK, register, "routereplay's SGLang server")
 
 
 def when_loaded(package: str, markers: Sequence[str], mark: str, register: Callable[[], object], what: str) -> None:
@@ -145,6 +154,7 @@ __all__ = [
     "ENGINE_PACKAGE",
     "PackageImportHook",
     "register_agent_loops_when_verl_loads",
+    "register_sglang_replica_when_verl_loads",
     "register_under",
     "register_when_verl_loads",
 ]
