@@ -154,7 +154,11 @@ def test_bad_sizes_are_refused_by_name(max_tokens: object, layers: tuple[int, ..
 @pytest.mark.parametrize(
     ("layers", "num_layers", "message"),
     [
-        ((-1,), None, r"MoE layer numbers \[-1\] are not decoder layers of the model \(global layer numbers are >= 0\)"),
+        (
+            (-1,),
+            None,
+            r"MoE layer numbers \[-1\] are not decoder layers of the model \(global layer numbers are >= 0\)",
+        ),
         ((1, -3), 8, r"MoE layer numbers \[-3\] are not decoder layers .* \[0, 8\)"),
         ((1, 8), 8, r"MoE layer numbers \[8\] are not decoder layers .* \[0, 8\)\); pass ServedRouting.moe_layers"),
     ],

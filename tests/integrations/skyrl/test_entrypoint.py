@@ -191,5 +191,7 @@ def test_r3_by_the_variable_without_rollout_routes_is_refused(monkeypatch: pytes
     from routereplay.integrations.skyrl.entrypoint import validate
 
     monkeypatch.setenv(MODE_ENV, "R3")
-    with pytest.raises(ConfigError, match=rf"{MODE_ENV}=R3 \(R3\) but .*enable_return_routed_experts=false: the rollout"):
+    with pytest.raises(
+        ConfigError, match=rf"{MODE_ENV}=R3 \(R3\) but .*enable_return_routed_experts=false: the rollout"
+    ):
         validate(skyrl_config("trainer.logger=console", f"trainer.strategy={strategy}", MP))

@@ -66,7 +66,9 @@ def validate(cfg: Any) -> None:
     unchecked_opt_out()  # a bad ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES, likewise
     if mode == "R3" and not cfg.generator.inference_engine.enable_return_routed_experts:
         # SkyRL asserts this for its key; the env's R3 would fail only at the worker's first pass
-        asked = f"{MEGATRON_KEY}=true" if cfg.trainer.policy.megatron_config.moe_enable_routing_replay else f"{MODE_ENV}=R3"
+        asked = (
+            f"{MEGATRON_KEY}=true" if cfg.trainer.policy.megatron_config.moe_enable_routing_replay else f"{MODE_ENV}=R3"
+        )
         raise ConfigError(
             f"{asked} (R3) but {ROUTES_KEY}=false: the rollout would return no routes to replay; set "
             f"{ROUTES_KEY}=true (and {BACKEND_KEY}=mp)"

@@ -370,4 +370,9 @@ def install(cfg: Any = None) -> type:
 
 __all__ = [
     "FSDP_STRATEGIES",
-    "MODE_ENV", "RouteReplayPolicyWorkerMixin", "install", "policy_worker_class", "replay_mode"]
+    "MODE_ENV",
+    "RouteReplayPolicyWorkerMixin",
+    "install",
+    "policy_worker_class",
+    "replay_mode",
+]
