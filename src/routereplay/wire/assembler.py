@@ -2,8 +2,9 @@
 
 Every engine decoder ends here, so the shape rules live in one place: the row-count contract
 (`num_tokens - 1 - start` rows, with a diagnosis of the usual ways it breaks), layer selection
-from all-layer payloads by global layer number, the top-k check, provenance, and the content
-validation catalogue of `RouteTrace.validate`.
+from all-layer payloads by global layer number (a dropped layer must hold only "no route" rows:
+`DenseLayerRouteError` otherwise), the top-k check, provenance, and the content validation
+catalogue of `RouteTrace.validate`.
 
 Legend: T = rows, L = layers in the payload, K = top-k, E = experts.
 """
