@@ -149,3 +149,46 @@ def test_an_id_past_int32_is_refused_not_wrapped() -> None:
 def test_bad_sizes_are_refused_by_name(max_tokens: object, layers: tuple[int, ...], top_k: int, message: str) -> None:
     with pytest.raises(ForcedRoutesError, match=message):
         ForcingBuffers(max_tokens=max_tokens, moe_layers=layers, top_k=top_k, device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("layers", "num_layers", "message"),
+    [
+        (
+            (-1,),
+            None,
+            r"MoE layer numbers \[-1\] are not decoder layers of the model \(global layer numbers are >= 0\)",
+        ),
+        ((1, -3), 8, r"MoE layer numbers \[-3\] are not decoder layers .* \[0, 8\)"),
+        ((1, 8), 8, r"MoE layer numbers \[8\] are not decoder layers .* \[0, 8\)\); pass ServedRouting.moe_layers"),
+    ],
+)
+def test_layers_outside_the_model_are_refused_by_name(
+    layers: tuple[int, ...], num_layers: int | None, message: str
+) -> None:
+    """Issue 38 acceptance: moe_layers=(-1,) was taken (a Python index, not a global layer number)."""
+    known = {} if num_layers is None else {"num_layers": num_layers}
+    with pytest.raises(ForcedRoutesError, match=message):
+        ForcingBuffers(max_tokens=4, moe_layers=layers, top_k=2, device="cpu", **known)  # type: ignore[arg-type]
+    assert ForcingBuffers(max_tokens=4, moe_layers=(0, 7), top_k=2, device="cpu", num_layers=8).moe_layers == (0, 7)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "num_experts", "message"),
+    [
+        (9, 8, r"top_k=9, num_experts=8\): need 1 <= top_k <= num_experts"),
+        (0, 8, r"top_k=0, num_experts=8\): need 1 <= top_k <= num_experts"),
+        (0, None, r"need 1 <= top_k <= the model's num_experts"),
+        (2, 0, r"num_experts=0\): num_experts must be >= 1"),
+    ],
+)
+def test_top_k_is_checked_against_num_experts_by_name(top_k: int, num_experts: int | None, message: str) -> None:
+    with pytest.raises(ForcedRoutesError, match=message):
+        ForcingBuffers(max_tokens=4, moe_layers=LAYERS, top_k=top_k, device="cpu", num_experts=num_experts)
+    assert ForcingBuffers(max_tokens=4, moe_layers=LAYERS, top_k=8, device="cpu", num_experts=8).top_k == 8
+
+
+@pytest.mark.parametrize("device", ["bogus", "cpu:x", 1.5])
+def test_a_bad_device_is_refused_by_name(device: object) -> None:
+    with pytest.raises(ForcedRoutesError, match=rf"ForcingBuffers\(device={device!r}\): not a torch device"):
+        ForcingBuffers(max_tokens=4, moe_layers=LAYERS, top_k=2, device=device)  # type: ignore[arg-type]

@@ -50,6 +50,20 @@ def test_none_arguments_are_config_errors_naming_the_argument(call, name: str) -
         call()
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (2**70, r"max_bytes=<int of 71 bits> does not fit in int64"),
+        (-(2**70), r"max_bytes=<-int of 71 bits> must be >= 0"),
+        (2**63, r"max_bytes=9223372036854775808 does not fit in int64"),
+    ],
+)
+def test_an_integer_too_large_to_print_is_named_by_its_width(value: int, message: str) -> None:
+    """Issue 38 acceptance: max_bytes=2**70 read "max_bytes=of 71 bits does not fit in int64"."""
+    with pytest.raises(ConfigError, match=message):
+        decode_vllm(ROUTES_TLK, num_experts=8, max_bytes=value)
+
+
 def test_meta_device_routes_are_refused_by_the_decoders() -> None:
     """Routes on the meta device given to a
     decoder raise a RouteReplayError, not NotImplementedError."""

@@ -46,8 +46,8 @@ def refuse_unreadable(value: object, name: str) -> None:
     shape = _shape(value)
     if value.device.type == "meta":
         raise ConfigError(
-            f"{name} is on the 'meta' device (shape {shape}), which holds no values; replay needs real "
-            f"ids: materialise it first ({name}.to('cpu') after loading real data, or build it on a real device)"
+            f"{name} is on the 'meta' device (shape {shape}), which holds no values, and replay reads the values of "
+            f"{name}: materialise it first ({name}.to('cpu') after loading real data, or build it on a real device)"
         )
     if value.is_nested:
         kind, what = "nested", "a nested (jagged) tensor"

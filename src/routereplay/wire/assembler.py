@@ -2,8 +2,9 @@
 
 Every engine decoder ends here, so the shape rules live in one place: the row-count contract
 (`num_tokens - 1 - start` rows, with a diagnosis of the usual ways it breaks), layer selection
-from all-layer payloads by global layer number, the top-k check, provenance, and the content
-validation catalogue of `RouteTrace.validate`.
+from all-layer payloads by global layer number (a dropped layer must hold only "no route" rows:
+`DenseLayerRouteError` otherwise), the top-k check, provenance, and the content validation
+catalogue of `RouteTrace.validate`.
 
 Legend: T = rows, L = layers in the payload, K = top-k, E = experts.
 """
@@ -18,6 +19,7 @@ import numpy as np
 from routereplay.enums import Source
 from routereplay.errors import (
     ConfigError,
+    DenseLayerRouteError,
     DtypeError,
     DuplicatedPrefixError,
     ExpertIdRangeError,
@@ -254,6 +256,7 @@ def _select_layers(
                 f"{location(sequence)}: moe_layers names layers {out_of_range} but the payload has only "
                 f"{payload_layers} layers; if the payload is MoE-only already pass layers= instead"
             )
+        _check_dropped_layers(experts_TLK, moe_layers, expect.start, sequence)
         return experts_TLK[:, list(moe_layers)], moe_layers
     if expect.layers is not None:
         layers = tuple(int(x) for x in expect.layers)
@@ -268,6 +271,35 @@ def _select_layers(
             )
         return experts_TLK, layers
     return experts_TLK, tuple(range(payload_layers))
+
+
+def _check_dropped_layers(
+    experts_TLK: np.ndarray, moe_layers: tuple[int, ...], start: int, sequence: str | int | None
+) -> None:
+    """Refuse a payload layer that `moe_layers` drops but that holds routes.
+
+    Engines fill a dense (router-less) layer's column with "no route": vLLM, SGLang and Megatron leave their
+    zero-initialised capture buffers at 0, vLLM 0.21 and routereplay's own forms write -1. So every dropped
+    (token, layer) row must be all 0 or all -1; anything else means `moe_layers` is not this model's (a
+    shifted or missing layer) and dropping the column would discard real routes silently.
+    """
+    dropped = [layer for layer in range(experts_TLK.shape[1]) if layer not in set(moe_layers)]
+    if not dropped or experts_TLK.size == 0:
+        return
+    dropped_TDK = experts_TLK[:, dropped]
+    empty_TD = (dropped_TDK == 0).all(axis=-1)
+    if experts_TLK.dtype.kind == "i":  # unsigned payloads cannot carry -1
+        empty_TD |= (dropped_TDK == -1).all(axis=-1)
+    if bool(empty_TD.all()):
+        return
+    t, d = (int(i) for i in np.argwhere(~empty_TD)[0])
+    raise DenseLayerRouteError(
+        f"{location(sequence, row=t, layer=dropped[d], start=start)}: moe_layers={list(moe_layers)} drops payload "
+        f"layer {dropped[d]} as dense, but it holds expert ids {dropped_TDK[t, d].tolist()} ({int((~empty_TD).sum())} "
+        "such (token, layer) rows); a dense layer's row is all 0 or all -1 (no route). Check moe_layers "
+        "(CLI: --moe-layers) against the model's config (mlp_only_layers, first_k_dense_replace, "
+        "decoder_sparse_step): a routed layer is being dropped"
+    )
 
 
 def _check_castable(

@@ -156,7 +156,8 @@ def _brief(value: Any) -> str:
     """A short, always-printable picture of a bad argument (never the repr of a huge object)."""
     if is_int(value):
         value = int(value)
-        return str(value) if value.bit_length() <= 64 else f"of {value.bit_length()} bits"
+        sign = "-" if value < 0 else ""
+        return str(value) if value.bit_length() <= 64 else f"<{sign}int of {value.bit_length()} bits>"
     if isinstance(value, (str, bytes)):
         return repr(value[:40]) + ("..." if len(value) > 40 else "")
     if value is None or isinstance(value, (bool, float, np.bool_, np.floating)):

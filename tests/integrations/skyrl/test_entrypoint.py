@@ -168,3 +168,30 @@ def test_runtime_env_carries_both_worker_switches(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES", "maybe")
     with pytest.raises(ConfigError, match="ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES='maybe': set it to 1"):
         validate(skyrl_config("trainer.logger=console"))
+
+
+def test_r2_off_fsdp_is_refused_in_the_driver_and_at_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SkyRL's Megatron worker has no R2 and never runs routereplay's worker: R2 there would do nothing."""
+    from routereplay.integrations.skyrl.entrypoint import validate
+    from routereplay.integrations.skyrl.policy_worker import install
+
+    monkeypatch.setenv(MODE_ENV, "R2")
+    cfg = skyrl_config("trainer.logger=console", "trainer.strategy=megatron")
+    refusal = rf"{MODE_ENV}=R2 with trainer.strategy=megatron: R2 runs in routereplay's FSDP .* trainer.strategy=fsdp"
+    with pytest.raises(ConfigError, match=refusal):
+        validate(cfg)
+    with pytest.raises(ConfigError, match=refusal):
+        install(cfg)
+    validate(skyrl_config("trainer.logger=console", "trainer.strategy=fsdp"))  # the same switch on FSDP passes
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "megatron"])
+def test_r3_by_the_variable_without_rollout_routes_is_refused(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    """As SkyRL refuses its own R3 key without enable_return_routed_experts=true."""
+    from routereplay.integrations.skyrl.entrypoint import validate
+
+    monkeypatch.setenv(MODE_ENV, "R3")
+    with pytest.raises(
+        ConfigError, match=rf"{MODE_ENV}=R3 \(R3\) but .*enable_return_routed_experts=false: the rollout"
+    ):
+        validate(skyrl_config("trainer.logger=console", f"trainer.strategy={strategy}", MP))

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from routereplay.errors import ConfigError, TokenMismatchError
+from routereplay.errors import ConfigError, DenseLayerRouteError, TokenMismatchError
 from routereplay.integrations.verl import ROUTES_KEY, RouteGeometry, traces_of
 from routereplay.integrations.verl.agent_loop_routes import AgentLoopRoutes, RecordingServer, policy_version_of
 
@@ -156,3 +156,18 @@ def test_policy_version_is_named_only_when_the_call_ran_under_one_version() -> N
 def test_an_engine_routereplay_does_not_decode_is_refused() -> None:
     with pytest.raises(ConfigError, match="rollout engine 'trtllm': routereplay decodes the routes of 'vllm' and"):
         AgentLoopRoutes(GEOMETRY, engine="trtllm")
+
+
+def test_recording_server_refuses_a_call_whose_dense_layer_holds_expert_ids() -> None:
+    """An engine call whose layer 0 (dense by GEOMETRY) carries routes: the layer axis is not the model's, so the
+    call is refused when it returns, not recorded with those routes dropped."""
+
+    class Server:
+        async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict) -> Any:
+            output = token_output(prompt_ids, FIRST, model=1)
+            output.routed_experts[:, 0] = output.routed_experts[:, 1]  # layer 0 holds layer 1's routes
+            return output
+
+    server = RecordingServer(Server(), lambda: AgentLoopRoutes(GEOMETRY, engine="vllm"))
+    with pytest.raises(DenseLayerRouteError, match=r"token 0, layer 0: moe_layers=\[1, 2\] drops payload layer 0"):
+        asyncio.run(server.generate("r", prompt_ids=PROMPT, sampling_params={}))

@@ -195,6 +195,17 @@ def test_a_payload_dtype_too_narrow_for_the_experts_is_refused() -> None:
         wide.add_call("s", list(range(7)), payload(6))
 
 
+def test_a_dense_layer_holding_expert_ids_is_refused_not_dropped() -> None:
+    """Found by the issue 38 acceptance tester: add_call kept layers 1 and 2 of a payload whose layer 0 (dense by
+    the geometry) held real ids, discarding them; the trainer-side reader refuses the same payload."""
+    from routereplay.errors import DenseLayerRouteError
+
+    rows_TAK = payload(6)
+    rows_TAK[:, 0] = rows_TAK[:, 2]  # layer 0 holds routes
+    with pytest.raises(DenseLayerRouteError, match=r"sequence 's', token 0, layer 0: .* holds expert ids"):
+        RolloutRoutes(GEOMETRY).add_call("s", list(range(7)), rows_TAK, policy_version=1)
+
+
 def test_bad_token_ids_and_objects_are_named_errors() -> None:
     """Found by the issue 25 acceptance tester: text or out-of-range token ids were taken (a -5 then read as
     'unknown', switching the token check off), and None for a trace or a batch raised AttributeError."""

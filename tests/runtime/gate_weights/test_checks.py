@@ -46,6 +46,21 @@ def test_nan_inf_and_negative_weights_are_refused(value: float, match: str) -> N
     refused(replayer, routes, weights, WeightsValueError, f"weight 0 of batch row 1, position 2, layer 1 {match}")
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["router-not-normalising", "norm_topk_prob"])
+def test_a_row_summing_beyond_float32_is_not_finite_before_any_sum_check(norm: bool) -> None:
+    """Found by the issue 38 acceptance tester (weights scaled past float32's range): each weight 2e38 fits
+    float32 but the row's sum does not; refused as not finite, not blamed on the normalisation."""
+    replayer, routes, weights = setup(norm=norm)
+    weights[1, 2, 1] = torch.tensor([2e38, 2e38])
+    refused(
+        replayer,
+        routes,
+        weights.double(),
+        WeightsValueError,
+        r"weights of batch row 1, position 2, layer 1 sum to 4e\+38, which is not finite in float32 .*1 such rows",
+    )
+
+
 def test_weights_on_minus_one_rows_are_refused() -> None:
     replayer, routes, weights = setup()
     routes[0, 1] = -1

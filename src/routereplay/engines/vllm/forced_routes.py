@@ -132,7 +132,7 @@ def asks_weights(extra: Any, where: str) -> bool:
     if flag is None:
         raise ForcedRoutesError(
             f"{where}: vllm_xargs {WEIGHTS_KEY!r}={value!r} must be true (keep the combine weights) or false "
-            '(JSON true / false, 1 / 0, or "true" / "false")'
+            '(JSON true / false, 1 / 0, or the strings "true" / "false" in any case)'
         )
     return flag
 

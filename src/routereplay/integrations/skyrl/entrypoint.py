@@ -8,7 +8,9 @@ supported with Megatron training backend") and `moe_enable_routing_replay=true`.
 task comes too late for the second assertion. This module keeps SkyRL's checks and drops only that one, for the
 FSDP strategy, where routereplay's worker replays the routes:
 
-- `validate(cfg)`: SkyRL's `validate_cfg` unchanged for every config but FSDP + rollout routes; for that one, the
+- `validate(cfg)`: SkyRL's `validate_cfg` unchanged for every config but FSDP + rollout routes; R3 (SkyRL's key or
+  `ROUTEREPLAY_SKYRL_ROUTER_REPLAY=R3`) without `enable_return_routed_experts=true`, and R2 with a strategy other
+  than FSDP (SkyRL's Megatron worker has no R2), are refused with a ConfigError; for FSDP + rollout routes, the
   `mp` backend and `moe_enable_routing_replay=true` are required (ConfigError, SkyRL's reasons), `validate_cfg`
   runs with the routes flag off, and the one other check the flag gates in `validate_cfg` (no
   `merge_stepwise_output`) is made here. SkyRL's files are not edited;
@@ -33,13 +35,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from routereplay.errors import ConfigError
-from routereplay.integrations.skyrl.policy_worker import MEGATRON_KEY, MODE_ENV, install, replay_mode
+from routereplay.integrations.skyrl.policy_worker import (
+    FSDP_STRATEGIES,
+    MEGATRON_KEY,
+    MODE_ENV,
+    install,
+    replay_mode,
+)
 from routereplay.integrations.skyrl.token_check import UNCHECKED_ENV, unchecked_opt_out
 from routereplay.integrations.skyrl.trainer import trainer_class
 
 WORKER_ENV = (MODE_ENV, UNCHECKED_ENV)  # what the workers read, carried to them in the Ray runtime env
 
-FSDP_STRATEGIES = ("fsdp", "fsdp2")  # validate_cfg renames fsdp2 to fsdp
 ROUTES_KEY = "generator.inference_engine.enable_return_routed_experts"
 BACKEND_KEY = "generator.inference_engine.distributed_executor_backend"
 
@@ -54,12 +61,16 @@ def validate(cfg: Any) -> None:
     assertion for the FSDP strategy; the worker's mode (`MODE_ENV` against `MEGATRON_KEY`) is checked too."""
     from skyrl.train.utils.utils import validate_cfg
 
-    replay_mode(cfg.trainer)  # a bad ROUTEREPLAY_SKYRL_ROUTER_REPLAY, or R2 with the R3 key, refused in the driver
+    # a bad ROUTEREPLAY_SKYRL_ROUTER_REPLAY, R2 with the R3 key, or R2 off FSDP: refused in the driver
+    mode = replay_mode(cfg.trainer)
     unchecked_opt_out()  # a bad ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES, likewise
-    fsdp = cfg.trainer.strategy in FSDP_STRATEGIES
-    if fsdp and cfg.trainer.policy.megatron_config.moe_enable_routing_replay and not replays_on_fsdp(cfg):
-        raise ConfigError(  # SkyRL checks this pair for Megatron only; the FSDP worker would fail at its first pass
-            f"{MEGATRON_KEY}=true (R3) but {ROUTES_KEY}=false: the rollout would return no routes to replay; set "
+    if mode == "R3" and not cfg.generator.inference_engine.enable_return_routed_experts:
+        # SkyRL asserts this for its key; the env's R3 would fail only at the worker's first pass
+        asked = (
+            f"{MEGATRON_KEY}=true" if cfg.trainer.policy.megatron_config.moe_enable_routing_replay else f"{MODE_ENV}=R3"
+        )
+        raise ConfigError(
+            f"{asked} (R3) but {ROUTES_KEY}=false: the rollout would return no routes to replay; set "
             f"{ROUTES_KEY}=true (and {BACKEND_KEY}=mp)"
         )
     if not replays_on_fsdp(cfg):

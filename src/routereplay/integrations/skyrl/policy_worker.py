@@ -67,14 +67,24 @@ from routereplay.integrations.verl import RouteGeometry
 MODE_ENV = "ROUTEREPLAY_SKYRL_ROUTER_REPLAY"
 MEGATRON_KEY = "trainer.policy.megatron_config.moe_enable_routing_replay"
 MODES = ("disabled", "R2", "R3")
+FSDP_STRATEGIES = ("fsdp", "fsdp2")  # SkyRL's validate_cfg renames fsdp2 to fsdp
 WORKER_NAME = "RouteReplayFSDPPolicyWorker"
 
 
 def replay_mode(cfg: Any) -> str:
-    """The worker's mode from SkyRL's config (`MEGATRON_KEY` turns on R3) and `MODE_ENV` (R2 / R3 / disabled)."""
+    """The worker's mode from SkyRL's trainer config (`MEGATRON_KEY` turns on R3) and `MODE_ENV` (R2 / R3 /
+    disabled). R2 is this FSDP worker's alone: with a `cfg.strategy` other than FSDP (SkyRL's own Megatron worker,
+    which has no R2) it is refused."""
     chosen = os.environ.get(MODE_ENV, "").strip()
     if chosen and chosen not in MODES:
         raise ConfigError(f"{MODE_ENV}={chosen!r}; use one of {list(MODES)}")
+    strategy = getattr(cfg, "strategy", None)
+    if chosen == "R2" and isinstance(strategy, str) and strategy not in FSDP_STRATEGIES:
+        raise ConfigError(
+            f"{MODE_ENV}=R2 with trainer.strategy={strategy}: R2 runs in routereplay's FSDP policy worker only, and "
+            f"SkyRL's own {strategy} worker has no R2, so nothing would record or replay. Set trainer.strategy=fsdp, "
+            f"or unset {MODE_ENV} (for replay on Megatron use SkyRL's R3: {MEGATRON_KEY}=true)"
+        )
     megatron_config = getattr(getattr(cfg, "policy", None), "megatron_config", None)
     if bool(getattr(megatron_config, "moe_enable_routing_replay", False)):
         if chosen and chosen != "R3":
@@ -358,4 +368,11 @@ def install(cfg: Any = None) -> type:
     return cls
 
 
-__all__ = ["MODE_ENV", "RouteReplayPolicyWorkerMixin", "install", "policy_worker_class", "replay_mode"]
+__all__ = [
+    "FSDP_STRATEGIES",
+    "MODE_ENV",
+    "RouteReplayPolicyWorkerMixin",
+    "install",
+    "policy_worker_class",
+    "replay_mode",
+]

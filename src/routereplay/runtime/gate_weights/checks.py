@@ -7,8 +7,8 @@ route is -1 keeps the live weights and must hold zeros there. Refused, by name, 
 - a shape other than the routes' or a non-float dtype (`WeightsShapeError`); a numpy array of any float width
   (float16 .. longdouble), byte order or strides is read as float32, and a tensor with no plain values
   (meta, sparse, nested, quantized) is a `ConfigError` (`runtime/tensor_forms.py`);
-- NaN, infinite or negative weights, weights beyond float32's range, or non-zero weights on a -1 route row
-  (`WeightsValueError`);
+- NaN, infinite or negative weights, weights beyond float32's range, a row whose weights sum beyond it, or
+  non-zero weights on a -1 route row (`WeightsValueError`), all before any sum comparison;
 - for a router that says it normalises its top-k (`norm_topk_prob=True` on the router, its block or
   their config), rows of one layer that do not all sum to one value within `SUM_RTOL`
   (`WeightsSumError`). The value itself (1, or a scaling factor applied before the experts, as
@@ -59,10 +59,20 @@ def checked_weights(weights: Any, routes_BSLK: torch.Tensor, sites: Sequence[Rou
     _refuse(bad, "is not finite in float32 (NaN, inf, or beyond float32's +-3.4e38)", sites)
     _refuse(weights_BSLK < 0, "is negative", sites)
     _refuse((weights_BSLK != 0) & missing_BSL[..., None], "is non-zero on a row whose route is -1", sites)
+    sums_BSL = weights_BSLK.sum(-1)  # float32, as the experts combine them: a row beyond its range is inf
+    over_BSL = ~torch.isfinite(sums_BSL)
+    if bool(over_BSL.any()):  # before any sum comparison, which would blame the normalisation
+        b, s, column = (int(i) for i in over_BSL.nonzero()[0])
+        raise WeightsValueError(
+            f"weights of batch row {b}, position {s}, layer {sites[column].layer} sum to "
+            f"{float(weights_BSLK[b, s, column].double().sum()):.4g}, which is not finite in float32 (beyond "
+            f"float32's +-3.4e38; {int(over_BSL.sum())} such rows): combine weights are the engine's, of the "
+            "router's scale (a top-k row sums to about 1, or the model's scaling factor)"
+        )
     for column, site in enumerate(sites):
         if not says_normalised(site):
             continue
-        sums_BS = weights_BSLK[:, :, column].sum(-1)
+        sums_BS = sums_BSL[:, :, column]
         routed_BS = ~missing_BSL[:, :, column]
         if not bool(routed_BS.any()):
             continue

@@ -62,27 +62,57 @@ class ForcingBuffers:
         *,
         capture_weights: bool = False,
         num_experts: int | None = None,
+        num_layers: int | None = None,
     ) -> None:
+        """`num_experts` (ids must be below it) and `num_layers` (the model's decoder layers, which the MoE layer
+        numbers must lie in) are checked when given; everything is checked before anything is allocated."""
         if not isinstance(moe_layers, (tuple, list)):
             raise ForcedRoutesError(
                 f"ForcingBuffers(moe_layers={moe_layers!r}): pass the model's MoE layer numbers as a tuple of "
                 "integers (its global decoder-layer numbers, ServedRouting.moe_layers)"
             )
-        sizes = (max_tokens, top_k, *moe_layers, *(() if num_experts is None else (num_experts,)))
+        optional = tuple(n for n in (num_experts, num_layers) if n is not None)
+        sizes = (max_tokens, top_k, *moe_layers, *optional)
         if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in sizes):
             raise ForcedRoutesError(
                 f"ForcingBuffers(max_tokens={max_tokens!r}, moe_layers={moe_layers!r}, top_k={top_k!r}, "
-                f"num_experts={num_experts!r}): sizes and layer numbers must be integers"
+                f"num_experts={num_experts!r}, num_layers={num_layers!r}): sizes and layer numbers must be integers"
             )
-        if max_tokens < 1 or top_k < 1 or not moe_layers or (num_experts is not None and num_experts < top_k):
+        called = (
+            f"ForcingBuffers(max_tokens={max_tokens}, moe_layers={tuple(moe_layers)}, top_k={top_k}, "
+            f"num_experts={num_experts})"
+        )
+        if max_tokens < 1 or not moe_layers:
             raise ForcedRoutesError(
-                f"ForcingBuffers(max_tokens={max_tokens}, moe_layers={moe_layers}, top_k={top_k}): need at least "
-                "one token row, one MoE layer and top_k >= 1; pass the engine's max_num_batched_tokens, the "
-                "model's MoE layer numbers and its top-k"
+                f"{called}: need at least one token row and one MoE layer; pass the engine's max_num_batched_tokens "
+                "and the model's MoE layer numbers"
+            )
+        if num_experts is not None and num_experts < 1:
+            raise ForcedRoutesError(f"{called}: num_experts must be >= 1; pass the model's routed expert count")
+        if top_k < 1 or (num_experts is not None and top_k > num_experts):
+            bound = "num_experts" if num_experts is not None else "the model's num_experts"
+            raise ForcedRoutesError(
+                f"{called}: need 1 <= top_k <= {bound}; pass the model's top-k (num_experts_per_tok) and its "
+                "routed expert count"
             )
         if len(set(moe_layers)) != len(moe_layers):
             raise ForcedRoutesError(f"ForcingBuffers: MoE layer numbers {moe_layers} repeat; pass each layer once")
-        device = torch.device(device)
+        if num_layers is not None and num_layers < 1:
+            raise ForcedRoutesError(f"ForcingBuffers(num_layers={num_layers}): pass the model's decoder layer count")
+        outside = [int(layer) for layer in moe_layers if layer < 0 or (num_layers is not None and layer >= num_layers)]
+        if outside:
+            within = f"[0, {num_layers})" if num_layers is not None else ">= 0"
+            raise ForcedRoutesError(
+                f"ForcingBuffers(moe_layers={tuple(moe_layers)}): MoE layer numbers {outside} are not decoder layers "
+                f"of the model (global layer numbers are {within}); pass ServedRouting.moe_layers, the model's own"
+            )
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ForcedRoutesError(
+                f"ForcingBuffers(device={device!r}): not a torch device ({exc}); pass the model's device, e.g. "
+                "'cpu', 'cuda:0' or a torch.device"
+            ) from None
         self.max_tokens = int(max_tokens)
         self.moe_layers = tuple(int(layer) for layer in moe_layers)
         self.top_k = int(top_k)

@@ -104,7 +104,9 @@ class MRv2Forcing:
             tuple(sorted(layers)),
         )
         max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        buffers = ForcingBuffers(max_tokens, served.moe_layers, top_k, device, num_experts=served.num_experts)
+        buffers = ForcingBuffers(
+            max_tokens, served.moe_layers, top_k, device, num_experts=served.num_experts, num_layers=served.num_layers
+        )
         for forcing in layers.values():
             forcing.install(buffers)
         return cls(RowMap(served), buffers, layers, id(model))
