@@ -51,8 +51,10 @@ from transformers import Qwen3MoeConfig
 from routereplay.engines.sglang import SGLangPlugin
 from routereplay.engines.sglang.forcing import CUSTOM_KEY, SGLangForcing
 from routereplay.engines.sglang.forcing.hooks import BATCH_ATTR, REQ_ATTR
+from routereplay.engines.sglang.forcing.requests import REPREFILL_ENV, REPREFILL_KEY
 from routereplay.engines.sglang.retraction import SamplingTimeRoutes
 from routereplay.engines.vllm.forced_routes import encode_forced
+from routereplay.errors import ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
 
 E, K, L, D = 8, 2, 3, 16
@@ -83,12 +85,21 @@ def published_sync() -> Iterator[Any]:
 
 
 @pytest.fixture
-def plugin(hook_registry: Any, monkeypatch: pytest.MonkeyPatch) -> SGLangPlugin:
+def plugin_env() -> dict[str, str]:
+    """Environment variables the server is started with (a test parametrizes it)."""
+    return {}
+
+
+@pytest.fixture
+def plugin(hook_registry: Any, monkeypatch: pytest.MonkeyPatch, plugin_env: dict[str, str]) -> SGLangPlugin:
     """The routereplay plugin as SGLang loads it: `load_plugins()` runs the entry point and applies the hooks; the
     objects it registered are read back from SGLang's `HookRegistry`."""
     from sglang.srt.plugins import load_plugins
 
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    monkeypatch.delenv(REPREFILL_ENV, raising=False)
+    for name, value in plugin_env.items():
+        monkeypatch.setenv(name, value)
     load_plugins()
     owners = [
         hook.__self__
@@ -126,10 +137,13 @@ class Runner:
         self.enable_elastic_ep = False
         self.decode_cuda_graph_runner = None
         self.eplb_manager = None
-        generator = torch.Generator().manual_seed(11)
-        self.gate_LDE = torch.randn(L, D, E, generator=generator)
+        self.update_weights(seed=11)
         self.bias_E = torch.linspace(-0.3, 0.3, E)
         self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update_weights(self, seed: int) -> None:
+        """New router weights (a weight update: the same tokens route differently afterwards)."""
+        self.gate_LDE = torch.randn(L, D, E, generator=torch.Generator().manual_seed(seed))
 
     def _forward_raw(self, forward_batch: ForwardBatch, *args: Any) -> ModelRunnerOutput:
         num_rows = int(forward_batch.positions.shape[0])
@@ -204,6 +218,23 @@ class Engine:
         forward_batch = ForwardBatch.init_new(batch, self.runner, return_hidden_states_before_norm=False)
         ModelRunner.forward(self.runner, forward_batch)
         return forward_batch
+
+    def retract(self, req: Req) -> None:
+        """SGLang's own retraction (`retract_all` -> `release_req` -> `Req.reset_for_retract`)."""
+        from sglang.srt.managers import schedule_batch
+
+        schedule_batch.retract_all(
+            reqs=[req],
+            req_to_token_pool=self.pool,
+            token_to_kv_pool_allocator=self.allocator,
+            tree_cache=self.tree_cache,
+            hisparse_coordinator=None,
+        )
+        assert req.is_retracted and req.kv.req_pool_idx is None
+
+    def routed(self) -> np.ndarray:
+        """The expert ids `select_experts` returned in the last forward, (N, L, K)."""
+        return torch.stack([self.runner.seen[layer][0] for layer in range(L)], dim=1).numpy()
 
     def captured(self, req: Req) -> np.ndarray:
         """What SGLang's capturer holds for the request's prompt rows (what it returns at finish)."""
@@ -301,3 +332,62 @@ def test_prefill_cuda_graph_is_refused_for_a_forced_forward(engine: Engine, plug
         forward_batch.input_ids = torch.zeros(forward_batch.extend_num_tokens, dtype=torch.int64)
     assert PrefillCudaGraphRunner.can_run_graph(graph_runner, forced) is False
     assert PrefillCudaGraphRunner.can_run_graph(graph_runner, plain) is True
+
+
+PROMPT = [3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize(
+    ("plugin_env", "custom", "forced"),
+    [
+        ({}, {REPREFILL_KEY: True}, True),  # the request asks
+        ({REPREFILL_ENV: "1"}, None, True),  # the server's default
+        ({REPREFILL_ENV: "1"}, {REPREFILL_KEY: False}, False),  # the request declines the server's default
+        ({}, None, False),  # off by default
+    ],
+)
+def test_reprefill_after_retraction_is_forced_with_the_sampling_time_rows(
+    engine: Engine, plugin: SGLangPlugin, custom: dict[str, Any] | None, forced: bool
+) -> None:
+    """A request is prefilled, samples a token, is retracted, the router weights change (Miles retracts around
+    weight updates), and it is prefilled again: forced, the rows the re-prefill computes are the kept rows."""
+    req = Req(
+        "r", "", array("q", PROMPT), SamplingParams(max_new_tokens=8, custom_params=custom), return_routed_experts=True
+    )
+    engine.queue(req)
+    engine.forward(engine.extend([req]))  # rows 0..5 computed
+    first_NLK = engine.routed()
+    req.output_ids.append(40)  # the token sampled from row 5
+    req.kv.kv_committed_len = len(PROMPT)
+    engine.retract(req)
+    kept = plugin.retraction.sampling_rows(req)
+    assert kept is not None and (kept.start, kept.end) == (0, len(PROMPT))
+    np.testing.assert_array_equal(as_sets(kept.rows_NLK.numpy()), as_sets(first_NLK))
+
+    engine.runner.update_weights(seed=12)
+    engine.forward(engine.extend([req]))  # the re-prefill: rows 0..6
+    again_NLK = engine.routed()
+    assert again_NLK.shape[0] == len(PROMPT) + 1
+    if forced:
+        np.testing.assert_array_equal(as_sets(again_NLK[: len(PROMPT)]), as_sets(kept.rows_NLK.numpy()))
+        assert plugin.forcing.stats.reprefills_forced == 1
+    else:
+        assert (as_sets(again_NLK[: len(PROMPT)]) != as_sets(kept.rows_NLK.numpy())).any(), "the weights changed"
+        assert plugin.forcing.stats.reprefills_forced == 0
+
+
+def test_a_bad_server_reprefill_setting_is_refused_at_start_up(
+    hook_registry: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from routereplay.engines.sglang.forcing import install
+
+    monkeypatch.setenv(REPREFILL_ENV, "yes please")
+    with pytest.raises(ForcedRoutesError, match=f"{REPREFILL_ENV}='yes please': set it to 1"):
+        install(hook_registry)
+
+
+def test_a_bad_request_reprefill_flag_is_refused_by_name(engine: Engine, plugin: SGLangPlugin) -> None:
+    req = Req("r", "", array("q", PROMPT), SamplingParams(custom_params={REPREFILL_KEY: "maybe"}))
+    engine.queue(req)
+    assert req.to_finish is not None and REPREFILL_KEY in str(req.to_finish.message)
+    assert plugin.forcing.stats.requests_refused == 1
