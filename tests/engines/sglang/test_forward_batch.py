@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,18 +45,16 @@ from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerOutpu
 from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-from transformers import Qwen3MoeConfig
 
 from routereplay.engines.sglang import SGLangPlugin
-from routereplay.engines.sglang.forcing import CUSTOM_KEY, SGLangForcing
+from routereplay.engines.sglang.forcing import CUSTOM_KEY
 from routereplay.engines.sglang.forcing.hooks import BATCH_ATTR, REQ_ATTR
 from routereplay.engines.sglang.forcing.requests import REPREFILL_ENV, REPREFILL_KEY
-from routereplay.engines.sglang.retraction import SamplingTimeRoutes
 from routereplay.engines.vllm.forced_routes import encode_forced
 from routereplay.errors import ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
 
-E, K, L, D = 8, 2, 3, 16
+E, K, L, D = 8, 2, 3, 16  # the conftest's tiny Qwen3-MoE (model_config)
 SLOTS = 128
 
 
@@ -82,35 +79,6 @@ def published_sync() -> Iterator[Any]:
         yield server_args
     finally:
         reset_context()
-
-
-@pytest.fixture
-def plugin_env() -> dict[str, str]:
-    """Environment variables the server is started with (a test parametrizes it)."""
-    return {}
-
-
-@pytest.fixture
-def plugin(hook_registry: Any, monkeypatch: pytest.MonkeyPatch, plugin_env: dict[str, str]) -> SGLangPlugin:
-    """The routereplay plugin as SGLang loads it: `load_plugins()` runs the entry point and applies the hooks; the
-    objects it registered are read back from SGLang's `HookRegistry`."""
-    from sglang.srt.plugins import load_plugins
-
-    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
-    monkeypatch.delenv(REPREFILL_ENV, raising=False)
-    for name, value in plugin_env.items():
-        monkeypatch.setenv(name, value)
-    load_plugins()
-    owners = [
-        hook.__self__
-        for hooks in hook_registry._hooks.values()
-        for _, hook, source in hooks
-        if source is not None and source.plugin_name == "routereplay"
-    ]
-    forcing = list({id(o): o for o in owners if isinstance(o, SGLangForcing)}.values())
-    retraction = list({id(o): o for o in owners if isinstance(o, SamplingTimeRoutes)}.values())
-    assert len(forcing) == 1 and len(retraction) == 1, owners
-    return SGLangPlugin(retraction=retraction[0], forcing=forcing[0])
 
 
 class Runner:
@@ -165,15 +133,10 @@ class Runner:
 class Engine:
     """SGLang's pools, capturer and a stand-in runner for one CPU process."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_config: ModelConfig) -> None:
         from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer, set_global_experts_capturer
 
-        Qwen3MoeConfig(
-            num_hidden_layers=L, num_experts=E, num_experts_per_tok=K, hidden_size=D, intermediate_size=32,
-            moe_intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64,
-            architectures=["Qwen3MoeForCausalLM"],
-        ).save_pretrained(model_dir)
-        self.model_config = ModelConfig(str(model_dir))
+        self.model_config = model_config
         self.pool = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
         self.allocator = TokenToKVPoolAllocator(SLOTS, torch.float16, "cpu", None, need_sort=False)
         self.tree_cache = RadixCache(
@@ -267,8 +230,8 @@ def as_sets(rows: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture
-def engine(tmp_path: Path, published_sync: Any, cpu_host_buffers: None) -> Engine:
-    return Engine(tmp_path)
+def engine(model_config: ModelConfig, published_sync: Any, cpu_host_buffers: None) -> Engine:
+    return Engine(model_config)
 
 
 def test_forced_rows_reach_select_experts_through_sglangs_own_forward(engine: Engine, plugin: SGLangPlugin) -> None:
