@@ -354,3 +354,31 @@ def test_a_bad_request_reprefill_flag_is_refused_by_name(engine: Engine, plugin:
     engine.queue(req)
     assert req.to_finish is not None and REPREFILL_KEY in str(req.to_finish.message)
     assert plugin.forcing.stats.requests_refused == 1
+
+
+def test_layers_that_cannot_be_forced_refuse_forced_requests_by_name(engine: Engine, plugin: SGLangPlugin) -> None:
+    """The start-up scan (the hook AFTER `ModelRunner.__init__`) over SGLang's own `TopK` modules, as a model holds
+    them; a forced request is then refused by name in the scheduler. `ModelRunner.__init__` itself does not run on
+    this CPU (it loads the model: docs/sglang.md, "A live SGLang on CPU"), so the hook is called with the runner's
+    `model` as `__init__` leaves it."""
+    from sglang.srt.layers.moe.topk import TopK
+
+    def own_routing(hidden_states, gating_output, topk, renormalize):  # type: ignore[no-untyped-def]
+        return torch.topk(gating_output.softmax(-1), topk)
+
+    model = torch.nn.ModuleList(
+        [
+            TopK(K, layer_id=0),
+            TopK(K, layer_id=1, custom_routing_function=own_routing),
+            TopK(K, layer_id=2, scoring_func="sqrtsoftplus"),
+        ]
+    )
+    plugin.forcing.scanned_model(None, SimpleNamespace(model=model, is_draft_worker=False))
+    assert sorted(plugin.forcing.refused_layers) == [1, 2]
+
+    forced = prompt_request("a", PROMPT, RouteTrace(np.array([[[0, 1]] * L], dtype=np.int16), E, tuple(range(L))))
+    engine.queue(forced)
+    message = str(forced.to_finish.message)
+    assert "cannot force routes" in message and "layer 1: the custom routing function" in message
+    assert "layer 2: scoring 'sqrtsoftplus'" in message
+    assert getattr(forced, REQ_ATTR, None) is None and plugin.forcing.stats.requests_refused == 1

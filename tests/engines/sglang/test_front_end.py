@@ -80,7 +80,7 @@ def test_a_good_blob_is_salted_by_its_routes(model_config: Any, plugin: Any) -> 
     [
         ({CUSTOM_KEY: "%%%"}, "not base64"),
         ({CUSTOM_KEY: encode_forced(trace(6))}, "only prompt positions can be forced"),
-        ({CUSTOM_KEY: encode_forced(RouteTrace(np.zeros((2, 3, 2), np.int16) + [0, 1], 16, (0, 1, 2)))}, "E=16"),
+        ({CUSTOM_KEY: encode_forced(RouteTrace(np.tile(np.int16([0, 1]), (2, 3, 1)), 16, (0, 1, 2)))}, "E=16"),
         ({REPREFILL_KEY: "maybe"}, REPREFILL_KEY),
     ],
 )
