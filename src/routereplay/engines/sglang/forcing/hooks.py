@@ -19,7 +19,12 @@ every scheduler process and in the front end before anything is built):
 - `PrefillCudaGraphRunner.can_run_graph` (AFTER): False for a forward with forced rows (it runs eagerly, so the
   hook sees it).
 
-Inert for requests without `custom_params[CUSTOM_KEY]`: the top-k hook returns at once when no forward is current.
+A retracted request's re-prefill is forced with its sampling-time rows (the retraction hooks' `sampling_rows`,
+over its own forced rows) when it asks (`custom_params[REPREFILL_KEY]`) or the server says so (`REPREFILL_ENV`), so
+the KV it rebuilds is the KV its sampled tokens saw; off by default. Decided when the request is queued; the
+merged `ForcedRoutes` is built once per retraction (`_plan_of`).
+
+Inert for requests without `custom_params[CUSTOM_KEY]` (or a re-prefill to force): the top-k hook returns at once when no forward is current.
 What the request gets back is SGLang's own capture (`return_routed_experts`), taken after the substitution: the
 forced experts are what was dispatched. Decode CUDA graphs are untouched (forced rows are prompt rows, run in
 extend forwards; a decode forward has no `ForcedBatch`).

@@ -15,6 +15,9 @@ A forced request gets `cache_salt = salted(its salt, digest of its routes)` (the
 shared only with requests forcing the same routes; an unforced request whose own salt carries the reserved
 prefix is refused (it would reuse KV computed under forced routes).
 
+Re-prefill after a retraction: `custom_params[REPREFILL_KEY]` (true / false) asks that the request's re-prefill be
+forced with its sampling-time rows; `REPREFILL_ENV=1` makes that the server's default (a request's false wins).
+
 Legend: T = forced rows, L = MoE layers, K = top-k.
 """
 
