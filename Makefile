@@ -81,7 +81,8 @@ SGLANG := sglang==0.5.23
 # transformers 5.23 (the project's) instead of its torch 2.14.1 and transformers 5.19.0
 SGLANG_NODEPS := torchvision==0.28.0 partial-json-parser==0.2.1.1.post7 compressed-tensors==0.18.0
 SGLANG_DEPS := $(TRITON) openai==2.8.0 orjson psutil pybase64 requests pillow starlette msgspec pyzmq ipython aiohttp dill \
-	apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 einops loguru gguf pytest pytest-xdist hypothesis
+	apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 einops loguru gguf fastapi==0.165.0 uvicorn==0.54.0 setproctitle==1.3.8 \
+	uvloop==0.22.1 jsonschema==4.26.0 xgrammar==0.2.7 soundfile==0.13.1 python-multipart==0.0.34 pytest pytest-xdist hypothesis
 # two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
 # `make test` installs nothing more; `make test` after `make demo` adds the rest)
 DEMO_STAMP := $(VENV)/.installed-demo

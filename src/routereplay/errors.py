@@ -325,8 +325,8 @@ class UnservableModelError(ConfigError):
 
 
 class UnsupportedByEngineError(ConfigError):
-    """The engine cannot do what was asked (an SGLang server cannot be told which experts to use); the message
-    names an engine or setting that can."""
+    """The engine or mode cannot do what was asked (a remote client whose server cannot force routes, R3 through a
+    path that returns no routes); the message names an engine or setting that can."""
 
 
 class DraftRoutesError(ConfigError):

@@ -111,6 +111,21 @@ def published() -> Iterator[Any]:
 
 
 @pytest.fixture
+def model_config(tmp_path: Path) -> Any:
+    """SGLang's own `ModelConfig` of a tiny Qwen3-MoE built from config (3 MoE layers, 8 experts, top-2, hidden 16,
+    vocabulary 64), saved to a temporary folder: no weights, nothing downloaded."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, hidden_size=16, intermediate_size=32,
+        moe_intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64,
+        architectures=["Qwen3MoeForCausalLM"],
+    ).save_pretrained(tmp_path)
+    return ModelConfig(str(tmp_path))
+
+
+@pytest.fixture
 def hook_registry() -> Iterator[Any]:
     """SGLang's `HookRegistry` (class-level state) for one test: the test registers and applies hooks (directly or
     through `load_plugins()`); afterwards every target patched during the test is put back, in its own module and
@@ -132,6 +147,40 @@ def hook_registry() -> Iterator[Any]:
         HookRegistry._patched.clear()
         HookRegistry._patched.update(patched_before)
         plugins._plugins_loaded = loaded_before
+
+
+@pytest.fixture
+def plugin_env() -> dict[str, str]:
+    """Environment variables the server is started with (a test parametrizes it)."""
+    return {}
+
+
+@pytest.fixture
+def plugin(hook_registry: Any, monkeypatch: pytest.MonkeyPatch, plugin_env: dict[str, str]) -> Any:
+    """The routereplay plugin as SGLang loads it: `load_plugins()` runs the entry point and applies the hooks; the
+    objects it registered are read back from SGLang's `HookRegistry`."""
+    from sglang.srt.plugins import load_plugins
+
+    from routereplay.engines.sglang import SGLangPlugin
+    from routereplay.engines.sglang.forcing import SGLangForcing
+    from routereplay.engines.sglang.forcing.requests import REPREFILL_ENV
+    from routereplay.engines.sglang.retraction import SamplingTimeRoutes
+
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    monkeypatch.delenv(REPREFILL_ENV, raising=False)
+    for name, value in plugin_env.items():
+        monkeypatch.setenv(name, value)
+    load_plugins()
+    owners = [
+        hook.__self__
+        for hooks in hook_registry._hooks.values()
+        for _, hook, source in hooks
+        if source is not None and source.plugin_name == "routereplay"
+    ]
+    forcing = list({id(o): o for o in owners if isinstance(o, SGLangForcing)}.values())
+    retraction = list({id(o): o for o in owners if isinstance(o, SamplingTimeRoutes)}.values())
+    assert len(forcing) == 1 and len(retraction) == 1, owners
+    return SGLangPlugin(retraction=retraction[0], forcing=forcing[0])
 
 
 def _unpatch(target: str, layers: int) -> None:

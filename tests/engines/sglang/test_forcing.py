@@ -49,7 +49,7 @@ def forcing(monkeypatch: pytest.MonkeyPatch) -> Iterator[SGLangForcing]:
     install(HookRegistry, state)
     targets = list(HookRegistry._hooks)
     saved = []
-    for target in targets:  # modules this venv cannot import (fastapi, uvicorn absent) are left unpatched
+    for target in targets:  # a target whose module does not import here is left unpatched
         owner_path, name = target.rsplit(".", 1)
         try:
             owner = pkgutil.resolve_name(owner_path)
@@ -228,8 +228,8 @@ def test_install_registers_every_hook_on_sglang_targets() -> None:
     recorder = Recorder()
     install(recorder)
     assert all(t.startswith(SRT) for t in recorder.targets)
-    for target in recorder.targets:  # each target is defined in this SGLang (read from source: some modules
-        owner, name = target.rsplit(".", 1)  # need fastapi / uvicorn, which this test venv lacks)
+    for target in recorder.targets:  # each target is defined in this SGLang (read from source, no import)
+        owner, name = target.rsplit(".", 1)
         module_name = owner if _is_module(owner) else owner.rsplit(".", 1)[0]
         spec = importlib.util.find_spec(module_name)
         assert spec is not None and spec.origin is not None, target

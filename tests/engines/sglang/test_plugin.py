@@ -82,8 +82,9 @@ def test_install_calls_forcing_install_with_the_registry(hook_registry: Any, mon
     seen: list[Any] = []
     forcing = types.ModuleType(FORCING_MODULE)
 
-    def install_forcing(registry: Any) -> str:
+    def install_forcing(registry: Any, *, sampling_rows: Any) -> str:
         seen.append(registry)
+        assert isinstance(sampling_rows.__self__, SamplingTimeRoutes)
         return "forcing state"
 
     forcing.install = install_forcing  # type: ignore[attr-defined]

@@ -7,7 +7,8 @@ launcher, the engine, each scheduler subprocess before `Scheduler()` is built) a
 It registers, on SGLang's `HookRegistry`:
 - sampling-time routes across retraction (`retraction.SamplingTimeRoutes`): a retracted request returns, at
   finish, the route each row had when it was first computed, not the re-prefill's;
-- route forcing (`routereplay.engines.sglang.forcing.install(registry)`), where that package is present.
+- route forcing (`routereplay.engines.sglang.forcing.install(registry)`), where that package is present, given the
+  retraction's kept rows (a retracted request's re-prefill can be forced with them).
 
 `install(registry)` does the same on a registry it is given (tests, or an embedding that loads no entry points)
 and returns what it registered. Importing this module does not import SGLang.
@@ -35,7 +36,7 @@ def install(registry: Any) -> SGLangPlugin:
     """Register every routereplay hook on `registry` (SGLang's `HookRegistry`); the caller applies them."""
     retraction = SamplingTimeRoutes()
     retraction.install(registry)
-    return SGLangPlugin(retraction=retraction, forcing=_install_forcing(registry))
+    return SGLangPlugin(retraction=retraction, forcing=_install_forcing(registry, retraction))
 
 
 def register() -> None:
@@ -45,9 +46,10 @@ def register() -> None:
     install(HookRegistry)
 
 
-def _install_forcing(registry: Any) -> Any:
-    """Route forcing's `install(registry)` where `routereplay.engines.sglang.forcing` exists; None where it does
-    not (an ImportError from inside that package is not swallowed)."""
+def _install_forcing(registry: Any, retraction: SamplingTimeRoutes) -> Any:
+    """Route forcing's `install(registry, sampling_rows=...)` where `routereplay.engines.sglang.forcing` exists
+    (a forced re-prefill reads the retraction's kept rows); None where it does not (an ImportError from inside that
+    package is not swallowed)."""
     import importlib
 
     try:
@@ -56,4 +58,4 @@ def _install_forcing(registry: Any) -> Any:
         if error.name != FORCING_MODULE:
             raise
         return None
-    return forcing.install(registry)
+    return forcing.install(registry, sampling_rows=retraction.sampling_rows)

@@ -47,6 +47,7 @@ WEIGHTS_KEY = "routereplay_weights"  # extra_args[WEIGHTS_KEY] = True: keep the 
 WEIGHTS_SALT = "routereplay-weights:"  # a weights request's own cache salt: its rows are all computed, none cached
 SALT_PREFIX = "routereplay-forced:"
 MAX_BLOB_CHARS = 64 << 20  # base64 text longer than this is refused before it is decoded
+CARRIER = "extra_args / vllm_xargs"  # where a vLLM request carries the blob (named in every refusal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,9 +168,12 @@ class ForcedRoutes:
         return int((self.experts_TLK[:, :, 0] >= 0).sum())
 
     @classmethod
-    def parse(cls, value: object, served: ServedRouting, prompt: list[int] | None, *, where: str) -> ForcedRoutes:
-        """Check a request's `extra_args[XARG_KEY]` against the model and prompt (module docstring)."""
-        fail = _Failure(where)
+    def parse(
+        cls, value: object, served: ServedRouting, prompt: list[int] | None, *, where: str, carrier: str = CARRIER
+    ) -> ForcedRoutes:
+        """Check a request's `extra_args[XARG_KEY]` against the model and prompt (module docstring); a refusal
+        names `carrier`, where the engine's request carries the blob (vLLM's by default)."""
+        fail = _Failure(where, carrier)
         if prompt is None:
             raise fail("the request has no prompt token ids (embeddings-only prompts cannot be forced)")
         if isinstance(value, bytes | bytearray):
@@ -192,10 +196,12 @@ class ForcedRoutes:
         return cls._checked(trace, served, prompt, fail, owned=True)
 
     @classmethod
-    def check(cls, trace: RouteTrace, served: ServedRouting, prompt: list[int], *, where: str) -> ForcedRoutes:
+    def check(
+        cls, trace: RouteTrace, served: ServedRouting, prompt: list[int], *, where: str, carrier: str = CARRIER
+    ) -> ForcedRoutes:
         """Check a decoded (or not yet encoded) trace against the model and prompt; `ForcedRoutesError` if not.
         The plan keeps a copy of the trace's rows (in its dtype), not a view of the caller's array."""
-        return cls._checked(trace, served, prompt, _Failure(where), owned=False)
+        return cls._checked(trace, served, prompt, _Failure(where, carrier), owned=False)
 
     @classmethod
     def _checked(
@@ -300,19 +306,22 @@ def _refuse_shape(
 
 
 class _Failure:
-    """Builds the `ForcedRoutesError` of one request: what, where and how to fix."""
+    """Builds the `ForcedRoutesError` of one request: what, where (the request, and the `carrier` its blob came
+    in) and how to fix."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, carrier: str = CARRIER) -> None:
         self.where = where
+        self.carrier = carrier
 
     def __call__(self, what: str) -> ForcedRoutesError:
         return ForcedRoutesError(
-            f"{self.where}: forced routes (extra_args / vllm_xargs {XARG_KEY!r}) refused: {what}. The request was "
+            f"{self.where}: forced routes ({self.carrier} {XARG_KEY!r}) refused: {what}. The request was "
             "not run; send routereplay.engines.vllm.encode_forced(trace) of a RouteTrace of this model and prompt"
         )
 
 
 __all__ = [
+    "CARRIER",
     "MAX_BLOB_CHARS",
     "SALT_PREFIX",
     "WEIGHTS_KEY",

@@ -19,7 +19,12 @@ every scheduler process and in the front end before anything is built):
 - `PrefillCudaGraphRunner.can_run_graph` (AFTER): False for a forward with forced rows (it runs eagerly, so the
   hook sees it).
 
-Inert for requests without `custom_params[CUSTOM_KEY]`: the top-k hook returns at once when no forward is current.
+A retracted request's re-prefill is forced with its sampling-time rows (the retraction hooks' `sampling_rows`,
+over its own forced rows) when it asks (`custom_params[REPREFILL_KEY]`) or the server says so (`REPREFILL_ENV`), so
+the KV it rebuilds is the KV its sampled tokens saw; off by default. Decided when the request is queued; the
+merged `ForcedRoutes` is built once per retraction (`_plan_of`).
+
+Inert for requests without `custom_params[CUSTOM_KEY]` (or a re-prefill to force): the top-k hook returns at once when no forward is current.
 What the request gets back is SGLang's own capture (`return_routed_experts`), taken after the substitution: the
 forced experts are what was dispatched. Decode CUDA graphs are untouched (forced rows are prompt rows, run in
 extend forwards; a decode forward has no `ForcedBatch`).
@@ -30,28 +35,38 @@ Legend: N = token rows of the forward, E = experts, K = top-k.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from routereplay.engines.sglang.forcing.op import force_rows
 from routereplay.engines.sglang.forcing.requests import (
     asked_routes,
+    asks_reprefill,
     parse_request,
     request_salt,
     served_routing,
+    server_reprefill,
 )
 from routereplay.engines.sglang.forcing.row_map import ForcedBatch, step_rows
 from routereplay.engines.sglang.forcing.rule import TopKRule, rule_of
 from routereplay.engines.vllm.forced_routes import ForcedRoutes, ServedRouting
 from routereplay.errors import ForcedRoutesError
 
+if TYPE_CHECKING:
+    from routereplay.engines.sglang.retraction import SavedRows
+
 logger = logging.getLogger(__name__)
 
 SRT = "sglang.srt."
 REQ_ATTR = "_routereplay_forced"  # the checked ForcedRoutes kept on an SGLang Req
 BATCH_ATTR = "_routereplay_forced"  # the ForcedBatch kept on a ForwardBatch
+REPREFILL_ATTR = "_routereplay_reprefill"  # on a Req: whether its re-prefill after a retraction is forced
+REPREFILL_PLAN_ATTR = "_routereplay_reprefill_plan"  # on a Req: (the kept SavedRows, the ForcedRoutes built from them)
 TOPK_ARGS = (  # `_post_process_topk_ids`' parameters, in order (select_experts passes them by name)
     "topk_ids",
     "topk_weights",
@@ -73,29 +88,38 @@ class ForcingStats:
     rows_forced: int = 0  # (token, layer) rows substituted
     layers_unforced: int = 0  # top-k calls with forced rows that could not be forced (logged each time)
     requests_refused: int = 0
+    reprefills_forced: int = 0  # retracted requests whose re-prefill is forced with their sampling-time rows
+    reprefills_unforced: int = 0  # of those asking, kept rows that did not fit the model: re-prefilled live (logged)
 
 
 @dataclass(slots=True)
 class SGLangForcing:
-    """The process's forcing state: served geometry, layers refused at start-up, the current forward."""
+    """The process's forcing state: served geometry, layers refused at start-up, the current forward; whether a
+    retracted request's re-prefill is forced by default (`force_reprefill`, the server's `REPREFILL_ENV`) and
+    where its kept sampling-time rows come from (`sampling_rows`: the retraction hooks' `sampling_rows`)."""
 
     served: ServedRouting | None = None
     refused_layers: dict[int, str] = field(default_factory=dict)
     current: ForcedBatch | None = None
     stats: ForcingStats = field(default_factory=ForcingStats)
+    force_reprefill: bool = False
+    sampling_rows: Callable[[Any], SavedRows | None] | None = None
 
     # --- front end -------------------------------------------------------------------------------------
     def checked_tokenized(self, result: Any, manager: Any, obj: Any, *args: Any, **kwargs: Any) -> None:
         """AFTER `TokenizerManager._create_tokenized_object`: refuse a bad request, salt a forced one."""
-        params = getattr(result, "sampling_params", None)
-        value = asked_routes(getattr(params, "custom_params", None))
+        custom = getattr(getattr(result, "sampling_params", None), "custom_params", None)
+        value = asked_routes(custom)
         where = f"SGLang request {getattr(result, 'rid', None)!r}"
+        asks = asks_reprefill(custom, False, where=where)  # only an explicit ask is refused by a server that cannot
         salt = request_salt(value, getattr(result, "cache_salt", None), where=where)
-        if value is None:
+        if value is None and not asks:
             return
         problems = server_problems(manager.server_args)
         if problems:
             raise ForcedRoutesError(f"{where}: this SGLang server cannot force routes: {'; '.join(problems)}")
+        if value is None:
+            return
         served = self._served(manager.model_config)
         prompt = getattr(result, "input_ids", None)
         parse_request(value, served, None if prompt is None else list(prompt), where=where)
@@ -111,30 +135,43 @@ class SGLangForcing:
             logger.warning("routereplay: MoE layers that cannot be forced: %s", self.refused_layers)
 
     def queued(self, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
-        """BEFORE `Scheduler._add_request_to_queue`: check a new request's blob and keep it on the Req."""
-        value = asked_routes(getattr(getattr(req, "sampling_params", None), "custom_params", None))
-        if value is None or getattr(req, "to_finish", None) is not None or getattr(req, REQ_ATTR, None) is not None:
-            return
+        """BEFORE `Scheduler._add_request_to_queue`: check a new request's blob and keep it on the Req; decide
+        whether its re-prefill after a retraction is forced (its own ask, else the server's default)."""
+        if getattr(req, "to_finish", None) is not None or hasattr(req, REPREFILL_ATTR):
+            return  # aborted, or seen already (a re-queued request keeps what was checked)
+        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        value = asked_routes(custom)
         where = f"SGLang request {req.rid!r}"
         try:
+            asks = asks_reprefill(custom, False, where=where)
+            reprefill = asks_reprefill(custom, self.force_reprefill, where=where)
+            if value is None and not reprefill:
+                return
             problems = server_problems(scheduler.server_args) + [
                 f"layer {layer}: {why}" for layer, why in sorted(self.refused_layers.items())
             ]
+            if problems and value is None and not asks:
+                logger.warning("routereplay: %s re-prefills live after a retraction: %s", where, "; ".join(problems))
+                return  # the server's default, on a server that cannot force: nothing asked explicitly
             if problems:
                 raise ForcedRoutesError(f"{where}: this SGLang server cannot force routes: {'; '.join(problems)}")
             served = self._served(scheduler.model_config)
-            setattr(req, REQ_ATTR, parse_request(value, served, list(req.origin_input_ids), where=where))
+            if value is not None:
+                setattr(req, REQ_ATTR, parse_request(value, served, list(req.origin_input_ids), where=where))
+            setattr(req, REPREFILL_ATTR, reprefill)
         except ForcedRoutesError as error:
             self.stats.requests_refused += 1
             req.set_finish_with_abort(str(error))
 
     def mapped_batch(self, result: Any, cls: Any, batch: Any, model_runner: Any, *args: Any, **kwargs: Any) -> None:
         """AFTER `ForwardBatch.init_new`: the forward's forced rows, kept on the ForwardBatch it returned."""
-        reqs = list(getattr(batch, "reqs", None) or ())
-        routes: list[ForcedRoutes | None] = [getattr(req, REQ_ATTR, None) for req in reqs]
         mode = batch.forward_mode
-        if not any(plan is not None for plan in routes) or self.served is None or mode.is_decode_or_idle():
+        if self.served is None or mode.is_decode_or_idle():
             return  # decode rows are new tokens: never forced (a blob covers prompt rows only)
+        reqs = list(getattr(batch, "reqs", None) or ())
+        routes: list[ForcedRoutes | None] = [self._plan_of(req) for req in reqs]
+        if not any(plan is not None for plan in routes):
+            return
         try:
             rows = step_rows(mode, len(reqs), batch.prefix_lens, batch.extend_lens, batch.seq_lens_cpu)
         except ForcedRoutesError as error:
@@ -198,6 +235,53 @@ class SGLangForcing:
         call["topk_ids"], call["topk_weights"] = ids_NK, weights_NK
         return (), call
 
+    def _plan_of(self, req: Any) -> ForcedRoutes | None:
+        """What a request forces in this forward: its own checked routes and, for a retracted request whose
+        re-prefill is forced, its kept sampling-time rows over them (built once per retraction)."""
+        plan: ForcedRoutes | None = getattr(req, REQ_ATTR, None)
+        if not getattr(req, REPREFILL_ATTR, False) or self.sampling_rows is None:
+            return plan
+        kept = self.sampling_rows(req)
+        if kept is None:
+            return plan
+        cached = getattr(req, REPREFILL_PLAN_ATTR, None)
+        if cached is not None and cached[0] is kept:
+            return cached[1]
+        merged = self._reprefill_plan(req, plan, kept)
+        setattr(req, REPREFILL_PLAN_ATTR, (kept, merged))
+        return merged
+
+    def _reprefill_plan(self, req: Any, plan: ForcedRoutes | None, kept: SavedRows) -> ForcedRoutes | None:
+        """The request's routes with its kept rows (positions `kept.start..kept.end - 1`, all decoder layers as
+        SGLang's capturer holds them) written over them, MoE layers only; kept rows that do not fit the served
+        model are not used (counted, logged)."""
+        served = self.served
+        assert served is not None  # set when the request was queued
+        rows_NLK = kept.rows_NLK
+        layers, top_k = served.moe_layers, served.top_k
+        fits = rows_NLK.ndim == 3 and rows_NLK.shape[1] == served.num_layers and rows_NLK.shape[2] == top_k
+        kept_NLK = rows_NLK[:, list(layers)].cpu().numpy().astype(np.int32) if fits else None
+        if kept_NLK is not None:
+            valid_NL = ((kept_NLK >= 0) & (kept_NLK < served.num_experts)).all(-1) | (kept_NLK == -1).all(-1)
+            fits = bool(valid_NL.all())
+        if kept_NLK is None or not fits:
+            self.stats.reprefills_unforced += 1
+            logger.error(
+                "routereplay: request %s's kept rows (%s) do not fit the served model (%d layers, top-%d, E=%d); "
+                "its re-prefill routes live", req.rid, tuple(rows_NLK.shape), served.num_layers, top_k,
+                served.num_experts,
+            )
+            return plan
+        lo, hi = kept.start, kept.end
+        if plan is not None:
+            lo, hi = min(lo, plan.start), max(hi, plan.stop)
+        experts_TLK = np.full((hi - lo, len(layers), top_k), -1, dtype=np.int32)
+        if plan is not None:
+            experts_TLK[plan.start - lo : plan.stop - lo] = plan.experts_TLK
+        experts_TLK[kept.start - lo : kept.end - lo] = kept_NLK
+        self.stats.reprefills_forced += 1
+        return ForcedRoutes(lo, experts_TLK, layers)
+
     def _rule(self, topk_config: Any) -> tuple[TopKRule | None, str]:
         return rule_of(topk_config, use_aiter=_sglang_uses_aiter())
 
@@ -251,12 +335,22 @@ def _sglang_uses_aiter() -> bool:
     return bool(getattr(topk, "_use_aiter", False))
 
 
-def install(registry: Any, forcing: SGLangForcing | None = None) -> SGLangForcing:
+def install(
+    registry: Any,
+    forcing: SGLangForcing | None = None,
+    *,
+    sampling_rows: Callable[[Any], SavedRows | None] | None = None,
+) -> SGLangForcing:
     """Register the forcing hooks on SGLang's `HookRegistry` (or anything with its `register(target, hook, kind)`);
-    returns the state object whose methods they are. Call from the plugin's entry point, before `apply_hooks()`."""
+    returns the state object whose methods they are. Call from the plugin's entry point, before `apply_hooks()`.
+
+    A new state reads the server's re-prefill default from the environment (`REPREFILL_ENV`; a bad value is a
+    `ForcedRoutesError` at start-up); `sampling_rows` (the retraction hooks') is where kept rows come from."""
     from sglang.srt.plugins.hook_registry import HookType
 
-    state = forcing if forcing is not None else SGLangForcing()
+    state = forcing if forcing is not None else SGLangForcing(force_reprefill=server_reprefill(os.environ))
+    if sampling_rows is not None:
+        state.sampling_rows = sampling_rows
     hooks = (
         (
             "managers.tokenizer_manager.TokenizerManager._create_tokenized_object",
@@ -279,4 +373,14 @@ def install(registry: Any, forcing: SGLangForcing | None = None) -> SGLangForcin
     return state
 
 
-__all__ = ["BATCH_ATTR", "REQ_ATTR", "ForcingStats", "SGLangForcing", "install", "layer_refusals", "server_problems"]
+__all__ = [
+    "BATCH_ATTR",
+    "REPREFILL_ATTR",
+    "REPREFILL_PLAN_ATTR",
+    "REQ_ATTR",
+    "ForcingStats",
+    "SGLangForcing",
+    "install",
+    "layer_refusals",
+    "server_problems",
+]

@@ -15,11 +15,15 @@ A forced request gets `cache_salt = salted(its salt, digest of its routes)` (the
 shared only with requests forcing the same routes; an unforced request whose own salt carries the reserved
 prefix is refused (it would reuse KV computed under forced routes).
 
+Re-prefill after a retraction: `custom_params[REPREFILL_KEY]` (true / false) asks that the request's re-prefill be
+forced with its sampling-time rows; `REPREFILL_ENV=1` makes that the server's default (a request's false wins).
+
 Legend: T = forced rows, L = MoE layers, K = top-k.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from routereplay.engines.vllm.forced_routes import (
@@ -29,11 +33,14 @@ from routereplay.engines.vllm.forced_routes import (
     ServedRouting,
     moe_layers_of,
     salted,
+    weights_flag,
 )
 from routereplay.errors import ForcedRoutesError
 
 CUSTOM_KEY = XARG_KEY  # sampling_params.custom_params[CUSTOM_KEY] = encode_forced(trace)
 CARRIER = "sampling_params.custom_params"
+REPREFILL_KEY = "routereplay_force_reprefill"  # custom_params[REPREFILL_KEY] = true: force a retracted re-prefill
+REPREFILL_ENV = "ROUTEREPLAY_SGLANG_FORCE_REPREFILL"  # =1: every request's re-prefill forced (unless it says false)
 EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k")
 
@@ -63,10 +70,38 @@ def asked_routes(custom_params: Any) -> object | None:
 def parse_request(value: object, served: ServedRouting, prompt: list[int] | None, *, where: str) -> ForcedRoutes:
     """A request's routes checked against the model and prompt (`ForcedRoutes.parse`), named as SGLang carries
     them: `ForcedRoutesError` naming the request, what and how to fix."""
-    try:
-        return ForcedRoutes.parse(value, served, prompt, where=where)
-    except ForcedRoutesError as error:
-        raise ForcedRoutesError(str(error).replace("extra_args / vllm_xargs", CARRIER)) from None
+    return ForcedRoutes.parse(value, served, prompt, where=where, carrier=CARRIER)
+
+
+def server_reprefill(environ: Mapping[str, str]) -> bool:
+    """The server's default for forcing re-prefills (`REPREFILL_ENV`: 1 / 0, true / false; unset: off).
+
+    `ForcedRoutesError` for any other value (at start-up, naming the variable)."""
+    value = environ.get(REPREFILL_ENV, "").strip()
+    if not value:
+        return False
+    flag = weights_flag(int(value) if value in ("0", "1") else value)
+    if flag is None:
+        raise ForcedRoutesError(
+            f"environment variable {REPREFILL_ENV}={value!r}: set it to 1 (force every retracted request's "
+            "re-prefill with its sampling-time routes) or 0 / unset it (off)"
+        )
+    return flag
+
+
+def asks_reprefill(custom_params: Any, default: bool, *, where: str) -> bool:
+    """Whether a request's re-prefill after a retraction is forced with its sampling-time rows: its own
+    `custom_params[REPREFILL_KEY]` (true / false, 1 / 0, "true" / "false") where given, the server's `default`
+    otherwise. `ForcedRoutesError` for any other value."""
+    if not isinstance(custom_params, dict) or REPREFILL_KEY not in custom_params:
+        return default
+    flag = weights_flag(custom_params[REPREFILL_KEY])
+    if flag is None:
+        raise ForcedRoutesError(
+            f"{where}: {CARRIER} {REPREFILL_KEY!r}={custom_params[REPREFILL_KEY]!r} must be true (force the "
+            "re-prefill after a retraction with the sampling-time routes) or false (JSON true / false, 1 / 0)"
+        )
+    return flag
 
 
 def request_salt(value: object, cache_salt: str | None, *, where: str) -> str | None:
@@ -90,4 +125,15 @@ def _first_int(config: Any, fields: tuple[str, ...]) -> int | None:
     return None
 
 
-__all__ = ["CARRIER", "CUSTOM_KEY", "asked_routes", "parse_request", "request_salt", "served_routing"]
+__all__ = [
+    "CARRIER",
+    "CUSTOM_KEY",
+    "REPREFILL_ENV",
+    "REPREFILL_KEY",
+    "asked_routes",
+    "asks_reprefill",
+    "parse_request",
+    "request_salt",
+    "served_routing",
+    "server_reprefill",
+]
