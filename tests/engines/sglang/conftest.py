@@ -118,8 +118,16 @@ def model_config(tmp_path: Path) -> Any:
     from transformers import Qwen3MoeConfig
 
     Qwen3MoeConfig(
-        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, hidden_size=16, intermediate_size=32,
-        moe_intermediate_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=64,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=64,
         architectures=["Qwen3MoeForCausalLM"],
     ).save_pretrained(tmp_path)
     return ModelConfig(str(tmp_path))

@@ -121,8 +121,13 @@ class Runner:
             config = TopKConfig(top_k=K, renormalize=True, torch_native=True)
             if layer == 1:
                 config = TopKConfig(
-                    top_k=K, renormalize=True, use_grouped_topk=True, num_expert_group=4, topk_group=2,
-                    scoring_func="sigmoid", torch_native=True,
+                    top_k=K,
+                    renormalize=True,
+                    use_grouped_topk=True,
+                    num_expert_group=4,
+                    topk_group=2,
+                    scoring_func="sigmoid",
+                    torch_native=True,
                 )
                 config.correction_bias = self.bias_E
             out = select_experts(hidden_ND, hidden_ND @ self.gate_LDE[layer], config, layer_id=layer)

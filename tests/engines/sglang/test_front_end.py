@@ -54,7 +54,9 @@ def manager(model_config: Any, **server: object) -> SimpleNamespace:
 
 def tokenize(model_config: Any, custom: dict[str, Any], *, cache_salt: str | None = None, **server: object) -> Any:
     obj = GenerateReqInput(
-        input_ids=PROMPT, sampling_params={"max_new_tokens": 4, "custom_params": custom}, rid="req-7",
+        input_ids=PROMPT,
+        sampling_params={"max_new_tokens": 4, "custom_params": custom},
+        rid="req-7",
         cache_salt=cache_salt,
     )
     return TokenizerManager._create_tokenized_object(manager(model_config, **server), obj, "", PROMPT)

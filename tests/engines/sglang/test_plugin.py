@@ -50,7 +50,7 @@ def test_load_plugins_applies_the_retraction_hooks(hook_registry: Any, monkeypat
     assert schedule_batch.release_req is not release and schedule_batch.release_req.__wrapped__ is release
     assert SchedulerBatchResultProcessor._maybe_collect_routed_experts.__wrapped__ is collect
     for target, kind in ((RELEASE_TARGET, HookType.BEFORE), (FINISH_TARGET, HookType.AFTER)):
-        (hook_type, hook, source), = [h for h in hook_registry._hooks[target] if h[2].plugin_name == "routereplay"]
+        ((hook_type, hook, source),) = [h for h in hook_registry._hooks[target] if h[2].plugin_name == "routereplay"]
         assert hook_type is kind
         assert isinstance(hook.__self__, SamplingTimeRoutes)
         assert source.dist_name == "routereplay"

@@ -75,8 +75,12 @@ class Scheduler:
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         return Req(
-            rid, "", list(PROMPT), SamplingParams(max_new_tokens=16),
-            return_routed_experts=routed, routed_experts_start_len=start_len,
+            rid,
+            "",
+            list(PROMPT),
+            SamplingParams(max_new_tokens=16),
+            return_routed_experts=routed,
+            routed_experts_start_len=start_len,
         )
 
     def forward(self, req: Any, first: int, last: int, epoch: int) -> None:

@@ -117,7 +117,7 @@ def test_module_imported_before_verls_agent_loops_registers_the_checked_loops_on
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["early"], "the module must load before verl's agent loops, or this tests nothing"
     assert got["loops"] == {
-        "single_turn_agent": "routereplay.integrations.verl.agent_loops.RouteCheckedSingleTurnAgentLoop",
-        "tool_agent": "routereplay.integrations.verl.agent_loops.RouteCheckedToolAgentLoop",
+        "single_turn_agent": "routereplay.integrations.verl.checked_loops.RouteCheckedSingleTurnAgentLoop",
+        "tool_agent": "routereplay.integrations.verl.checked_loops.RouteCheckedToolAgentLoop",
     }
     assert got["hooks_left"] == 0

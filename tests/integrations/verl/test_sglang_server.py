@@ -334,7 +334,7 @@ def test_a_response_without_routes_is_a_counted_none(case: Any, monkeypatch: pyt
 def test_verls_replica_registry_names_routereplays_sglang_server(case: Any) -> None:
     from verl.workers.rollout.replica import RolloutReplicaRegistry, get_rollout_replica_class
 
-    from routereplay.integrations.verl.sglang_routes import register_sglang_replica
+    from routereplay.integrations.verl.tokenizer_routes import register_sglang_replica
 
     verl_loader = RolloutReplicaRegistry._registry["sglang"]
     try:
@@ -351,7 +351,7 @@ def test_verls_replica_registry_names_routereplays_sglang_server(case: Any) -> N
 def test_a_verl_without_an_sglang_loader_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-    from routereplay.integrations.verl.sglang_routes import register_sglang_replica
+    from routereplay.integrations.verl.tokenizer_routes import register_sglang_replica
 
     monkeypatch.setattr(RolloutReplicaRegistry, "_registry", {})
     with pytest.raises(ConfigError, match="no 'sglang' loader"):

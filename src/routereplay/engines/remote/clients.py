@@ -264,7 +264,13 @@ class SGLangClient(RemoteEngine):
         layout as the client knows it (`moe_layers`, else every one of `num_layers`)."""
         moe_layers = self.moe_layers if self.moe_layers is not None else tuple(range(self.num_layers))
         served = ServedRouting(self.num_experts, self.top_k, self.num_layers, moe_layers)
-        ForcedRoutes.check(forced, served, prompt, where=f"SGLang server {self.url}, sequence {index}")
+        ForcedRoutes.check(
+            forced,
+            served,
+            prompt,
+            where=f"SGLang server {self.url}, sequence {index}",
+            carrier="sampling_params.custom_params",
+        )
         sampling = dict(body["sampling_params"])
         sampling["custom_params"] = {**(sampling.get("custom_params") or {}), XARG_KEY: encode_forced(forced)}
         return {**body, "sampling_params": sampling}

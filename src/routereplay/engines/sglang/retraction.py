@@ -108,8 +108,13 @@ class SamplingTimeRoutes:
         kept = self._saved.get(req)
         if kept is not None and kept.start != start:
             # routed_experts_start_len is fixed at admission (scheduler.py); never mix rows of two origins
-            logger.warning("routereplay: request %s changed routed_experts_start_len (%d -> %d) across retractions; "
-                           "its earlier sampling-time rows are dropped", req.rid, kept.start, start)
+            logger.warning(
+                "routereplay: request %s changed routed_experts_start_len (%d -> %d) across retractions; "
+                "its earlier sampling-time rows are dropped",
+                req.rid,
+                kept.start,
+                start,
+            )
             del self._saved[req]
             kept = None
         known = kept.end if kept is not None else start
@@ -146,5 +151,9 @@ class SamplingTimeRoutes:
         self.stats.rows_changed += int(changed.sum())
         logger.debug(
             "routereplay: request %s returns its sampling-time routes for positions [%d, %d) (%d rows differed "
-            "in the re-prefill)", req.rid, lo, hi, int(changed.sum()),
+            "in the re-prefill)",
+            req.rid,
+            lo,
+            hi,
+            int(changed.sum()),
         )

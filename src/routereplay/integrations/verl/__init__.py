@@ -17,10 +17,10 @@ verl's batch as compact per-sample blobs (default) or as verl's own `routed_expe
 Files:
 - `rollout.py`         `RouteGeometry` (MoE layers of the model, from its HF config), `RolloutRoutes` (decode
                        vLLM / SGLang routes per engine call, `add_call` / `add_tokens` into a `RouteStore`)
-- `agent_loop_routes.py` `AgentLoopRoutes` (one agent-loop sample's calls merged by token position, checked against
+- `call_routes.py` `AgentLoopRoutes` (one agent-loop sample's calls merged by token position, checked against
                        the sequence the loop returns, put on its `AgentLoopOutput`), `RecordingServer` (a loop's
                        `server_manager` whose `generate` adds each call)
-- `agent_loops.py`     verl's `SingleTurnAgentLoop` / `ToolAgentLoop` with `RouteCheckedAgentLoop` mixed in, under
+- `checked_loops.py`     verl's `SingleTurnAgentLoop` / `ToolAgentLoop` with `RouteCheckedAgentLoop` mixed in, under
                        verl's names in its agent-loop registry (imports verl)
 - `batch.py`           routes on verl's batch: `compact_blob` / `compact_routes` / `put_output_routes` (the
                        non-tensor column `ROUTES_KEY`, via `AgentLoopOutput.extra_fields`), `padded_routes` /
@@ -39,14 +39,13 @@ Files:
                        an import hook when `VERL_USE_EXTERNAL_MODULES` / any process imports it before
                        `verl.workers`), and the checked agent loops whenever verl's agent loops load
 
-Importing this package imports no verl: `rollout` / `batch` / `agent_loop_routes` take verl's objects
+Importing this package imports no verl: `rollout` / `batch` / `call_routes` take verl's objects
 (`DataProto`, `TensorDict`, `AgentLoopOutput`, `TokenOutput`) duck-typed, and `fsdp_engine` imports verl inside
-the functions that need it (neither it nor `agent_loops` is re-exported here: importing them inside a verl
+the functions that need it (neither it nor `checked_loops` is re-exported here: importing them inside a verl
 process registers the engine and the loops, which is what `external_lib` does).
 Tests: `make test-verl` (verl 0.9.1 in its own .venv-verl: it pins transformers<5.11, tensordict<=0.10).
 """
 
-from routereplay.integrations.verl.agent_loop_routes import AgentLoopRoutes, RecordingServer
 from routereplay.integrations.verl.batch import (
     DIGEST_KEY,
     ROUTES_KEY,
@@ -64,6 +63,7 @@ from routereplay.integrations.verl.batch import (
     routes_for_batch,
     traces_of,
 )
+from routereplay.integrations.verl.call_routes import AgentLoopRoutes, RecordingServer
 from routereplay.integrations.verl.rollout import Engine, RolloutRoutes, RouteGeometry
 
 __all__ = [

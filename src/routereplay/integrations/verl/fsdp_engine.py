@@ -44,7 +44,7 @@ Turning it on (every Ray worker imports the module through verl's `external_lib`
 too, or from `verl/__init__` with `VERL_USE_EXTERNAL_MODULES=routereplay.integrations.verl.fsdp_engine`; the
 engine is registered for this platform's vendor and `VERL_ENGINE_VENDOR`'s, which `EngineRegistry` prefers,
 as soon as verl's engines are imported, before or after this module, and routereplay's checked
-`single_turn_agent` / `tool_agent` as soon as verl's agent loops are: `registration.py`, `agent_loops.py`):
+`single_turn_agent` / `tool_agent` as soon as verl's agent loops are: `registration.py`, `checked_loops.py`):
 
     actor_rollout_ref.model.external_lib=routereplay.integrations.verl.fsdp_engine
     +actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3      # or R2
@@ -52,7 +52,7 @@ as soon as verl's engines are imported, before or after this module, and routere
 
 With verl's own agent loops that is all: each sample's routes reach the batch as a compact blob naming its
 tokens. A loop of the user's own that returns verl's `routed_experts` is refused under R3 unless it mixes in
-`agent_loops.RouteCheckedAgentLoop`, or every worker opts out of the token check with
+`checked_loops.RouteCheckedAgentLoop`, or every worker opts out of the token check with
 `'+ray_kwargs.ray_init.runtime_env.env_vars.ROUTEREPLAY_VERL_UNCHECKED_ROUTES="1"'` (counted, logged).
 
 Nothing here imports verl until verl's workers are loaded or `engine_class()` / `register_engine()` is
@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from routereplay.errors import ConfigError, MissingRoutesError
-from routereplay.integrations.verl import sglang_routes
+from routereplay.integrations.verl import tokenizer_routes
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import VERL_ROUTES_KEY
 from routereplay.integrations.verl.micro_batch import (
@@ -341,14 +341,15 @@ def register_engine(vendor: str | None = None, devices: tuple[str, ...] = ("cuda
 
 
 def register_agent_loops() -> None:
-    """routereplay's checked `single_turn_agent` / `tool_agent` under verl's names (`agent_loops.py`, imports verl)."""
-    import routereplay.integrations.verl.agent_loops as agent_loops
+    """routereplay's checked `single_turn_agent` / `tool_agent` under verl's names (`checked_loops.py`, which
+    imports verl)."""
+    import routereplay.integrations.verl.checked_loops as checked_loops
 
-    agent_loops.register_checked_agent_loops()
+    checked_loops.register_checked_agent_loops()
 
 
 # verl's `external_lib` / `VERL_USE_EXTERNAL_MODULES` import this module: register now, or when verl's engines load;
 # and verl's agent loops (an AgentLoopWorker imports `external_lib` too) now, or when verl's agent loops load
 register_when_verl_loads(register_engine)
 register_agent_loops_when_verl_loads(register_agent_loops)
-register_sglang_replica_when_verl_loads(sglang_routes.register_sglang_replica)  # SGLang 0.5.23 R3 (sglang_server.py)
+register_sglang_replica_when_verl_loads(tokenizer_routes.register_sglang_replica)  # SGLang 0.5.23 R3 (sglang_server.py)

@@ -17,10 +17,10 @@ The hook imports nothing itself and changes no verl file; the module keeps verl'
 
 verl's agent loops go the same way (`register_agent_loops_when_verl_loads`): `fsdp_engine` is imported in every
 `AgentLoopWorker` too (verl's `HFModelConfig` imports `external_lib`), where verl's agent-loop package is loaded,
-and registers routereplay's checked `single_turn_agent` / `tool_agent` at once (`agent_loops.py`); a process that
+and registers routereplay's checked `single_turn_agent` / `tool_agent` at once (`checked_loops.py`); a process that
 imports it first gets them right after `verl.experimental.agent_loop` has registered verl's own loops. verl's
 `RolloutReplicaRegistry` likewise (`register_sglang_replica_when_verl_loads`): "sglang" names routereplay's SGLang
-server (`sglang_routes.register_sglang_replica`) once `verl.workers.rollout.replica` has run.
+server (`tokenizer_routes.register_sglang_replica`) once `verl.workers.rollout.replica` has run.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ form a per-sample digest (`digest.py`). Two dense tensors reach the engine witho
 
 - **R3, verl's own agent-loop `routed_experts`** (`enable_rollout_routing_replay=True` with an agent loop
   routereplay's are not: a user's own loop, or workers that never imported `fsdp_engine`; verl's default
-  single-turn and tool loops are replaced by checked ones, `agent_loops.py`): nothing ties its rows to the
+  single-turn and tool loops are replaced by checked ones, `checked_loops.py`): nothing ties its rows to the
   tokens, so a tensor shifted by a position, cut, or moved onto swapped equal-length samples would replay
   silently. The engine refuses it (`UncheckedRoutesError`)
   unless the user opts out with the environment variable `UNCHECKED_ENV` set to 1 in every worker: verl's
@@ -67,7 +67,7 @@ def unchecked_refusal(samples: int) -> UncheckedRoutesError:
         "samples would replay silently). This is the form verl's agent loops build when routereplay's are not in "
         "use. Fix: import routereplay.integrations.verl.fsdp_engine in the agent-loop workers too "
         "(actor_rollout_ref.model.external_lib does: it registers routereplay's checked single_turn_agent / "
-        "tool_agent), mix routereplay.integrations.verl.agent_loops.RouteCheckedAgentLoop into a loop of your "
+        "tool_agent), mix routereplay.integrations.verl.checked_loops.RouteCheckedAgentLoop into a loop of your "
         "own, or put the routes with put_routes(..., form='compact' | 'dense'); or opt out in every worker with "
         f"{UNCHECKED_ENV}=1 ({RUNTIME_ENV_OVERRIDE} on verl's command line): the engine then replays them "
         "unchecked, as verl does, and logs how many samples it did"

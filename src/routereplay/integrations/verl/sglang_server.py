@@ -1,7 +1,7 @@
 """verl's SGLang server with routereplay's route decoding: R3 on SGLang 0.5.23 without verl's broken route code.
 
 `RouteReplaySGLangHttpServer` is verl 0.9.1's own `SGLangHttpServer` (launch, sleep / wake-up, weight sync,
-`generate`: all verl's) with one change where the routes leave SGLang (`sglang_routes`):
+`generate`: all verl's) with one change where the routes leave SGLang (`tokenizer_routes`):
 
 - `launch_server` runs verl's (which starts SGLang with `--enable-return-routed-experts` when verl's
   `rollout.enable_rollout_routing_replay` is on); then, with R3 on, it keeps verl's rollout config on this server
@@ -16,7 +16,7 @@
 
 verl's agent loops (routereplay's checked `single_turn_agent` / `tool_agent`, or verl's own) receive that array as
 from SGLang 0.5.12 or vLLM. `RouteReplaySGLangReplica` is verl's `SGLangReplica` launching this server; verl's
-`get_rollout_replica_class("sglang")` returns it once `sglang_routes.register_sglang_replica` ran (`fsdp_engine`
+`get_rollout_replica_class("sglang")` returns it once `tokenizer_routes.register_sglang_replica` ran (`fsdp_engine`
 does, when verl's replica registry loads). Not covered: PD disaggregation (`rollout.disaggregation.enabled`: verl
 imports its `SGLangPDReplica` directly, with verl's own server).
 
@@ -34,7 +34,7 @@ from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer, SGLangReplica
 
 from routereplay.integrations.verl.rollout import RouteGeometry
-from routereplay.integrations.verl.sglang_routes import (
+from routereplay.integrations.verl.tokenizer_routes import (
     RouteRequestingTokenizerManager,
     SGLangRouteStats,
     routed_experts_array,

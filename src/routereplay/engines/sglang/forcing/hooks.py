@@ -24,7 +24,8 @@ over its own forced rows) when it asks (`custom_params[REPREFILL_KEY]`) or the s
 the KV it rebuilds is the KV its sampled tokens saw; off by default. Decided when the request is queued; the
 merged `ForcedRoutes` is built once per retraction (`_plan_of`).
 
-Inert for requests without `custom_params[CUSTOM_KEY]` (or a re-prefill to force): the top-k hook returns at once when no forward is current.
+Inert for requests without `custom_params[CUSTOM_KEY]` (or a re-prefill to force): the top-k hook returns at once
+when no forward is current.
 What the request gets back is SGLang's own capture (`return_routed_experts`), taken after the substitution: the
 forced experts are what was dispatched. Decode CUDA graphs are untouched (forced rows are prompt rows, run in
 extend forwards; a decode forward has no `ForcedBatch`).
@@ -268,7 +269,11 @@ class SGLangForcing:
             self.stats.reprefills_unforced += 1
             logger.error(
                 "routereplay: request %s's kept rows (%s) do not fit the served model (%d layers, top-%d, E=%d); "
-                "its re-prefill routes live", req.rid, tuple(rows_NLK.shape), served.num_layers, top_k,
+                "its re-prefill routes live",
+                req.rid,
+                tuple(rows_NLK.shape),
+                served.num_layers,
+                top_k,
                 served.num_experts,
             )
             return plan

@@ -72,7 +72,7 @@ def _trainer_batch(data: Any) -> Any:
 def test_verls_registry_names_the_checked_loops_after_the_turn_it_on_line(rollout: dict[str, Any]) -> None:
     from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 
-    module = "routereplay.integrations.verl.agent_loops"
+    module = "routereplay.integrations.verl.checked_loops"
     assert _agent_loop_registry["single_turn_agent"]["_target_"] == f"{module}.RouteCheckedSingleTurnAgentLoop"
     assert _agent_loop_registry["tool_agent"]["_target_"] == f"{module}.RouteCheckedToolAgentLoop"
     calls = rollout["server"].calls
@@ -140,7 +140,7 @@ def test_a_loop_a_user_registered_under_verls_name_is_left_alone(
 ) -> None:
     from verl.experimental.agent_loop import agent_loop
 
-    from routereplay.integrations.verl.agent_loops import register_checked_agent_loops
+    from routereplay.integrations.verl.checked_loops import register_checked_agent_loops
 
     monkeypatch.setitem(agent_loop._agent_loop_registry, "tool_agent", {"_target_": "my_project.loops.MyToolLoop"})
     with caplog.at_level(logging.WARNING, logger="routereplay.integrations.verl"):

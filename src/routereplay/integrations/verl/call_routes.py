@@ -24,7 +24,7 @@ with zeros by count (`agent_loop.py` l.783-809). Here every call is kept, by tok
   the token ids in `extra_fields["routereplay_routes"]`, `routed_experts = None`), so verl's `_postprocess`
   copies it into the batch and the trainer checks every sample's tokens against it.
 
-`RecordingServer` wraps a loop's `server_manager` so each `generate` call is added as it returns; `agent_loops`
+`RecordingServer` wraps a loop's `server_manager` so each `generate` call is added as it returns; `checked_loops`
 mixes it into verl's own loops. Nothing here imports verl: outputs are read duck-typed.
 
 Legend: N tokens of a sample, T rows of one call, L MoE layers, K top-k.

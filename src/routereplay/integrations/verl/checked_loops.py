@@ -8,7 +8,7 @@ single_turn_agent`) and its tool loop (`agent_name: tool_agent` in the data) han
 with no user code:
 
 - every `server_manager.generate` call's routes are added by token position as the call returns
-  (`agent_loop_routes.RecordingServer` / `AgentLoopRoutes`): the engine is verl's `rollout.name`, the model's
+  (`call_routes.RecordingServer` / `AgentLoopRoutes`): the engine is verl's `rollout.name`, the model's
   MoE layers come from its HF config (`actor_rollout_ref.model`, read once per process and path);
 - when the loop returns, its `AgentLoopOutput` carries the merged routes as a codec blob with the token ids
   (`extra_fields["routereplay_routes"]`) and `routed_experts = None`: verl's `_postprocess` copies the blob into
@@ -34,7 +34,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
 from routereplay.errors import ConfigError
-from routereplay.integrations.verl.agent_loop_routes import AgentLoopRoutes, RecordingServer
+from routereplay.integrations.verl.call_routes import AgentLoopRoutes, RecordingServer
 from routereplay.integrations.verl.rollout import RouteGeometry
 
 logger = logging.getLogger("routereplay.integrations.verl")
@@ -110,8 +110,9 @@ def register_checked_agent_loops() -> dict[str, str]:
         else:
             logger.warning(
                 "routereplay: agent loop %r is registered to %s, not verl's %s; it is left as is, so its routes are "
-                "verl's unchecked routed_experts: mix routereplay.integrations.verl.agent_loops.RouteCheckedAgentLoop "
-                "into it (first base) for checked routes",
+                "verl's unchecked routed_experts: mix "
+                "routereplay.integrations.verl.checked_loops.RouteCheckedAgentLoop into it (first base) "
+                "for checked routes",
                 name,
                 target,
                 verl_loop.__name__,

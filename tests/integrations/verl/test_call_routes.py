@@ -19,7 +19,7 @@ import pytest
 
 from routereplay.errors import ConfigError, DenseLayerRouteError, TokenMismatchError
 from routereplay.integrations.verl import ROUTES_KEY, RouteGeometry, traces_of
-from routereplay.integrations.verl.agent_loop_routes import AgentLoopRoutes, RecordingServer, policy_version_of
+from routereplay.integrations.verl.call_routes import AgentLoopRoutes, RecordingServer, policy_version_of
 
 E, A, K, MOE = 16, 3, 2, (1, 2)
 GEOMETRY = RouteGeometry(num_experts=E, num_layers=A, top_k=K, moe_layers=MOE)
