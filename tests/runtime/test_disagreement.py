@@ -173,3 +173,21 @@ def test_metrics_use_one_naming_scheme_with_a_rate_per_layer() -> None:
     stats.reset()
     assert stats.as_metrics(per_layer=True) == {**stats.as_metrics(per_layer=False)}
     assert stats.disagree_rate == 0.0
+
+
+@pytest.mark.parametrize("threshold", [None, 0.0])
+def test_sync_free_counts_what_the_cpu_path_counts(threshold: float | None) -> None:
+    """Sync-free (the device path, read once at the exit) and the CPU path (read per forward) count the same."""
+    trainer = tiny_model("qwen3_moe")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    routes = engine_record(perturbed_routers(trainer, noise=0.05, seed=2), ids).routes.numpy()
+    found = []
+    for sync_free in (False, True):
+        replayer = routereplay.attach(trainer, sync_free=sync_free)
+        with replayer.replay(routes, threshold=threshold):
+            trainer(input_ids=ids).logits.logsumexp(-1).mean().backward()
+            trainer(input_ids=ids)  # two forwards: added up on the device
+        stats = replayer.stats
+        found.append((stats.disagree_rows_by_layer, stats.forced_disagree_rows_by_layer, stats.live_tokens_by_layer))
+        replayer.detach()
+    assert found[0] == found[1] and sum(found[0][0].values()) > 0

@@ -103,24 +103,26 @@ class DisagreementCounter:
         pending = self.rows.get(index)
         self.rows[index] = counts if pending is None else pending + counts
 
-    def read(self) -> list[tuple[RouterSite, list[int]]]:
-        """Every pending row in one device->host copy (per device), emptied: (site, counts) in column order."""
+    def take(self) -> dict[int, torch.Tensor]:
+        """The pending rows by column index, in column order, emptied (read them with `read_together`)."""
         rows, self.rows = self.rows, {}
-        if not rows:
-            return []
-        order = sorted(rows)
-        devices: dict[torch.device, list[int]] = {}
-        for index in order:
-            devices.setdefault(rows[index].device, []).append(index)
-        values: dict[int, list[int]] = {}
-        for indices in devices.values():
-            flat = torch.cat([rows[i] for i in indices]).cpu().tolist()  # the one read per device
-            start = 0
-            for i in indices:
-                size = rows[i].numel()
-                values[i] = flat[start : start + size]
-                start += size
-        return [(self.sites[i], values[i]) for i in order]
+        return dict(sorted(rows.items()))
 
 
-__all__ = ["HEAD", "DisagreementCounter", "call_counts", "same_set", "tokens_per_expert"]
+def read_together(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The values of several small long tensors (0-d or 1-d), each as a list: one device->host copy per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    values: list[list[int]] = [[] for _ in tensors]
+    for indices in by_device.values():
+        parts = [tensors[i].reshape(-1).to(torch.long) for i in indices]
+        flat = torch.cat(parts).cpu().tolist()  # the one read of this device
+        start = 0
+        for i, part in zip(indices, parts, strict=True):
+            values[i] = flat[start : start + part.numel()]
+            start += part.numel()
+    return values
+
+
+__all__ = ["HEAD", "DisagreementCounter", "call_counts", "read_together", "same_set", "tokens_per_expert"]

@@ -21,7 +21,7 @@ from routereplay.enums import ReplayMode, ReplayOrder, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
 from routereplay.runtime.discovery import RouterSite
-from routereplay.runtime.disagreement import DisagreementCounter
+from routereplay.runtime.disagreement import DisagreementCounter, read_together
 from routereplay.runtime.gate_weights.forcing import WeightsCapture
 from routereplay.runtime.indexer.choices import IndexerGeometry, indexer_traces
 from routereplay.runtime.indexer.replayer import IndexerRecording
@@ -156,27 +156,24 @@ class Session:
     def close(self) -> None:
         """Fold what is pending, then empty the slots (they belong to the next context)."""
         self.collect()
-        self._fold_replaced()
-        self._fold_disagreement()
+        self._fold_device_counts()
         for slot in self.slots:
             slot.clear()
         self.open = False
 
-    def _fold_replaced(self) -> None:
-        """Sync-free threshold replay: the replaced rows counted on the device, read in one copy at the exit."""
+    def _fold_device_counts(self) -> None:
+        """Sync-free counts kept on the devices (threshold's replaced rows, disagreement), read together in one
+        copy per device at the exit (`read_together`), into the stats."""
         pending, self.replaced_pending = self.replaced_pending, []
-        if not pending:
+        disagreement = self.disagreement
+        rows = {} if disagreement is None else disagreement.take()
+        if not pending and not rows:
             return
-        first = pending[0][1].device
-        counts = torch.stack([count.to(first) for _, count in pending]).cpu().tolist()
-        for (layer, _), replaced in zip(pending, counts, strict=True):
-            self._add_replaced(layer, int(replaced))
-
-    def _fold_disagreement(self) -> None:
-        """Disagreement counted on the devices (`runtime/disagreement.py`): one read per device, into the stats."""
-        if self.disagreement is not None:
-            for site, counts in self.disagreement.read():
-                self.stats.add_disagreement(site.layer, counts)
+        values = read_together([count for _, count in pending] + list(rows.values()))
+        for (layer, _), replaced in zip(pending, values[: len(pending)], strict=True):
+            self._add_replaced(layer, replaced[0])
+        for index, counts in zip(rows, values[len(pending) :], strict=True):
+            self.stats.add_disagreement(self.replayer.sites[index].layer, counts)
 
     def _add_replaced(self, layer: int, replaced: int) -> None:
         self.stats.replaced_rows += replaced
@@ -244,8 +241,8 @@ class Session:
         """Fold the choices routers left in their slots into the current step and the counters."""
         for index in range(len(self.slots)):
             self.collect_one(index)
-        if not self.sync_free:  # where a read waits for nothing: the disagreement counts too
-            self._fold_disagreement()
+        if not self.sync_free and self.disagreement is not None:  # a read waits for nothing: fold them now
+            self._fold_device_counts()
 
     def collect_one(self, index: int) -> None:
         """Fold bound router `index`'s pending choice, if any: host work only (ints known since entry)."""
