@@ -10,7 +10,8 @@ integration logs (`router_replay/...`, table in docs/metrics.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 
 from routereplay.runtime.disagreement import HEAD
 
@@ -97,6 +98,27 @@ class ReplayStats:
             for layer, rate in self.disagree_rate_by_layer().items():
                 metrics[f"{p}disagree_rate/layer_{layer}"] = rate
         return metrics
+
+    def copy(self) -> ReplayStats:
+        """A copy whose per-layer dicts are its own (`dataclasses.replace` would share them)."""
+        return ReplayStats(**{f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)})
+
+    def since(self, before: ReplayStats) -> ReplayStats:
+        """The counts added after `before` (a `.copy()` taken earlier): every counter and per-layer entry minus
+        its value then. Integrations report one micro-batch or pass this way without resetting the counters."""
+        out = ReplayStats()
+        for f in fields(self):
+            now, then = getattr(self, f.name), getattr(before, f.name)
+            if isinstance(now, int):
+                setattr(out, f.name, now - then)
+                continue
+            for layer, value in now.items():
+                old = then.get(layer)
+                if isinstance(value, list):
+                    getattr(out, f.name)[layer] = value if old is None else [a - b for a, b in zip(value, old, strict=True)]
+                else:
+                    getattr(out, f.name)[layer] = value - (old or 0)
+        return out
 
     def reset(self) -> None:
         for name in (
