@@ -138,7 +138,7 @@ def test_disagreement_is_counted_once_under_checkpoint_recompute() -> None:
     once = replayer.stats.disagree_rows_by_layer.copy()
     replayer.stats.reset()
     trainer.train()
-    trainer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     with replayer.replay(routes):
         trainer(input_ids=ids).logits.sum().backward()
     assert replayer.stats.recompute_calls > 0

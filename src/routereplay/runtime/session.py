@@ -2,7 +2,8 @@
 
 `Session` is the state of one open context: the thread that owns it, its steps (one per forward call,
 each holding the routes every bound layer used) and, in replay, the routes it forces. `Recording` is
-what `with replayer.record()` / `replayer.replay(...)` yields; `ReplayStats` counts what the routers did.
+what `with replayer.record()` / `replayer.replay(...)` yields; the counters are `ReplayStats` (`runtime/stats.py`),
+folded here (disagreement: `runtime/disagreement.py`).
 `guard_backward` makes a gradient that reaches a router after its replay context closed an error.
 
 Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S tokens in a call.
@@ -20,8 +21,8 @@ import torch
 from routereplay.enums import ReplayMode, ReplayOrder, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
-from routereplay.runtime.discovery import RouterSite
 from routereplay.runtime.disagreement import DisagreementCounter, read_together
+from routereplay.runtime.discovery import RouterSite
 from routereplay.runtime.gate_weights.forcing import WeightsCapture
 from routereplay.runtime.indexer.choices import IndexerGeometry, indexer_traces
 from routereplay.runtime.indexer.replayer import IndexerRecording

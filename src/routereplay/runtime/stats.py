@@ -72,12 +72,14 @@ class ReplayStats:
             (self.compared_rows_by_layer, compared),
         ):
             by_layer[layer] = by_layer.get(layer, 0) + value
-        for by_layer, tokens in (
+        for tokens_by_layer, tokens in (
             (self.engine_tokens_by_layer, counts[HEAD : HEAD + experts]),
             (self.live_tokens_by_layer, counts[HEAD + experts :]),
         ):
-            before = by_layer.get(layer)
-            by_layer[layer] = list(tokens) if before is None else [a + b for a, b in zip(before, tokens, strict=True)]
+            before = tokens_by_layer.get(layer)
+            tokens_by_layer[layer] = (
+                list(tokens) if before is None else [a + b for a, b in zip(before, tokens, strict=True)]
+            )
 
     def as_metrics(self, *, per_layer: bool = True) -> dict[str, float]:
         """The counters as `router_replay/...` metrics (docs/metrics.md); `per_layer` adds
@@ -115,7 +117,9 @@ class ReplayStats:
             for layer, value in now.items():
                 old = then.get(layer)
                 if isinstance(value, list):
-                    getattr(out, f.name)[layer] = value if old is None else [a - b for a, b in zip(value, old, strict=True)]
+                    getattr(out, f.name)[layer] = (
+                        value if old is None else [a - b for a, b in zip(value, old, strict=True)]
+                    )
                 else:
                     getattr(out, f.name)[layer] = value - (old or 0)
         return out

@@ -8,7 +8,6 @@ the share of routed rows where the experts the trainer dispatches in a natural p
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.integrations.verl import fsdp_case as case
 

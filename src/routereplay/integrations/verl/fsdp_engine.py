@@ -74,7 +74,6 @@ import torch
 from torch import nn
 
 from routereplay.errors import ConfigError, MissingRoutesError
-from routereplay.runtime.stats import METRIC_PREFIX
 from routereplay.integrations.verl import sglang_routes
 from routereplay.integrations.verl.batch import ROUTES_KEY as COMPACT_KEY
 from routereplay.integrations.verl.batch import VERL_ROUTES_KEY
@@ -104,6 +103,7 @@ from routereplay.integrations.verl.route_checks import (
     unchecked_opt_out,
     unchecked_refusal,
 )
+from routereplay.runtime.stats import METRIC_PREFIX
 
 MODES = ("disabled", "R2", "R3")
 ENGINE_NAME = "RouteReplayFSDPEngine"
