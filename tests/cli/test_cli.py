@@ -209,9 +209,11 @@ def test_bundled_examples_inspect(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_replay_small_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "replay", "--batch", "1", "--seq", "16", "--repeats", "2", "--json"]) == EXIT_OK
     result = json.loads(capsys.readouterr().out)
-    assert set(result["seconds"]) == {"off", "record", "replay", "replay_engine"}  # order set and engine side by side
+    # order set and engine side by side, and counting disagreement on (replay) and off (replay_uncounted)
+    assert set(result["seconds"]) == {"off", "record", "replay", "replay_engine", "replay_uncounted"}
     assert all(s["median"] > 0 for s in result["seconds"].values())
-    assert set(result["targets"]) == {"record_over_off", "replay_over_off", "set_over_engine"}
+    targets = {"record_over_off", "replay_over_off", "set_over_engine", "counting_over_uncounted"}
+    assert set(result["targets"]) == targets
     assert result["config"]["batch"] == 1 and result["config"]["seq"] == 16
     assert result["model"]["hidden"] == 256 and result["config"]["dtype"] == "float32"
 

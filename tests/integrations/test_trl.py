@@ -48,6 +48,11 @@ def test_r2_drift_is_exactly_zero_where_natural_routing_drifts(demo: tuple[Any, 
     assert all(r.replayed_rows > 0 and r.fallback_rows == 0 for r in updates(replayed))
     assert logged(replayed, "router_replay/drift") == [0.0, 0.0, 0.0]
     assert logged(replayed, "router_replay/fallback_rows") == [0.0, 0.0, 0.0]
+    # disagreement (docs/metrics.md): the update's live routers against the forced old-pass routes, where the
+    # natural run drifts; none before the first optimizer step, and no threshold gives rows back
+    disagree = logged(replayed, "router_replay/disagree_rate")
+    assert len(disagree) == 3 and disagree[0] == 0.0 and max(disagree) > 0.0, disagree
+    assert logged(replayed, "router_replay/forced_disagree_rows") == logged(replayed, "router_replay/disagree_rows")
 
 
 def test_r3_replays_the_generation_routes_on_every_routed_row(demo: tuple[Any, Any], tmp_path: Path) -> None:

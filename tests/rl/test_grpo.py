@@ -48,6 +48,10 @@ def test_r3_matches_engine_routes_in_every_mini_step(trained: tuple[torch.nn.Mod
         assert record["rollout_routing_disagreement"] == 0.0
         assert record["rollout_disagreement_per_mini_step"] == [0.0] * 4
         assert record["fallback_rows"] > 0  # the last token of each sequence has no engine route
+        # router_replay/... metrics of the step (docs/metrics.md): every replayed row compared, none given back
+        assert record["router_replay/compared_rows"] == record["router_replay/replayed_rows"] > 0
+        assert record["router_replay/forced_disagree_rows"] == record["router_replay/disagree_rows"]
+        assert 0.0 <= record["router_replay/disagree_rate"] <= 1.0
 
 
 def test_off_drifts_once_weights_change(trained: tuple[torch.nn.Module, object]) -> None:

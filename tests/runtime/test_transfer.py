@@ -151,8 +151,10 @@ def _step(model: nn.Module, ids_BS: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def _contexts(model: nn.Module, ids_BS: torch.Tensor) -> dict[str, Callable[[], AbstractContextManager[Any]]]:
-    replayer = attach(model, sync_free=True)
+def _contexts(
+    model: nn.Module, ids_BS: torch.Tensor, counting: bool = True
+) -> dict[str, Callable[[], AbstractContextManager[Any]]]:
+    replayer = attach(model, sync_free=True, count_disagreement=counting)
     _, mask_BS, partial_BSLK = _batch()
     with replayer.record(weights=True) as rec, torch.no_grad():
         model(input_ids=ids_BS)
@@ -187,17 +189,32 @@ CUDA_CASES = (
 )
 
 
+def _read_events(syncs: list[str]) -> list[str]:
+    """The reads of a sync list, each once: a `.cpu()` then `.tolist()`/`.numpy()` of its (CPU: the same) tensor,
+    or a `bool()` then its scalar read, is one read."""
+    follow = {"Tensor.cpu": ("Tensor.tolist", "Tensor.numpy"), "Tensor.__bool__": ("aten._local_scalar_dense.default",)}
+    events: list[str] = []
+    for sync in syncs:
+        if events and sync in follow.get(events[-1], ()):
+            continue
+        events.append(sync)
+    return events
+
+
 @contextmanager
 def _counted(counter: SyncCounter) -> Iterator[SyncCounter]:
     with counter:
         yield counter
 
 
+@pytest.mark.parametrize("counting", [True, False], ids=["counting disagreement", "not counting"])
 @pytest.mark.parametrize("case", [*CUDA_CASES, "set, traces with token ids", "set, threshold", "engine, threshold"])
-def test_a_replayed_step_reads_no_device_value(case: str) -> None:
+def test_a_replayed_step_reads_no_device_value(case: str, counting: bool) -> None:
+    """Counting disagreement (the default) adds no read to the step, and at the exit one read shared with the
+    threshold's counts; off, it adds nothing."""
     model = _model()
     ids_BS, _, _ = _batch()
-    contexts = _contexts(model, ids_BS)
+    contexts = _contexts(model, ids_BS, counting)
     step = _step(model, ids_BS)
     device = [*model.parameters(), *model.buffers(), ids_BS]
     with _counted(SyncCounter(device)) as off:
@@ -210,15 +227,19 @@ def test_a_replayed_step_reads_no_device_value(case: str) -> None:
         stack.pop_all()
     assert entry_and_step.syncs == [], f"{case}: a replayed step syncs the host: {entry_and_step.syncs}"
     with _counted(SyncCounter(device)) as exit_:
+        exit_.device |= entry_and_step.device  # what the step computed on the device is a device value too
         context.__exit__(None, None, None)
-    # after the step: the deferred token check, or the weights' sum checks folded into one read
-    reads = 1 if case == "set, traces with token ids" or "weights" in case or "threshold" in case else 0
-    assert len(exit_.syncs) <= reads, f"{case}: exit syncs {exit_.syncs}"
+    # after the step: the deferred token check, the weights' sum checks folded into one read, and the device
+    # counts (threshold's replaced rows and disagreement) read together in one copy
+    device_counts = case != "record" and ("threshold" in case or counting)
+    reads = int(case == "set, traces with token ids") + int("weights" in case) + int(device_counts)
+    assert len(_read_events(exit_.syncs)) <= reads, f"{case}: exit syncs {exit_.syncs}"
+    assert exit_.syncs.count("Tensor.cpu") == int(device_counts), f"{case}: device counts not read once {exit_.syncs}"
 
 
 def test_routes_on_a_device_cost_one_copy_at_entry() -> None:
     model = _model()
-    replayer = attach(model, sync_free=True)
+    replayer = attach(model, sync_free=True, count_disagreement=False)  # its one read at the exit: tested above
     ids_BS, _, _ = _batch()
     with replayer.record() as rec, torch.no_grad():
         model(input_ids=ids_BS)

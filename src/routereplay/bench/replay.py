@@ -8,7 +8,9 @@ Each repeat times one step per mode, with the modes interleaved in a rotating or
 (off, record, replay, replay_engine; record, replay, ...) so that drift in machine speed hits all alike. `replay` is
 the default `order="set"` (each forced set in the live router's order: on CPU a gather of K scores per row when no
 scores tie, else a live top-k beside the forced one; see `runtime/set_order.py`), `replay_engine` forces the
-routes' own order (`order="engine"`). The reported ratios are medians of per-repeat ratios; `set_over_engine`
+routes' own order (`order="engine"`); both count disagreement (the default), and `replay_uncounted` is `replay` with
+`count_disagreement=False`, so `counting_over_uncounted` is what counting disagreement costs a replayed step
+(`runtime/disagreement.py`; target <= 1%). The reported ratios are medians of per-repeat ratios; `set_over_engine`
 is what the default order costs over the stored order, in the same repeats. The routes are handed to
 `replay` on the host, as decoded from an engine (a device tensor would cost one device->host copy at entry;
 `runtime/transfer.py`).
@@ -30,6 +32,7 @@ from routereplay.bench.timing import check_device, interleave, median_ratio, spr
 RECORD_TARGET = 1.03
 REPLAY_TARGET = 1.05
 SET_ORDER_TARGET = 1.01  # order="set" within 1% of order="engine" (issue 26)
+COUNTING_TARGET = 1.01  # counting disagreement within 1% of a replayed step (issue 41)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,7 +145,17 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
         with replayer.replay(routes_BSLK, order="engine"):
             step()
 
-    modes = {"off": off, "record": record, "replay": replay, "replay_engine": replay_engine}
+    def replay_uncounted() -> None:
+        with replayer.replay(routes_BSLK, count_disagreement=False):
+            step()
+
+    modes = {
+        "off": off,
+        "record": record,
+        "replay": replay,
+        "replay_engine": replay_engine,
+        "replay_uncounted": replay_uncounted,
+    }
     seconds = interleave(modes, config.repeats, report)
     replayer.detach()
     ratios = {
@@ -150,6 +163,8 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
         "replay_over_off": median_ratio(seconds["replay"], seconds["off"]),
         "replay_engine_over_off": median_ratio(seconds["replay_engine"], seconds["off"]),
         "set_over_engine": median_ratio(seconds["replay"], seconds["replay_engine"]),
+        "replay_uncounted_over_off": median_ratio(seconds["replay_uncounted"], seconds["off"]),
+        "counting_over_uncounted": median_ratio(seconds["replay"], seconds["replay_uncounted"]),
     }
     return {
         "suite": "replay",
@@ -162,6 +177,7 @@ def run(config: ReplayBenchConfig, progress: Callable[[str], None] | None = None
             "record_over_off": target(ratios["record_over_off"], RECORD_TARGET),
             "replay_over_off": target(ratios["replay_over_off"], REPLAY_TARGET),
             "set_over_engine": target(ratios["set_over_engine"], SET_ORDER_TARGET),
+            "counting_over_uncounted": target(ratios["counting_over_uncounted"], COUNTING_TARGET),
         },
     }
 
@@ -180,16 +196,25 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     ratios = result["ratios"]
-    ratio = {"off": 1.0, **{name: ratios[f"{name}_over_off"] for name in ("record", "replay", "replay_engine")}}
-    names = {"replay": "replay (order set)", "replay_engine": "replay (order engine)"}
+    ratio = {"off": 1.0, **{name: ratios.get(f"{name}_over_off") for name in result["seconds"] if name != "off"}}
+    names = {
+        "replay": "replay (order set)",
+        "replay_engine": "replay (order engine)",
+        "replay_uncounted": "replay (order set, count_disagreement=False)",
+    }
     for name, s in result["seconds"].items():
-        label = names.get(name, name)
-        lines.append(f"| {label} | {s['median']:.4f} | {s['low']:.4f} | {s['high']:.4f} | {ratio[name]:.3f} |")
+        label, r = names.get(name, name), ratio[name]
+        shown = "-" if r is None else f"{r:.3f}"
+        lines.append(f"| {label} | {s['median']:.4f} | {s['low']:.4f} | {s['high']:.4f} | {shown} |")
     if "set_over_engine" in ratios:
         lines += [
             "",
             f"Order set over order engine, per repeat (median): {ratios['set_over_engine']:.3f}.",
         ]
+    if "counting_over_uncounted" in ratios:
+        lines.append(
+            f"Counting disagreement over not counting, per repeat (median): {ratios['counting_over_uncounted']:.3f}."
+        )
     return "\n".join(lines)
 
 

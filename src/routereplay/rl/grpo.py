@@ -238,6 +238,7 @@ class GRPOTrainer:
             "clip_frac": sum(u["clip_frac"] for u in updates) / len(updates),
             "grad_norm": sum(u["grad_norm"] for u in updates) / len(updates),
             "fallback_rows": self.replayer.stats.fallback_rows,
+            **self.replayer.stats.as_metrics(),  # router_replay/... of the step's passes (docs/metrics.md)
             "seconds": seconds,
             **subsets,
             **(extra or {}),

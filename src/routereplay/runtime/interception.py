@@ -81,11 +81,14 @@ class RouterSlot:
     threshold: float | None = None  # replay(threshold=margin): see `runtime/threshold.py`
     replaced_T: torch.Tensor | None = None  # the last call's rows a threshold gave back to the live router
     host_reads: bool = True  # set order may branch on a value (CPU only); False in a sync-free context
+    count_disagreement: bool = False  # replay(count_disagreement=True): see `runtime/disagreement.py`
+    live_TK: torch.Tensor | None = None  # the last forward call's live top-k ids (counting on), not yet folded
 
     def clear(self) -> None:
         self.forced_TK, self.fallback, self.keep_order, self.chosen_TK = None, False, False, None
         self.rows_T, self.counts, self.host_reads = None, (0, 0), True
         self.threshold, self.replaced_T = None, None
+        self.count_disagreement, self.live_TK = False, None
 
 
 # (site, slot, rows T) -> (forced ids (T, K) long, whether they hold -1 rows), or None for the live top-k
@@ -204,9 +207,19 @@ class TopKInterceptor(TorchFunctionMode):
         return self.ids_of(call.rows_last(call.live()[1]))
 
     def forced_choice(self, call: TopKCall, forced_TK: torch.Tensor, fallback: bool) -> torch.Tensor:
-        """The ids (T, K) a replayed call forces, in the order it forces them (see "Top-k order")."""
+        """The ids (T, K) a replayed call forces, in the order it forces them (see "Top-k order").
+
+        Counting disagreement (`RouterSlot.count_disagreement`, `runtime/disagreement.py`), a forward call
+        leaves the live top-k's ids in the slot: run once, shared with threshold and set order."""
+        live_TK: torch.Tensor | None = None
+        counting = self.slot.count_disagreement and self.slot.forced_TK is not None and not in_backward()
         if self.slot.threshold is not None and self.slot.forced_TK is not None:
-            forced_TK = self.thresholded(call, forced_TK, self.slot.threshold)
+            forced_TK, live_TK = self.thresholded(call, forced_TK, self.slot.threshold)
+        elif counting:
+            with torch.no_grad():
+                live_TK = self.live_ids(call)
+        if counting:
+            self.slot.live_TK = live_TK
         keep_order = self.keeps_order()
         if keep_order and not fallback:
             return forced_TK
@@ -217,7 +230,8 @@ class TopKInterceptor(TorchFunctionMode):
                 ordered_TK = untied_live_order(forced_TK, values_TK)
                 if ordered_TK is not None:
                     return ordered_TK
-            live_TK = self.live_ids(call)
+            if live_TK is None:
+                live_TK = self.live_ids(call)
             if fallback:  # -1 rows (known on the host): the live router decides for those tokens only
                 forced_TK = torch.where(forced_TK[:, :1] < 0, live_TK, forced_TK)
             if keep_order:
@@ -226,8 +240,9 @@ class TopKInterceptor(TorchFunctionMode):
                 values_TK = self.values_at(call, forced_TK)
             return in_live_order(forced_TK, live_TK, values_TK)
 
-    def thresholded(self, call: TopKCall, forced_TK: torch.Tensor, margin: float) -> torch.Tensor:
-        """Forced rows outside `margin` of the live top-k's K-th score take the live choice (`runtime/threshold.py`)."""
+    def thresholded(self, call: TopKCall, forced_TK: torch.Tensor, margin: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, live ids): forced rows outside `margin` of the live top-k's K-th score take the live choice
+        (`runtime/threshold.py`); the live top-k's ids come along (set order and counting reuse them)."""
         with torch.no_grad():
             values, positions = call.live()
             live_TK = self.ids_of(call.rows_last(positions))
@@ -235,7 +250,7 @@ class TopKInterceptor(TorchFunctionMode):
             ids_TK, replaced_T = thresholded(forced_TK, live_TK, call.rows_last(values), forced_values_TK, margin)
         if not in_backward():
             self.slot.replaced_T = replaced_T
-        return ids_TK
+        return ids_TK, live_TK
 
     def values_at(self, call: TopKCall, ids_TK: torch.Tensor) -> torch.Tensor:
         """The call's input scores (T, K) at expert ids `ids_TK`, rows last."""

@@ -64,6 +64,7 @@ from routereplay.runtime.attachment import _unwrapped as _unwrapped  # name thes
 from routereplay.runtime.attachment import attached_replayer, bind, unbind
 from routereplay.runtime.binding import JITTER_ATTRS, AuxLossRouting, Binding, JitterPolicy
 from routereplay.runtime.call_inputs import attributes, call_ids, call_shape, refuse_kernels
+from routereplay.runtime.disagreement import DisagreementCounter
 from routereplay.runtime.discovery import RouterSite, discover
 from routereplay.runtime.family_interceptors import interceptor_for
 from routereplay.runtime.gate_weights import WeightsCapture, WeightsGrad, WeightsReplay, experts_sites, replay_weights
@@ -97,6 +98,7 @@ class Replayer:
         aux_loss_routing: AuxLossRouting | str = AuxLossRouting.NATURAL,
         jitter: JitterPolicy | str = JitterPolicy.MODEL,
         sync_free: bool | None = None,
+        count_disagreement: bool = True,
     ) -> None:
         if attached_replayer(model) is not None:
             raise AlreadyAttachedError("this model already has a Replayer attached; call .detach() on it first")
@@ -116,6 +118,7 @@ class Replayer:
         if sync_free is not None and not isinstance(sync_free, bool):
             raise ConfigError(f"sync_free={sync_free!r}: pass None (decided by the routers' device), True or False")
         self.sync_free = sync_free  # None: sync-free when the routers are off the CPU (`runtime/transfer.py`)
+        self.count_disagreement = check_flag(count_disagreement, "count_disagreement")  # replay's default
         refuse_kernels(model)
         sites, refused = discover(model)
         if not sites and not refused:
@@ -208,6 +211,7 @@ class Replayer:
         weights: torch.Tensor | np.ndarray | bool | None = None,
         weights_grad: WeightsGrad | str = WeightsGrad.FROZEN,
         threshold: float | None = None,
+        count_disagreement: bool | None = None,
     ) -> Iterator[Recording]:
         """Force routes: a (B, S, L, K) int tensor or numpy array aligned with the input, or RouteTraces + mask.
 
@@ -244,6 +248,9 @@ class Replayer:
         are refused (`WeightsUnsupportedError`). `threshold` (off by default; `runtime/threshold.py`): keep a
         forced row only where every forced id's selection score is within `threshold` of the live top-k's
         K-th score, else the live choice; counted in `stats.replaced_rows` / `stats.replace_rate`.
+        `count_disagreement` (None: the Replayer's, True unless `attach(count_disagreement=False)`): count the
+        replayed rows whose set differs from the trainer's live choice (`stats.disagree_rows`, per layer, tokens
+        per expert; `runtime/disagreement.py`), on the device, read when the context closes.
         """
         order = replay_order(order)
         if not isinstance(check_alignment, bool):
@@ -277,6 +284,11 @@ class Replayer:
         if check_alignment and traces is None and mask_BS is not None:
             check_padding(checked, mask_BS)
         margin, grad = check_margin(threshold), weights_grad_of(weights_grad)
+        counting = (
+            self.count_disagreement
+            if count_disagreement is None
+            else check_flag(count_disagreement, "count_disagreement")
+        )
         if margin is not None:
             refuse_threshold(self.sites)
         forced_weights = replay_weights(self.sites, torch.from_numpy(checked), weights, traces, mask_BS)
@@ -284,7 +296,9 @@ class Replayer:
             ReplayMode.REPLAY, checked, mask_BS, traces if check_alignment else None, order, routes_BSLK.device
         )
         for slot in self.slots:
-            slot.threshold = margin
+            slot.threshold, slot.count_disagreement = margin, counting
+        if counting:
+            session.disagreement = DisagreementCounter(self.sites)
         forcing = (
             None
             if forced_weights is None
@@ -470,6 +484,13 @@ class Replayer:
         return output
 
 
+def check_flag(value: object, name: str) -> bool:
+    """`value` when it is a bool, else `ConfigError` naming the option."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r}: pass True or False")
+    return value
+
+
 def attach(
     model: nn.Module,
     *,
@@ -477,12 +498,21 @@ def attach(
     aux_loss_routing: str = "natural",
     jitter: JitterPolicy | str = "model",
     sync_free: bool | None = None,
+    count_disagreement: bool = True,
 ) -> Replayer:
     """Bind every router (and DSA indexer) of an HF transformers MoE model for record / replay (`Replayer`).
 
     `sync_free`: None (default) reads no device value in a replayed step when the routers are off the CPU;
-    True does so on CPU too (the CPU's value-reading fast paths off: for tests), False never (`runtime/transfer.py`)."""
-    return Replayer(model, strict=strict, aux_loss_routing=aux_loss_routing, jitter=jitter, sync_free=sync_free)
+    True does so on CPU too (the CPU's value-reading fast paths off: for tests), False never (`runtime/transfer.py`).
+    `count_disagreement`: `replay`'s default for counting disagreement (`runtime/disagreement.py`)."""
+    return Replayer(
+        model,
+        strict=strict,
+        aux_loss_routing=aux_loss_routing,
+        jitter=jitter,
+        sync_free=sync_free,
+        count_disagreement=count_disagreement,
+    )
 
 
 __all__ = ["AuxLossRouting", "Binding", "JitterPolicy", "Recording", "ReplayStats", "Replayer", "attach"]

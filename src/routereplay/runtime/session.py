@@ -2,7 +2,8 @@
 
 `Session` is the state of one open context: the thread that owns it, its steps (one per forward call,
 each holding the routes every bound layer used) and, in replay, the routes it forces. `Recording` is
-what `with replayer.record()` / `replayer.replay(...)` yields; `ReplayStats` counts what the routers did.
+what `with replayer.record()` / `replayer.replay(...)` yields; the counters are `ReplayStats` (`runtime/stats.py`),
+folded here (disagreement: `runtime/disagreement.py`).
 `guard_backward` makes a gradient that reaches a router after its replay context closed an error.
 
 Legend: B = batch rows, S = positions, L = bound layers, K = top-k, T = B * S tokens in a call.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,52 +21,18 @@ import torch
 from routereplay.enums import ReplayMode, ReplayOrder, Source
 from routereplay.errors import BatchShapeError, KernelBypassError, RecomputeError, ReplayStateError
 from routereplay.runtime.alignment import check_tokens
+from routereplay.runtime.disagreement import DisagreementCounter, read_together
 from routereplay.runtime.discovery import RouterSite
 from routereplay.runtime.gate_weights.forcing import WeightsCapture
 from routereplay.runtime.indexer.choices import IndexerGeometry, indexer_traces
 from routereplay.runtime.indexer.replayer import IndexerRecording
 from routereplay.runtime.interception import RouterSlot, in_backward
-from routereplay.runtime.modality import take_rows
+from routereplay.runtime.modality import scatter_rows, take_rows
 from routereplay.runtime.routes import mask_array, routes_to_traces
+from routereplay.runtime.stats import ReplayStats
 from routereplay.runtime.threshold import replaced_count
 from routereplay.runtime.transfer import DeferredTokenCheck, sync_free_default, to_device
 from routereplay.trace.route_trace import RouteTrace
-
-
-@dataclass(slots=True)
-class ReplayStats:
-    """Counters of what the routers did; `Replayer.stats`, reset with `.reset()`."""
-
-    forwards: int = 0
-    router_calls: int = 0
-    recompute_calls: int = 0  # router calls made during backward (checkpoint recompute)
-    recorded_rows: int = 0  # (token, layer) rows recorded
-    replayed_rows: int = 0  # (token, layer) rows forced from routes, on attended positions only
-    fallback_rows: int = 0  # (token, layer) rows of -1 on attended positions, served by the live router
-    fallback_rows_by_layer: dict[int, int] = field(default_factory=dict)
-    checked_sequences: int = 0  # sequences whose token ids were checked against the batch (traces with ids)
-    replaced_rows: int = 0  # replay(threshold=...): replayed rows given back to the live router (attended)
-    replaced_rows_by_layer: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def replace_rate(self) -> float:
-        """Share of the replayed rows a threshold gave back to the live router (0.0 when none were replayed)."""
-        return self.replaced_rows / self.replayed_rows if self.replayed_rows else 0.0
-
-    def reset(self) -> None:
-        for name in (
-            "forwards",
-            "router_calls",
-            "recompute_calls",
-            "recorded_rows",
-            "replayed_rows",
-            "fallback_rows",
-            "checked_sequences",
-            "replaced_rows",
-        ):
-            setattr(self, name, 0)
-        self.fallback_rows_by_layer.clear()
-        self.replaced_rows_by_layer.clear()
 
 
 class SessionOwner(Protocol):
@@ -131,6 +97,7 @@ class Session:
         self.fallback_L: list[int] = []  # rows each call of layer l counts as fallback (attended, -1)
         self.replaced_pending: list[tuple[int, torch.Tensor]] = []  # sync-free threshold counts: (layer, count)
         self.attended_on: dict[torch.device, torch.Tensor] = {}  # sync-free: attended_T on each router device
+        self.disagreement: DisagreementCounter | None = None  # replay(count_disagreement=True): device counts
         devices = [router_device(site) or routes_device or torch.device("cpu") for site in replayer.sites]
         chosen = replayer.sync_free
         self.sync_free = sync_free_default(devices) if chosen is None else chosen  # see `runtime/transfer.py`
@@ -190,20 +157,24 @@ class Session:
     def close(self) -> None:
         """Fold what is pending, then empty the slots (they belong to the next context)."""
         self.collect()
-        self._fold_replaced()
+        self._fold_device_counts()
         for slot in self.slots:
             slot.clear()
         self.open = False
 
-    def _fold_replaced(self) -> None:
-        """Sync-free threshold replay: the replaced rows counted on the device, read in one copy at the exit."""
+    def _fold_device_counts(self) -> None:
+        """Sync-free counts kept on the devices (threshold's replaced rows, disagreement), read together in one
+        copy per device at the exit (`read_together`), into the stats."""
         pending, self.replaced_pending = self.replaced_pending, []
-        if not pending:
+        disagreement = self.disagreement
+        rows = {} if disagreement is None else disagreement.take()
+        if not pending and not rows:
             return
-        first = pending[0][1].device
-        counts = torch.stack([count.to(first) for _, count in pending]).cpu().tolist()
-        for (layer, _), replaced in zip(pending, counts, strict=True):
-            self._add_replaced(layer, int(replaced))
+        values = read_together([count for _, count in pending] + list(rows.values()))
+        for (layer, _), replaced in zip(pending, values[: len(pending)], strict=True):
+            self._add_replaced(layer, replaced[0])
+        for index, counts in zip(rows, values[len(pending) :], strict=True):
+            self.stats.add_disagreement(self.replayer.sites[index].layer, counts)
 
     def _add_replaced(self, layer: int, replaced: int) -> None:
         self.stats.replaced_rows += replaced
@@ -252,20 +223,27 @@ class Session:
             )
         return forced_TK, slot.fallback
 
-    def _attended_count(self, replaced_T: torch.Tensor) -> torch.Tensor:
-        """The rows of `replaced_T` on attended positions, summed on its device (no host read)."""
+    def _attended(self, device: torch.device, rows: int) -> torch.Tensor | None:
+        """The attended positions as a bool tensor on `device` (copied once per device), or None when every
+        row counts (no mask, or a mask of another size)."""
         attended = self.attended_T
-        if attended is None or attended.size != replaced_T.numel():
-            return replaced_T.sum()
-        device = replaced_T.device
+        if attended is None or attended.size != rows:
+            return None
         if device not in self.attended_on:
             self.attended_on[device] = to_device(attended, device, torch.bool)
-        return (replaced_T & self.attended_on[device]).sum()
+        return self.attended_on[device]
+
+    def _attended_count(self, replaced_T: torch.Tensor) -> torch.Tensor:
+        """The rows of `replaced_T` on attended positions, summed on its device (no host read)."""
+        attended_T = self._attended(replaced_T.device, replaced_T.numel())
+        return replaced_T.sum() if attended_T is None else (replaced_T & attended_T).sum()
 
     def collect(self) -> None:
         """Fold the choices routers left in their slots into the current step and the counters."""
         for index in range(len(self.slots)):
             self.collect_one(index)
+        if not self.sync_free and self.disagreement is not None:  # a read waits for nothing: fold them now
+            self._fold_device_counts()
 
     def collect_one(self, index: int) -> None:
         """Fold bound router `index`'s pending choice, if any: host work only (ints known since entry)."""
@@ -287,6 +265,12 @@ class Session:
         )
         stats.replayed_rows += replayed
         stats.fallback_rows += fallbacks
+        live_TK, slot.live_TK = slot.live_TK, None
+        if live_TK is not None and self.disagreement is not None and slot.forced_TK is not None:
+            if site.modality is not None:
+                live_TK = scatter_rows(live_TK, slot.rows_T)  # -1 on the tokens this router did not see
+            replaced_T = None if slot.replaced_T is None else slot.replaced_T.detach()
+            self.disagreement.add(index, slot.forced_TK, live_TK.detach(), replaced_T, self._attended)
         if slot.replaced_T is not None:  # threshold replay (`runtime/threshold.py`)
             replaced_T, slot.replaced_T = slot.replaced_T.detach(), None
             if self.sync_free:  # counted on the device, read once at the exit

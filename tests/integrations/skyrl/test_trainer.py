@@ -152,6 +152,12 @@ def test_r3_replays_the_rollout_routes_in_every_pass_and_checks_their_tokens(
     assert stats["checked_samples"] == 2 * TRAJECTORIES and stats["unchecked_samples"] == 0
     assert stats["fallback_rows"] == 2 * TRAJECTORIES * len(case.MOE_LAYERS)  # the final tokens, both passes
     assert trainer.all_metrics["policy/router_replay/unchecked_samples"] == 0.0
+    # disagreement in SkyRL's own metrics (docs/metrics.md): every replayed row compared, one rate per MoE layer
+    metrics = trainer.all_metrics
+    assert metrics["policy/router_replay/compared_rows"] == metrics["policy/router_replay/replayed_rows"] > 0
+    assert metrics["policy/router_replay/forced_disagree_rows"] == metrics["policy/router_replay/disagree_rows"]
+    for layer in case.MOE_LAYERS:
+        assert 0.0 <= metrics[f"policy/router_replay/disagree_rate/layer_{layer}"] <= 1.0
 
 
 def rotate_rows(batch: Any, trajectory: int) -> None:

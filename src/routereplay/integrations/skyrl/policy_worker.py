@@ -63,6 +63,7 @@ from routereplay.integrations.skyrl.token_check import (
     unchecked_refusal,
 )
 from routereplay.integrations.verl import RouteGeometry
+from routereplay.runtime.stats import ReplayStats
 
 MODE_ENV = "ROUTEREPLAY_SKYRL_ROUTER_REPLAY"
 MEGATRON_KEY = "trainer.policy.megatron_config.moe_enable_routing_replay"
@@ -256,13 +257,12 @@ class RouteReplayPolicyWorkerMixin:
         if mode == "disabled":
             return super()._forward_backward_micro(experience, microbatch_weight, **kwargs)  # type: ignore[misc]
         state = self.routing()
-        before = dataclasses.replace(state.replayer.stats) if state.replayer is not None else None
+        before = state.replayer.stats.copy() if state.replayer is not None else ReplayStats()
         metrics = self._replayed_micro(experience, microbatch_weight, mode, **kwargs)
-        stats = state.replayer.stats
         unchecked = int(experience.sequences.shape[0]) if state.unchecked else 0
         metrics[METRIC_PREFIX + "unchecked_samples"] = float(unchecked)
-        for name in ("replayed_rows", "fallback_rows"):
-            metrics[METRIC_PREFIX + name] = float(getattr(stats, name) - (getattr(before, name) if before else 0))
+        # this micro-batch's counts (its replay context has closed: device counts read), docs/metrics.md
+        metrics.update(state.replayer.stats.since(before).as_metrics())
         return metrics
 
     def _replayed_micro(self, experience: Any, microbatch_weight: float, mode: str, **kwargs: Any) -> Any:

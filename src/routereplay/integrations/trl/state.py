@@ -30,7 +30,7 @@ import torch
 from routereplay.enums import StrEnum
 from routereplay.errors import ConfigError, MissingRoutesError, ReplayStateError, TokenMismatchError
 from routereplay.metrics import routing_agreement
-from routereplay.runtime import Recording, Replayer
+from routereplay.runtime import Recording, Replayer, ReplayStats
 from routereplay.trace.route_trace import RouteTrace
 
 Member = TypeVar("Member", bound=StrEnum)
@@ -111,6 +111,21 @@ class RoutingCounts:
     drift_rows: int = 0  # attended rows compared with it
     engine_differ: int = 0  # rows whose experts differ from the generation's, where it routed
     engine_rows: int = 0
+    compared_rows: int = 0  # replayed rows compared with the trainer's live choice (`runtime/disagreement.py`)
+    disagree_rows: int = 0  # of those, rows whose forced set differs from the live choice
+    forced_disagree_rows: int = 0  # of those, rows replay forced (a threshold gave none back here)
+
+    @classmethod
+    def of(cls, stats: ReplayStats) -> RoutingCounts:
+        """A pass's counts from the Replayer's stats (the comparisons with other routes are added after)."""
+        return cls(
+            stats.replayed_rows,
+            stats.fallback_rows,
+            stats.recompute_calls,
+            compared_rows=stats.compared_rows,
+            disagree_rows=stats.disagree_rows,
+            forced_disagree_rows=stats.forced_disagree_rows,
+        )
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, name) for name in self.__slots__], dtype=torch.float64)
@@ -231,7 +246,7 @@ class TrlRouting:
         """Keep the routes the old pass used (all chunks, in order) and count them against the engine's."""
         self.old_routes_BSLK = used_BSLK.to(torch.int16 if self.replayer.num_experts <= 32767 else torch.int32)
         stats = self.replayer.stats
-        counts = RoutingCounts(stats.replayed_rows, stats.fallback_rows, stats.recompute_calls)
+        counts = RoutingCounts.of(stats)
         if self.engine_routes_BSLK is not None:
             counts.engine_differ, counts.engine_rows = compared(used_BSLK, self.engine_routes_BSLK, mask_BS)
         self.old_counts = counts
@@ -277,7 +292,7 @@ class TrlRouting:
         used_BSLK = recording.routes
         mask_BS = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         stats = self.replayer.stats
-        counts = RoutingCounts(stats.replayed_rows, stats.fallback_rows, stats.recompute_calls)
+        counts = RoutingCounts.of(stats)
         counts.drift_differ, counts.drift_rows = compared(used_BSLK, inputs[OLD_ROUTES_KEY], mask_BS)
         engine_BSLK = inputs.get(ENGINE_ROUTES_KEY)
         if engine_BSLK is not None:
@@ -305,6 +320,10 @@ class TrlRouting:
                 metrics[METRIC_PREFIX + "drift"].append(drift)
             if engine is not None:
                 metrics[METRIC_PREFIX + "engine_disagreement"].append(engine)
+            if total.compared_rows:  # the trainer's live router vs the forced routes (docs/metrics.md)
+                metrics[METRIC_PREFIX + "disagree_rows"].append(float(total.disagree_rows))
+                metrics[METRIC_PREFIX + "forced_disagree_rows"].append(float(total.forced_disagree_rows))
+                metrics[METRIC_PREFIX + "disagree_rate"].append(total.disagree_rows / total.compared_rows)
         else:
             metrics[METRIC_PREFIX + "old_pass_forced"].append(float(forced))
             if engine is not None:
