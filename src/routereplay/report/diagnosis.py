@@ -37,6 +37,8 @@ from routereplay.report.rollout_files import Rollout
 Progress = Callable[[str, int, int], None]
 SCORING = "scoring (trainer: off, then R3)"
 WORST_LAYERS = 3  # layers named in the summary
+SKEWED = 4.0  # a layer whose busiest expert gets this many times the mean load is named in the summary
+MIN_LOAD_MEAN = 8.0  # ...only when every layer has this many tokens per expert on average (fewer: noise)
 DOCS_PAGE = "docs/diagnose.md"
 REPLAY_DOCS = "docs/replay.md"
 
@@ -267,6 +269,7 @@ def _load(load_LE: np.ndarray, layers_L: tuple[int, ...]) -> dict[str, Any]:
     skew_L = np.divide(load_LE.max(axis=1), mean_L, out=np.zeros(len(layers_L)), where=mean_L > 0)
     return {
         "max_over_mean": [float(x) for x in skew_L],
+        "mean_tokens_per_expert": [float(x) for x in mean_L],
         "unused_experts": [int(x) for x in (load_LE == 0).sum(axis=1)],
         "busiest_expert": [int(x) for x in load_LE.argmax(axis=1)],
         "tokens_per_expert": load_LE.tolist(),
@@ -395,9 +398,9 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             "the trainer's log-probs); save the engine's log-probs to see the mismatch with and without R3."
         )
     engine_skew = record["load"]["engine"]["max_over_mean"]
-    if engine_skew:
+    if engine_skew and min(record["load"]["engine"]["mean_tokens_per_expert"]) >= MIN_LOAD_MEAN:
         busiest = int(np.argmax(engine_skew))
-        if engine_skew[busiest] >= 4.0:
+        if engine_skew[busiest] >= SKEWED:
             steps.append(
                 f"Expert load is skewed in layer {layers_L[busiest]} (busiest expert {engine_skew[busiest]:.1f}x the "
                 "mean): disagreement concentrates where a few experts are near-tied."
