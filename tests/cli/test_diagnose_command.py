@@ -22,7 +22,8 @@ FAMILY = "deepseek_v3"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A tiny DeepSeek-V3 (router scaled down to near-ties) saved to a folder, and 4 rollouts of its bf16 engine as vLLM payloads and .rrt files."""
+    """A tiny DeepSeek-V3 (router scaled down to near-ties) saved to a folder, and 4 rollouts of its bf16 engine
+    as vLLM payloads and .rrt files."""
     from routereplay.engines.hf import HFEngine, SamplingParams
     from routereplay.testing.hf import tiny_model
     from routereplay.tracefile.io import write_trace
@@ -33,16 +34,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for name, weight in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 weight.mul_(0.03)
-    model.save_pretrained(folder / "model")
-    vocab = model.get_input_embeddings().weight.shape[0]
+    model.save_pretrained(folder / "model")  # type: ignore[operator]
+    vocab = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[operator]
     generator = np.random.default_rng(0)
     prompts = [generator.integers(1, vocab, size=n).tolist() for n in (12, 16, 14, 20)]
-    rollouts = HFEngine(model, dtype=torch.bfloat16, policy_version=0).generate(prompts, SamplingParams(max_new_tokens=6, seed=2))
+    params = SamplingParams(max_new_tokens=6, seed=2)
+    rollouts = HFEngine(model, dtype=torch.bfloat16, policy_version=0).generate(prompts, params)
     payloads, codec_files = [], []
     for i, rollout in enumerate(rollouts):
         payloads.append(folder / f"seq{i}.json")
         payloads[-1].write_text(json.dumps(vllm_payload(rollout)))
         codec_files.append(folder / f"seq{i}.rrt")
+        assert rollout.trace is not None
         write_trace(rollout.trace.with_token_ids(np.array(rollout.token_ids[:-1])), codec_files[-1], "rrt")
     return {"folder": folder, "model": model, "rollouts": rollouts, "payloads": payloads, "rrt": codec_files}
 
@@ -101,8 +104,21 @@ def test_diagnose_help_explains_inputs_outputs_and_the_walkthrough(capsys: pytes
         main(["diagnose", "--help"])
     assert exited.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for needle in ("vLLM response", ".rrt", "route store", "--model", "--device", "(off)", "(R3)", "k3 KL",
-                   "per token position", "load skew", "one HTML file", "docs/diagnose.md", "--json"):
+    for needle in (
+        "vLLM response",
+        ".rrt",
+        "route store",
+        "--model",
+        "--device",
+        "(off)",
+        "(R3)",
+        "k3 KL",
+        "per token position",
+        "load skew",
+        "one HTML file",
+        "docs/diagnose.md",
+        "--json",
+    ):
         assert needle in text, needle
 
 
@@ -118,8 +134,11 @@ def test_diagnose_help_explains_inputs_outputs_and_the_walkthrough(capsys: pytes
     ],
 )
 def test_diagnose_refuses_bad_inputs_with_one_line(
-    checkpoint: dict[str, Any], args: list[str], message: str, capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch
+    checkpoint: dict[str, Any],
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.chdir(checkpoint["folder"])
     filled = [a.format(folder=checkpoint["folder"], rrt=checkpoint["rrt"][0]) for a in args]

@@ -225,7 +225,9 @@ def test_diagnose_refuses_routes_of_another_model_before_scoring(demo: dict[str,
     geometry = geometry_of(demo["model"])
     rollout = read_rollouts(payloads, geometry)[0]
     trace = rollout.trace
-    top_1 = RouteTrace(np.where(trace.experts[..., :1] < 0, -1, trace.experts[..., :1]), trace.num_experts, trace.layers)
+    top_1 = RouteTrace(
+        np.where(trace.experts[..., :1] < 0, -1, trace.experts[..., :1]), trace.num_experts, trace.layers
+    )
     with pytest.raises(TopKMismatchError, match="top-1, the model routes top-2; pass the model"):
         diagnose(demo["model"], [Rollout("top1", top_1, rollout.token_ids_N, None)])
     with pytest.raises(ConfigError, match="outside the model's vocabulary"):

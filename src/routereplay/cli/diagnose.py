@@ -56,7 +56,9 @@ def add_parser(subparsers: Any) -> None:
         help=f"the HF checkpoint folder the rollouts were sampled with (save_pretrained's), or {DEMO_MODEL!r} for the "
         "built-in demo model (trained on first use, then cached)",
     )
-    model.add_argument("--arch", default="qwen3_moe", help="with --model demo: the demo model's family (default qwen3_moe)")
+    model.add_argument(
+        "--arch", default="qwen3_moe", help="with --model demo: the demo model's family (default qwen3_moe)"
+    )
     model.add_argument("--device", default="cpu", help="torch device of the trainer: cpu (default) or cuda[:N]")
     model.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="trainer precision (float32)"
@@ -70,7 +72,9 @@ def add_parser(subparsers: Any) -> None:
     )
     add_threads_argument(model)
     output = parser.add_argument_group("output")
-    output.add_argument("--report", help=f"the HTML report (default ./{DEFAULT_REPORT}); an existing file needs --force")
+    output.add_argument(
+        "--report", help=f"the HTML report (default ./{DEFAULT_REPORT}); an existing file needs --force"
+    )
     output.add_argument("--force", action="store_true", help="overwrite an existing --report file")
     output.add_argument("--no-report", action="store_true", help="write no HTML report (refused with --report)")
     add_json_argument(parser)
@@ -140,7 +144,9 @@ def _check_model_flag(args: argparse.Namespace) -> None:
 
     if args.model == DEMO_MODEL:
         if args.arch not in {arch.value for arch in Arch}:
-            raise ConfigError(f"--arch {args.arch!r} is not a demo family; use one of {', '.join(a.value for a in Arch)}")
+            raise ConfigError(
+                f"--arch {args.arch!r} is not a demo family; use one of {', '.join(a.value for a in Arch)}"
+            )
         return
     folder = Path(args.model)
     if not folder.is_dir() or not (folder / "config.json").exists():
@@ -185,10 +191,14 @@ def _load_model(args: argparse.Namespace, report: Any) -> tuple[Any, str]:
 
     report("loading --model", 0, 1)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model, local_files_only=True, dtype=torch.float32
+        )
     except (OSError, ValueError, KeyError) as exc:
         first = " ".join(str(exc).split("\n\n", 1)[0].split())
-        raise CheckpointError(f"--model {args.model}: cannot load it with transformers ({type(exc).__name__}: {first})") from None
+        raise CheckpointError(
+            f"--model {args.model}: cannot load it with transformers ({type(exc).__name__}: {first})"
+        ) from None
     report("loading --model", 1, 1)
     return model.eval(), f"--model {args.model}"
 
@@ -219,8 +229,9 @@ def _render(record: dict[str, Any]) -> None:
     table = Table(title="engine vs trainer", title_justify="left")
     for name in ("measure", "off", "R3"):
         table.add_column(name, justify="right" if name != "measure" else "left")
-    table.add_row("routing disagreement", _percent(routing["routing_disagreement"]),
-                  _percent(routing["replayed_disagreement"]))
+    table.add_row(
+        "routing disagreement", _percent(routing["routing_disagreement"]), _percent(routing["replayed_disagreement"])
+    )
     if record["logprobs"] is not None:
         for key in ("k3_kl", "mean_abs_dlogp", "extreme_frac_2"):
             table.add_row(key, f"{record['logprobs']['off'][key]:.4g}", f"{record['logprobs']['R3'][key]:.4g}")

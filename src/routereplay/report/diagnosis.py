@@ -58,7 +58,9 @@ class DiagnoseConfig:
         if not self.temperature > 0:
             raise ConfigError(f"DiagnoseConfig.temperature={self.temperature!r} must be > 0 (CLI: --temperature)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"DiagnoseConfig.dtype={self.dtype!r} must be float32, bfloat16 or float16 (CLI: --dtype)")
+            raise ConfigError(
+                f"DiagnoseConfig.dtype={self.dtype!r} must be float32, bfloat16 or float16 (CLI: --dtype)"
+            )
 
 
 @dataclass(slots=True)
@@ -201,12 +203,12 @@ def _score_batch(
         tally.fallback_rows += replayer.stats.fallback_rows
     engine_BSLK = _engine_routes(traces, width, layers_L, replayer.top_k)
     _tally_routes(tally, engine_BSLK, natural.routes.cpu().long(), forced.routes.cpu().long(), mask_BS.cpu().bool())
-    off_BS, r3_BS = off_BS.cpu().double().numpy(), r3_BS.cpu().double().numpy()
+    off_np, r3_np = off_BS.cpu().double().numpy(), r3_BS.cpu().double().numpy()
     for b, rollout in enumerate(chunk):
         scored_N = _scored_positions(rollout)
         tally.position_N.append(scored_N)
-        tally.off_N.append(off_BS[b, scored_N])
-        tally.r3_N.append(r3_BS[b, scored_N])
+        tally.off_N.append(off_np[b, scored_N])
+        tally.r3_N.append(r3_np[b, scored_N])
         if rollout.engine_logprobs_N is not None:
             tally.engine_N.append(rollout.engine_logprobs_N[scored_N])
 
@@ -303,7 +305,6 @@ def _record(
     layers_L = tuple(replayer.layers)
     rows, differ, residual = int(tally.rows_L.sum()), int(tally.differ_L.sum()), int(tally.residual_L.sum())
     with_logprobs = [r.name for r in rollouts if r.engine_logprobs_N is not None]
-    missing = [r.name for r in rollouts if r.engine_logprobs_N is None]
     off_N, r3_N = np.concatenate(tally.off_N), np.concatenate(tally.r3_N)
     logprobs: dict[str, Any] | None = None
     if tally.engine_N:
@@ -311,8 +312,12 @@ def _record(
         logprobs = {mode: logprob_mismatch(values, engine_N) for mode, values in (("off", off_N), ("R3", r3_N))}
     text_config = model.config.get_text_config()  # type: ignore[union-attr, operator]
     record: dict[str, Any] = {
-        "config": {"device": config.device, "dtype": config.dtype, "batch_size": config.batch_size,
-                   "temperature": config.temperature},
+        "config": {
+            "device": config.device,
+            "dtype": config.dtype,
+            "batch_size": config.batch_size,
+            "temperature": config.temperature,
+        },
         "model": {
             "model_type": text_config.model_type,
             "layers": list(layers_L),
@@ -325,7 +330,9 @@ def _record(
             "tokens": int(sum(len(r.token_ids_N) for r in rollouts)),
             "scored_tokens": int(off_N.size),
             "engine_logprobs": bool(with_logprobs),
-            "missing": [] if with_logprobs else [
+            "missing": []
+            if with_logprobs
+            else [
                 "engine log-probs: none of the inputs holds them, so the log-prob mismatch against the engine is "
                 "not computed (replay_shift stands in); save the engine's response with its log-probs (vLLM: "
                 "`logprobs: 1` and `return_token_ids: true`; SGLang: `return_logprob: true`)"
@@ -352,9 +359,9 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     """The layers that diverge most, and the next steps, each a sentence naming what to do and the page."""
     layers_L = record["model"]["layers"]
     per_layer_L = record["routing"]["per_layer_disagreement"]
-    ranked = sorted(
-        (i for i, value in enumerate(per_layer_L) if value), key=lambda i: per_layer_L[i], reverse=True
-    )[:WORST_LAYERS]
+    ranked = sorted((i for i, value in enumerate(per_layer_L) if value), key=lambda i: per_layer_L[i], reverse=True)[
+        :WORST_LAYERS
+    ]
     worst = [{"layer": layers_L[i], "routing_disagreement": per_layer_L[i]} for i in ranked]
     overall = record["routing"]["routing_disagreement"]
     steps: list[str] = []

@@ -57,8 +57,10 @@ def _facts(title: str, facts: Mapping[str, Any]) -> str:
 
 def _overall(record: Mapping[str, Any]) -> str:
     routing = record["routing"]
-    lines = ['<table class="results">', "<tr><th>measure</th><th>off (trainer routes)</th><th>R3 (replayed)</th>"
-             "<th>meaning</th></tr>"]
+    lines = [
+        '<table class="results">',
+        "<tr><th>measure</th><th>off (trainer routes)</th><th>R3 (replayed)</th><th>meaning</th></tr>",
+    ]
     lines.append(
         f'<tr><td>routing disagreement</td><td class="num">{_number(routing["routing_disagreement"], True)}</td>'
         f'<td class="num">{_number(routing["replayed_disagreement"], True)}</td><td class="desc">share of '
@@ -86,12 +88,16 @@ def _per_layer(record: Mapping[str, Any]) -> str:
     layers_L = record["model"]["layers"]
     per_layer_L = record["routing"]["per_layer_disagreement"]
     engine, trainer = record["load"]["engine"], record["load"]["trainer"]
-    lines = ["<table>", "<tr><th>layer</th><th>disagreement (off)</th><th>engine load max/mean</th>"
-             "<th>trainer load max/mean</th><th>unused experts (engine)</th></tr>"]
+    lines = [
+        "<table>",
+        "<tr><th>layer</th><th>disagreement (off)</th><th>engine load max/mean</th>"
+        "<th>trainer load max/mean</th><th>unused experts (engine)</th></tr>",
+    ]
     for i, layer in enumerate(layers_L):
         lines.append(
             f'<tr><td>{layer}</td><td class="num">{_number(per_layer_L[i], True)}</td>'
-            f'<td class="num">{engine["max_over_mean"][i]:.2f}</td><td class="num">{trainer["max_over_mean"][i]:.2f}</td>'
+            f'<td class="num">{engine["max_over_mean"][i]:.2f}</td>'
+            f'<td class="num">{trainer["max_over_mean"][i]:.2f}</td>'
             f'<td class="num">{engine["unused_experts"][i]}</td></tr>'
         )
     lines.append("</table>")
@@ -129,7 +135,7 @@ def render_diagnosis(record: Mapping[str, Any]) -> str:
         "trainer's log-probs with the engine's, d = logp_train − logp_engine.</p>\n"
         f"<h2>Summary and next steps</h2>\n<ul>\n{steps}</ul>\n{missing}"
         f'<h2>Setup</h2>\n<div class="facts">\n{_facts("Inputs", shown_inputs)}{_facts("Model", shown_model)}'
-        f'{_facts("Trainer", record["config"])}</div>\n'
+        f"{_facts('Trainer', record['config'])}</div>\n"
         f"<h2>Engine vs trainer</h2>\n{_overall(record)}"
         f"<h2>Per layer</h2>\n{_per_layer(record)}"
         f"<h2>Figures</h2>\n{_figures(record)}"

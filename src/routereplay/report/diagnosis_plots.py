@@ -46,8 +46,13 @@ def layers_png(record: Mapping[str, Any]) -> bytes | None:
     x_L = np.arange(len(layers_L), dtype=np.float64)
     replayed = routing["replayed_disagreement"] or 0.0
     ax.bar(x_L - 0.2, 100 * np.nan_to_num(off_L), width=0.38, color=MODE_COLORS["off"], label="off (trainer routes)")
-    ax.bar(x_L + 0.2, np.full(len(layers_L), 100 * replayed), width=0.38, color=MODE_COLORS["R3"],
-           label=f"R3 (replayed; overall {replayed:.2%})")
+    ax.bar(
+        x_L + 0.2,
+        np.full(len(layers_L), 100 * replayed),
+        width=0.38,
+        color=MODE_COLORS["R3"],
+        label=f"R3 (replayed; overall {replayed:.2%})",
+    )
     ax.set_xticks(x_L, [str(layer) for layer in layers_L], rotation=90 if len(layers_L) > 40 else 0)
     ax.set_xlabel("MoE layer (global index)")
     ax.set_ylabel("rows with a different expert set (%)")
@@ -122,13 +127,25 @@ def load_png(record: Mapping[str, Any]) -> bytes | None:
 
 
 FIGURES = (
-    ("layers", layers_png, "Routing disagreement per MoE layer: the share of (token, layer) rows whose expert set the "
-     "trainer's own router picks differently from the engine (off), and the same under R3 (replayed: zero but for "
-     "rows the engine did not route)."),
-    ("positions", positions_png, "Per token position: routing disagreement, and the mean |dlogp| against the engine's "
-     "log-probs without (off) and with R3 replay (only when the inputs hold the engine's log-probs)."),
-    ("load", load_png, "Expert load skew: tokens of the busiest expert over the mean tokens per expert, per layer, "
-     "for the engine's routes and the trainer's own routing. 1 is an even load."),
+    (
+        "layers",
+        layers_png,
+        "Routing disagreement per MoE layer: the share of (token, layer) rows whose expert set the "
+        "trainer's own router picks differently from the engine (off), and the same under R3 (replayed: zero but for "
+        "rows the engine did not route).",
+    ),
+    (
+        "positions",
+        positions_png,
+        "Per token position: routing disagreement, and the mean |dlogp| against the engine's "
+        "log-probs without (off) and with R3 replay (only when the inputs hold the engine's log-probs).",
+    ),
+    (
+        "load",
+        load_png,
+        "Expert load skew: tokens of the busiest expert over the mean tokens per expert, per layer, "
+        "for the engine's routes and the trainer's own routing. 1 is an even load.",
+    ),
 )
 
 __all__ = ["FIGURES", "MAX_BINS", "layers_png", "load_png", "positions_png"]

@@ -215,8 +215,8 @@ def _sglang_tokens(item: dict[str, Any], path: Path, index: int) -> tuple[np.nda
             "request's input_ids in the same JSON object as the response"
         )
     ids_N = _ids(prompt + output, path, index)
-    meta = item.get("meta_info") if isinstance(item.get("meta_info"), dict) else {}
-    triples = meta.get("output_token_logprobs")
+    meta = item.get("meta_info")
+    triples = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
     values = None if triples is None else [t[0] if isinstance(t, list) and t else None for t in triples]
     if values is not None and len(values) != len(output):
         raise PayloadError(f"{path}, request {index}: {len(values)} log-probs for {len(output)} output_ids")
