@@ -38,6 +38,7 @@ Progress = Callable[[str, int, int], None]
 SCORING = "scoring (trainer: off, then R3)"
 WORST_LAYERS = 3  # layers named in the summary
 SKEWED = 4.0  # a layer whose busiest expert gets this many times the mean load is named in the summary
+FEW_TOKENS = 1000  # fewer scored tokens than this: the summary says the log-prob figures are noisy
 MIN_LOAD_MEAN = 8.0  # ...only when every layer has this many tokens per expert on average (fewer: noise)
 DOCS_PAGE = "docs/diagnose.md"
 REPLAY_DOCS = "docs/replay.md"
@@ -394,8 +395,9 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             )
         else:
             steps.append(
-                f"R3 does not shrink the mismatch here (k3 KL {off:.3g} off, {r3:.3g} with R3): check that the routes "
-                "come from the same policy version and tokenisation as the log-probs; a threshold "
+                f"R3 barely changes the mismatch here (k3 KL {off:.3g} off, {r3:.3g} with R3, {ratio:.2f}x): most "
+                "of it is outside routing (precision, kernels, the gate weights: replay(weights=True)); if the routes come "
+                "from another policy version or tokenisation than the log-probs, fix that first; a threshold "
                 f"(replay(threshold=...)) keeps only engine routes near the trainer's own top-k ({REPLAY_DOCS}, "
                 "'Replay options')."
             )
@@ -412,6 +414,9 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
                 f"Expert load is skewed in layer {layers_L[busiest]} (busiest expert {engine_skew[busiest]:.1f}x the "
                 "mean): disagreement concentrates where a few experts are near-tied."
             )
+    scored = record["inputs"]["scored_tokens"]
+    if scored < FEW_TOKENS:
+        steps.append(f"Only {scored} tokens were scored: the log-prob figures are noisy; pass more rollouts.")
     steps.append(f"How to read this report: {DOCS_PAGE}.")
     return {"worst_layers": worst, "next_steps": steps}
 
