@@ -396,8 +396,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         else:
             steps.append(
                 f"R3 barely changes the mismatch here (k3 KL {off:.3g} off, {r3:.3g} with R3, {ratio:.2f}x): most "
-                "of it is outside routing (precision, kernels, the gate weights: replay(weights=True)); if the routes come "
-                "from another policy version or tokenisation than the log-probs, fix that first; a threshold "
+                "of it is outside routing (precision, kernels, the gate weights: replay(weights=True)); if the routes "
+                "come from another policy version or tokenisation than the log-probs, fix that first; a threshold "
                 f"(replay(threshold=...)) keeps only engine routes near the trainer's own top-k ({REPLAY_DOCS}, "
                 "'Replay options')."
             )
