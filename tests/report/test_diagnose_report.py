@@ -1,4 +1,5 @@
-"""`report.diagnosis` on the demo model: the record's numbers equal an independent computation (the demo's own
+"""`report.diagnosis` (`routereplay diagnose`) on the demo model: the record's numbers equal an independent
+computation (the demo's own
 scoring path and `routereplay.metrics`), from a vLLM wire payload and from a `.rrt` file; the page is one
 self-contained HTML file. Legend: B = sequences, S = positions, L = layers, K = top-k."""
 
@@ -93,8 +94,8 @@ def independent(demo: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_diagnose_from_vllm_payloads_matches_the_demo_scoring_path(demo: dict[str, Any], tmp_path: Path) -> None:
-    from routereplay.report.diagnosis import DiagnoseConfig, diagnose
-    from routereplay.report.rollout_files import read_rollouts
+    from routereplay.report.diagnosis.rollouts import read_rollouts
+    from routereplay.report.diagnosis.scoring import DiagnoseConfig, diagnose
 
     payloads, _ = write_inputs(demo["rollouts"], tmp_path)
     rollouts = read_rollouts(payloads, geometry_of(demo["model"]))
@@ -151,8 +152,8 @@ def _trainer_rows(demo: dict[str, Any], position: int) -> list[np.ndarray]:
 def test_diagnose_from_rrt_files_compares_routing_and_says_log_probs_are_missing(
     demo: dict[str, Any], tmp_path: Path
 ) -> None:
-    from routereplay.report.diagnosis import diagnose
-    from routereplay.report.rollout_files import read_rollouts
+    from routereplay.report.diagnosis.rollouts import read_rollouts
+    from routereplay.report.diagnosis.scoring import diagnose
 
     payloads, codec_files = write_inputs(demo["rollouts"], tmp_path)
     geometry = geometry_of(demo["model"])
@@ -197,9 +198,9 @@ def check_self_contained(page: str) -> list[str]:
 def test_diagnosis_page_is_one_self_contained_html_file(demo: dict[str, Any], tmp_path: Path) -> None:
     import base64
 
-    from routereplay.report.diagnosis import diagnose
-    from routereplay.report.diagnosis_page import write_diagnosis
-    from routereplay.report.rollout_files import read_rollouts
+    from routereplay.report.diagnosis.page import write_diagnosis
+    from routereplay.report.diagnosis.rollouts import read_rollouts
+    from routereplay.report.diagnosis.scoring import diagnose
 
     payloads, _ = write_inputs(demo["rollouts"], tmp_path / "in")
     record = diagnose(demo["model"], read_rollouts(payloads, geometry_of(demo["model"])))
@@ -216,8 +217,8 @@ def test_diagnosis_page_is_one_self_contained_html_file(demo: dict[str, Any], tm
 
 
 def test_diagnose_refuses_routes_of_another_model_before_scoring(demo: dict[str, Any], tmp_path: Path) -> None:
-    from routereplay.report.diagnosis import diagnose
-    from routereplay.report.rollout_files import Rollout, read_rollouts
+    from routereplay.report.diagnosis.rollouts import Rollout, read_rollouts
+    from routereplay.report.diagnosis.scoring import diagnose
     from routereplay.trace.route_trace import RouteTrace
     from routereplay.tracefile.io import write_trace
 
@@ -239,3 +240,22 @@ def test_diagnose_refuses_routes_of_another_model_before_scoring(demo: dict[str,
     write_trace(RouteTrace(trace.experts, trace.num_experts, trace.layers), bare, "rrt")  # no token ids
     with pytest.raises(MissingRoutesError, match="names no token ids"):
         read_rollouts([bare], geometry)
+
+
+def test_diagnose_from_a_route_store_file_routes_like_the_payloads(demo: dict[str, Any], tmp_path: Path) -> None:
+    from routereplay.report.diagnosis.rollouts import read_rollouts
+    from routereplay.report.diagnosis.scoring import diagnose
+    from routereplay.store.route_store import RouteStore
+
+    payloads, _ = write_inputs(demo["rollouts"], tmp_path)
+    geometry = geometry_of(demo["model"])
+    store = RouteStore()
+    for i, rollout in enumerate(demo["rollouts"]):
+        store.add_turn(i, rollout.token_ids, rollout.trace)
+    store.save(tmp_path / "batch.rrs")
+    rollouts = read_rollouts([tmp_path / "batch.rrs"], geometry)
+    assert [r.token_ids_N.tolist() for r in rollouts] == [r.token_ids for r in demo["rollouts"]]
+    record = diagnose(demo["model"], rollouts)
+    from_payload = diagnose(demo["model"], read_rollouts(payloads, geometry))
+    assert record["routing"]["per_layer_disagreement"] == from_payload["routing"]["per_layer_disagreement"]
+    assert record["logprobs"] is None and record["inputs"]["missing"]

@@ -4,8 +4,8 @@ Reads the rollouts' routes (vLLM / SGLang responses saved as JSON, `.rrt` codec 
 token ids (from the payload, the trace or the store) and the engine's log-probs where the payload has them;
 scores them with the model (an HF checkpoint folder, or `demo`: the built-in demo model) without replay (off)
 and replaying the engine's routes (R3); prints the summary (or `--json`) and writes ONE self-contained HTML
-report (plots embedded). The computation is `routereplay.report.diagnosis`, the page
-`routereplay.report.diagnosis_page`; the walkthrough is docs/diagnose.md.
+report (plots embedded). The computation is `routereplay.report.diagnosis.scoring`, the page
+`routereplay.report.diagnosis.page`; the walkthrough is docs/diagnose.md.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from routereplay.cli.extras import require
     from routereplay.cli.outputs import check_output_file
-    from routereplay.report.rollout_files import sniff_inputs
+    from routereplay.report.diagnosis.rollouts import sniff_inputs
 
     _check_report_flags(args)
     paths = sniff_inputs(args.routes)  # missing files, folders, empty files: before any heavy import
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     _check_device(args.device)
 
     from routereplay.cli.progress import phase_progress
-    from routereplay.report.diagnosis import DiagnoseConfig, diagnose
-    from routereplay.report.rollout_files import read_rollouts
+    from routereplay.report.diagnosis.rollouts import read_rollouts
+    from routereplay.report.diagnosis.scoring import DiagnoseConfig, diagnose
     from routereplay.threads import ThreadPolicy
 
     config = DiagnoseConfig(
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         _render(record)
     if not args.no_report:
-        from routereplay.report.diagnosis_page import write_diagnosis
+        from routereplay.report.diagnosis.page import write_diagnosis
 
         write_diagnosis(record, args.report)
         if not args.json:
@@ -204,7 +204,7 @@ def _load_model(args: argparse.Namespace, report: Any) -> tuple[Any, str]:
 
 
 def _geometry(model: Any) -> Any:
-    from routereplay.report.rollout_files import Geometry
+    from routereplay.report.diagnosis.rollouts import Geometry
     from routereplay.runtime import attach
 
     replayer = attach(model)

@@ -4,10 +4,7 @@ Only `cli/` imports it. Files:
 - `page.py`   `write_report`: the page, written into a folder atomically
 - `table.py`  which metrics the page shows, and how each is formatted
 - `plots.py`  per-layer disagreement, |Δ log p| histogram, k3 KL and GRPO-step plots (matplotlib)
-- `rollout_files.py`    diagnose's inputs: routes, token ids and engine log-probs from payloads, .rrt, stores
-- `diagnosis.py`        diagnose's computation: off vs R3 per layer and position, load skew, the summary
-- `diagnosis_page.py`   diagnose's report: one self-contained HTML file (plots as data: URIs)
-- `diagnosis_plots.py`  diagnose's figures as PNG bytes
+- `diagnosis/` `routereplay diagnose`: a user's rollouts scored off vs R3, and its one-file HTML report
 """
 
 from routereplay.report.page import render_html, write_report

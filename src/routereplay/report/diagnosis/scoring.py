@@ -32,7 +32,7 @@ import torch
 
 from routereplay.errors import ConfigError, LayerCountError, TopKMismatchError
 from routereplay.metrics import logprob_mismatch
-from routereplay.report.rollout_files import Rollout
+from routereplay.report.diagnosis.rollouts import Rollout
 
 Progress = Callable[[str, int, int], None]
 SCORING = "scoring (trainer: off, then R3)"

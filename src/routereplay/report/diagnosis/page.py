@@ -3,7 +3,7 @@
 `render_diagnosis(record)` turns the record `routereplay diagnose --json` prints into the page: the summary
 and next steps first, then the inputs and the model, the overall numbers (off vs R3 against the engine), a
 per-layer table (disagreement, load skew of the engine and the trainer), and the figures of
-`report.diagnosis_plots`. `write_diagnosis(record, path)` writes it atomically. Every image is a
+`report.diagnosis.plots`. `write_diagnosis(record, path)` writes it atomically. Every image is a
 `data:image/png;base64,...` URI and the page links to nothing outside itself, so it can be mailed or
 attached to an issue as is.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from routereplay.atomicfile import atomic_write
-from routereplay.report.diagnosis_plots import FIGURES
+from routereplay.report.diagnosis.plots import FIGURES
 from routereplay.report.page import CSS
 
 LOGPROB_ROWS = (
