@@ -1,7 +1,6 @@
 """`report.diagnosis` (`routereplay diagnose`) on the demo model: the record's numbers equal an independent
-computation (the demo's own
-scoring path and `routereplay.metrics`), from a vLLM wire payload and from a `.rrt` file; the page is one
-self-contained HTML file. Legend: B = sequences, S = positions, L = layers, K = top-k."""
+computation (the demo's own scoring path and `routereplay.metrics`), from a vLLM wire payload, a `.rrt` file and
+a route store; the page is one self-contained HTML file. Legend: B = sequences, S = positions, L = layers, K = top-k."""
 
 from __future__ import annotations
 
