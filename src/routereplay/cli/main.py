@@ -13,13 +13,13 @@ import sys
 from collections.abc import Sequence
 
 from routereplay import __version__
-from routereplay.cli import bench, convert, demo, env, inspect, train
+from routereplay.cli import bench, convert, demo, diagnose, env, inspect, train
 from routereplay.cli.arguments import CommandParser
 from routereplay.cli.failure import ExitCode, cli_message, os_error_line
 from routereplay.errors import RouteReplayError
 
 EXIT_OK, EXIT_INVALID, EXIT_ERROR = ExitCode.OK, ExitCode.INVALID, ExitCode.ERROR
-COMMANDS = (demo, train, inspect, convert, bench, env)
+COMMANDS = (demo, train, diagnose, inspect, convert, bench, env)
 
 
 def build_parser() -> argparse.ArgumentParser:
