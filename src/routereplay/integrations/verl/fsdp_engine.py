@@ -103,7 +103,7 @@ from routereplay.integrations.verl.route_checks import (
     unchecked_opt_out,
     unchecked_refusal,
 )
-from routereplay.runtime.stats import METRIC_PREFIX
+from routereplay.runtime.stats import METRIC_PREFIX, ReplayStats
 
 MODES = ("disabled", "R2", "R3")
 ENGINE_NAME = "RouteReplayFSDPEngine"
@@ -216,8 +216,7 @@ class RouteReplayEngineMixin:
         state.close()
         if forward_only and self.router_replay_mode() == "R2" and route_source(data) is None:
             state.recorded.clear()  # a new recording pass (compute_log_prob): what the last one recorded is done
-        if state.replayer is not None:
-            state.replayer.stats.reset()  # this pass's counts only (read into its metrics below)
+        before = state.replayer.stats.copy() if state.replayer is not None else None  # this pass's counts: since
         try:
             output = super().forward_backward_batch(data, loss_function, forward_only=forward_only)  # type: ignore[misc]
         finally:
@@ -225,7 +224,7 @@ class RouteReplayEngineMixin:
             samples = (state.counts.unchecked, state.counts.unverified)  # this pass's (log_pass starts a new one)
             state.counts.log_pass()
         if not forward_only and isinstance(output, dict) and isinstance(output.get("metrics"), dict):
-            add_replay_metrics(output["metrics"], state, samples)
+            add_replay_metrics(output["metrics"], state, before, samples)
         return output
 
     def forward_step(self, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
@@ -315,13 +314,19 @@ class RouteReplayEngineMixin:
         )
 
 
-def add_replay_metrics(metrics: dict[str, Any], state: EngineRouting, samples: tuple[int, int]) -> None:
+def add_replay_metrics(
+    metrics: dict[str, Any], state: EngineRouting, before: ReplayStats | None, samples: tuple[int, int]
+) -> None:
     """An update pass's `router_replay/...` metrics (docs/metrics.md) into verl's own: one value per pass, as a
     one-item list like the loss function's per-micro-batch metrics, so verl's worker gathers them over DP ranks
     and its trainer reduces and logs them through `Tracking` (console, wandb, tensorboard)."""
-    if state.replayer is None or state.replayer.stats.replayed_rows + state.replayer.stats.fallback_rows == 0:
-        return  # a pass that replayed nothing (disabled, or recorded)
-    for name, value in state.replayer.stats.as_metrics().items():
+    if state.replayer is None:
+        return  # replay disabled
+    # this pass only (the replayer's own counters keep running); a replayer bound during this pass counted only it
+    stats = state.replayer.stats.since(before) if before is not None else state.replayer.stats.copy()
+    if stats.replayed_rows + stats.fallback_rows == 0:
+        return  # a pass that replayed nothing (recorded)
+    for name, value in stats.as_metrics().items():
         metrics[name] = [value]
     metrics[METRIC_PREFIX + "unchecked_samples"] = [float(samples[0])]  # R3 opt-out: replayed without a token check
     metrics[METRIC_PREFIX + "unverified_samples"] = [float(samples[1])]  # R2: samples this rank did not record
