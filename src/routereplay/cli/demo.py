@@ -106,8 +106,9 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from routereplay.cli.extras import require, require_vllm
+    from routereplay.cli.outputs import report_flags
 
-    _check_report_flags(args)
+    report_flags(args, DEFAULT_REPORT)
     if args.engine == "vllm":  # looked up before any heavy import (vLLM's takes seconds)
         require_vllm("demo --engine vllm", "(an in-process vLLM)")
     needs = {"transformers": "the demo model and engine"}
@@ -163,21 +164,6 @@ def run(args: argparse.Namespace) -> int:
 
         print(NEXT_STEPS)
     return 0
-
-
-def _check_report_flags(args: argparse.Namespace) -> None:
-    """`--no-report` with `--report` or `--force` contradicts itself: refused; else the default folder is filled in."""
-    from routereplay.errors import ConfigError
-
-    if args.no_report:
-        given = [flag for flag, value in (("--report", args.report is not None), ("--force", args.force)) if value]
-        if given:
-            raise ConfigError(
-                f"--no-report and {' and '.join(given)} contradict each other: drop --no-report to write the report "
-                f"(to --report, default ./{DEFAULT_REPORT}), or drop {' and '.join(given)}"
-            )
-    elif args.report is None:
-        args.report = DEFAULT_REPORT
 
 
 def _check_vllm(args: argparse.Namespace) -> None:

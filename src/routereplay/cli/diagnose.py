@@ -83,10 +83,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from routereplay.cli.extras import require
-    from routereplay.cli.outputs import check_output_file
+    from routereplay.cli.outputs import check_output_file, report_flags
     from routereplay.report.diagnosis.rollouts import sniff_inputs
 
-    _check_report_flags(args)
+    report_flags(args, DEFAULT_REPORT)
     paths = sniff_inputs(args.routes)  # missing files, folders, empty files: before any heavy import
     if not args.no_report:
         check_output_file("--report", args.report, force=args.force)
@@ -121,20 +121,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"report: {args.report}")
     return 0
-
-
-def _check_report_flags(args: argparse.Namespace) -> None:
-    from routereplay.errors import ConfigError
-
-    if args.no_report:
-        given = [flag for flag, value in (("--report", args.report is not None), ("--force", args.force)) if value]
-        if given:
-            raise ConfigError(
-                f"--no-report and {' and '.join(given)} contradict each other: drop --no-report to write the report, "
-                f"or drop {' and '.join(given)}"
-            )
-    elif args.report is None:
-        args.report = DEFAULT_REPORT
 
 
 def _check_model_flag(args: argparse.Namespace) -> None:

@@ -13,6 +13,8 @@ was unusable all along, nor leave half an output behind when it is stopped. So:
   non-empty folder without `--force`, a parent folder that does not exist (the output folder itself is
   created, its parents never: `--report /no-such-dir/a/b` is a typo as much as an output file's is) or
   cannot be written.
+- `report_flags(args, default)` settles `--report` / `--force` / `--no-report` of a command that writes a report:
+  `--no-report` with either of the others is a `ConfigError`; no `--report` means `default`.
 - `staged_folder(path)` yields a new temporary folder beside `path` (in its existing parent) to write into; when
   the block ends
   normally its files land in `path` (renamed, so a reader never sees half a report), and on any
@@ -33,9 +35,10 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from routereplay.atomicfile import regular_target
-from routereplay.errors import OutputPathError
+from routereplay.errors import ConfigError, OutputPathError
 
 STDOUT_NAME = "-"
 
@@ -87,6 +90,20 @@ def check_output_folder(flag: str, path: str | Path, *, force: bool | None = Non
         )
     _check_writable_folder(flag, folder, parent)
     return folder
+
+
+def report_flags(args: Any, default: str) -> None:
+    """`--no-report` with `--report` or `--force` contradicts itself: refused; else `args.report` defaults to
+    `default` (`args` is the command's parsed namespace)."""
+    if args.no_report:
+        given = [flag for flag, value in (("--report", args.report is not None), ("--force", args.force)) if value]
+        if given:
+            raise ConfigError(
+                f"--no-report and {' and '.join(given)} contradict each other: drop --no-report to write the report "
+                f"(to --report, default ./{default}), or drop {' and '.join(given)}"
+            )
+    elif args.report is None:
+        args.report = default
 
 
 @contextmanager

@@ -9,6 +9,7 @@ Files:
 - `trl/`: `RouterReplayGRPOTrainer`, TRL's `GRPOTrainer` with R2 / R3 (`trl/__init__.py` lists its files).
 - `verl/`: verl 0.9.1: rollout routes decoded and merged without zero padding, compact on the batch, and
   R2 / R3 on verl's FSDP/FSDP2 engine (`fsdp_engine`, turned on by `external_lib`); extra `verl`.
+- `opt_out`: `env_opt_out`, the environment switch by which verl's and SkyRL's trainers opt out of a token check.
 - `framework`: importing an integration's framework (Ray, TRL), refusing one that is absent or too old.
 - `ray_routes`: per-rank route bundles through Ray's object store (`put_bundles` / `fetch_bundle`, and
   `RouteSource`, a rollout worker's `RouteStore` behind an actor that cuts each rank its rows); extra `ray`.

@@ -23,10 +23,13 @@ import importlib.util
 import pkgutil
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.engines.sglang.tiny_model import tiny_qwen3_moe_config
 
 _TORCHVISION_SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -87,11 +90,11 @@ def cpu_host_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(common.ALLOC_MEMORY_FUNCS, "cpu", alloc_plain)
 
 
-@pytest.fixture
-def published() -> Iterator[Any]:
-    """SGLang's process-wide config published for one test, as SGLang's own `published_topology` test helper does
+@contextmanager
+def _published(**overrides: Any) -> Iterator[Any]:
+    """SGLang's process-wide config published, as SGLang's own `published_topology` test helper does
     (`sglang/test/test_utils.py`, which itself imports benchmark deps this venv lacks): a CPU `ServerArgs` with
-    routed-experts capture on, WORLD rank 0; the context is reset after."""
+    routed-experts capture on (and `overrides`), WORLD rank 0; the context is reset after."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
@@ -101,6 +104,7 @@ def published() -> Iterator[Any]:
         enable_return_routed_experts=True,
         chunked_prefill_size=64,
         max_running_requests=4,
+        **overrides,
     )
     reset_context()
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
@@ -111,25 +115,26 @@ def published() -> Iterator[Any]:
 
 
 @pytest.fixture
-def model_config(tmp_path: Path) -> Any:
-    """SGLang's own `ModelConfig` of a tiny Qwen3-MoE built from config (3 MoE layers, 8 experts, top-2, hidden 16,
-    vocabulary 64), saved to a temporary folder: no weights, nothing downloaded."""
-    from sglang.srt.configs.model_config import ModelConfig
-    from transformers import Qwen3MoeConfig
+def published() -> Iterator[Any]:
+    """SGLang's process-wide config (`_published`) for one test."""
+    with _published() as server_args:
+        yield server_args
 
-    Qwen3MoeConfig(
-        num_hidden_layers=3,
-        num_experts=8,
-        num_experts_per_tok=2,
-        hidden_size=16,
-        intermediate_size=32,
-        moe_intermediate_size=8,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        vocab_size=64,
-        architectures=["Qwen3MoeForCausalLM"],
-    ).save_pretrained(tmp_path)
+
+@pytest.fixture
+def published_sync() -> Iterator[Any]:
+    """`published` with the non-overlap scheduler (the capturer copies each forward's rows to its host buffer
+    inside `ModelRunner.forward`)."""
+    with _published(disable_overlap_schedule=True) as server_args:
+        yield server_args
+
+
+@pytest.fixture
+def model_config(tmp_path: Path) -> Any:
+    """SGLang's own `ModelConfig` of the tiny Qwen3-MoE (`tiny_model.py`), saved to a temporary folder."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    tiny_qwen3_moe_config().save_pretrained(tmp_path)
     return ModelConfig(str(tmp_path))
 
 

@@ -20,7 +20,6 @@ Legend: N = token rows of the forward, D = hidden size, E = experts, K = top-k, 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -56,29 +55,6 @@ from routereplay.trace.route_trace import RouteTrace
 
 E, K, L, D = 8, 2, 3, 16  # the conftest's tiny Qwen3-MoE (model_config)
 SLOTS = 128
-
-
-@pytest.fixture
-def published_sync() -> Iterator[Any]:
-    """SGLang's process config for one test: CPU, routed-experts capture on, the non-overlap scheduler (the capturer
-    copies each forward's rows to its host buffer inside `ModelRunner.forward`)."""
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        enable_return_routed_experts=True,
-        disable_overlap_schedule=True,
-        chunked_prefill_size=64,
-        max_running_requests=4,
-    )
-    reset_context()
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-    try:
-        yield server_args
-    finally:
-        reset_context()
 
 
 class Runner:

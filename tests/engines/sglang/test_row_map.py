@@ -19,26 +19,16 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.sampling.sampling_params import SamplingParams
-from transformers import Qwen3MoeConfig
 
 from routereplay.engines.sglang.forcing import CUSTOM_KEY, SGLangForcing, step_rows
 from routereplay.engines.sglang.forcing.hooks import BATCH_ATTR, REQ_ATTR
 from routereplay.engines.vllm.forced_routes import encode_forced
 from routereplay.errors import ForcedRoutesError
 from routereplay.trace.route_trace import RouteTrace
+from tests.engines.sglang.tiny_model import tiny_qwen3_moe_config
 
 E, K, LAYERS = 8, 2, (0, 1, 2)
-CONFIG = Qwen3MoeConfig(
-    num_hidden_layers=3,
-    num_experts=E,
-    num_experts_per_tok=K,
-    hidden_size=16,
-    intermediate_size=32,
-    moe_intermediate_size=8,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    vocab_size=64,
-)
+CONFIG = tiny_qwen3_moe_config()
 
 
 def routes(rows: int, *, start: int = 0, seed: int = 0) -> RouteTrace:

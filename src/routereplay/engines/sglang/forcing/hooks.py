@@ -14,8 +14,8 @@ every scheduler process and in the front end before anything is built):
   host fields; forced ids + mask built once (`row_map.ForcedBatch`) and kept on the `ForwardBatch`.
 - `ModelRunner.forward` (AROUND): the forward's `ForcedBatch` is current while it runs (cleared after, also
   when it raises).
-- `topk._post_process_topk_ids` (BEFORE): forced rows substituted (`op.force_rows`) before SGLang's
-  routed-experts capture and the EPLB remap.
+- `topk._post_process_topk_ids` (BEFORE): forced rows substituted (`force_topk`, the vLLM plugin's op) before
+  SGLang's routed-experts capture and the EPLB remap.
 - `PrefillCudaGraphRunner.can_run_graph` (AFTER): False for a forward with forced rows (it runs eagerly, so the
   hook sees it).
 
@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from routereplay.engines.sglang.forcing.op import force_rows
 from routereplay.engines.sglang.forcing.requests import (
     asked_routes,
     asks_reprefill,
@@ -56,6 +55,7 @@ from routereplay.engines.sglang.forcing.requests import (
 from routereplay.engines.sglang.forcing.row_map import ForcedBatch, step_rows
 from routereplay.engines.sglang.forcing.rule import TopKRule, rule_of
 from routereplay.engines.vllm.forced_routes import ForcedRoutes, ServedRouting
+from routereplay.engines.vllm.forcing.op import force_topk
 from routereplay.errors import ForcedRoutesError
 
 if TYPE_CHECKING:
@@ -232,7 +232,7 @@ class SGLangForcing:
                 why or f"{ids_NK.shape[0]} x {ids_NK.shape[-1]} top-k rows, {forced.num_rows} mapped",
             )
             return None
-        weights_NK, ids_NK = force_rows(call["topk_weights"], ids_NK, call["router_logits"], forced_NK, mask_N, rule)
+        weights_NK, ids_NK = force_topk(call["topk_weights"], ids_NK, call["router_logits"], forced_NK, mask_N, rule)
         call["topk_ids"], call["topk_weights"] = ids_NK, weights_NK
         return (), call
 

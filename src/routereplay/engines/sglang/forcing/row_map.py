@@ -14,7 +14,7 @@ SGLang 0.5.23 lays a batch's token rows out from its `ScheduleBatch` host fields
 
 `ForcedBatch.build` turns the rows and each request's checked `ForcedRoutes` (or None) into per-layer device
 tensors, built once per forward (numpy per request, one host-to-device copy per batch), so the top-k hook is
-tensor ops only (`forcing/op.py`).
+tensor ops only (`engines/vllm/forcing/op.py`).
 
 Legend: N = token rows of the forward, R = requests, L = the model's MoE layers, K = top-k.
 """

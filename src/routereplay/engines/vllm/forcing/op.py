@@ -16,16 +16,25 @@ row may carry -1 (vLLM's padding rows under `VLLM_MOE_SKIP_PADDING`), and a CUDA
 is a device-side assert; the weights of unforced rows are discarded by the mask anyway. The forced ids
 themselves are checked against the model before they reach the buffers (`ForcedRoutes.check`).
 
-Importing this module does not import vLLM (the CUDA-graph test runs it on a device without vLLM).
+Importing this module does not import vLLM (the CUDA-graph test runs it on a device without vLLM). The SGLang
+plugin forces with the same op (`engines/sglang/forcing/hooks.py`, inside SGLang's `_post_process_topk_ids`,
+before routed-experts capture and the EPLB remap), its `TopKRule` standing for `RoutingRule`: any `WeightsRule`.
 
 Legend: N = token rows of the step, E = experts, K = top-k.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from routereplay.engines.vllm.forcing.rule import RoutingRule
+
+class WeightsRule(Protocol):
+    """A layer's routing method as the op needs it: the gate weights it gives chosen ids (vLLM's `RoutingRule`,
+    SGLang's `TopKRule`)."""
+
+    def weights(self, logits_NE: torch.Tensor, experts_NK: torch.Tensor) -> torch.Tensor: ...
 
 
 def force_topk(
@@ -34,7 +43,7 @@ def force_topk(
     logits_NE: torch.Tensor,
     forced_NK: torch.Tensor,
     mask_N: torch.Tensor,
-    rule: RoutingRule,
+    rule: WeightsRule,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weights_NK, ids_NK)` with each row where `mask_N` is True replaced by `forced_NK` and the weights `rule`
     gives those ids from `logits_NE`; other rows come back bit-identical. Dtypes and shapes are the live ones."""
@@ -50,4 +59,4 @@ def force_topk(
     return torch.where(mask_N1, forced_weights_NK, weights_NK), new_ids_NK
 
 
-__all__ = ["force_topk"]
+__all__ = ["WeightsRule", "force_topk"]
