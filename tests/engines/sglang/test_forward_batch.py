@@ -363,3 +363,51 @@ def test_layers_that_cannot_be_forced_refuse_forced_requests_by_name(engine: Eng
     assert "cannot force routes" in message and "layer 1: the custom routing function" in message
     assert "layer 2: scoring 'sqrtsoftplus'" in message
     assert getattr(forced, REQ_ATTR, None) is None and plugin.forcing.stats.requests_refused == 1
+
+
+def test_the_model_files_named_as_own_capture_sites_capture_routes_in_sglang() -> None:
+    """The list is SGLang's truth, not ours: each module named in `OWN_CAPTURE_SITES` exists in the installed SGLang
+    and calls the routed-experts capturer itself (the capturer, or topk's `capture_routed_experts_if_allowed` from a
+    site of its own); and `topk.py` (where the hook sits) is not among them."""
+    import importlib.util
+    from pathlib import Path
+
+    from routereplay.engines.sglang.forcing.hooks import OWN_CAPTURE_SITES
+
+    for name in OWN_CAPTURE_SITES:
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.origin is not None, f"{name} is not in this SGLang"
+        source = Path(spec.origin).read_text(encoding="utf-8")
+        captures = "capture_routed_experts_if_allowed(" in source or (
+            "get_global_experts_capturer" in source and ".capture(" in source
+        )
+        assert captures, f"{name} captures no routes of its own"
+    assert "sglang.srt.layers.moe.topk" not in OWN_CAPTURE_SITES
+
+
+def test_a_model_with_its_own_capture_site_refuses_forced_requests_by_name(
+    engine: Engine, plugin: SGLangPlugin
+) -> None:
+    """A model built from a class of an own-capture-site file (here a module whose class lives in
+    `sglang.srt.models.llada2`) is found by the start-up scan, and a forced request is refused naming it; a model
+    without one refuses nothing."""
+    import sglang.srt.models.llada2 as llada2
+
+    own = next(
+        cls
+        for cls in vars(llada2).values()
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and cls.__module__ == llada2.__name__
+    )
+    holder = torch.nn.Module()
+    holder.add_module("layer", torch.nn.Module.__new__(own))  # the class is what the scan reads; no weights built
+    torch.nn.Module.__init__(holder.layer)
+    plugin.forcing.scanned_model(None, SimpleNamespace(model=torch.nn.ModuleList([holder]), is_draft_worker=False))
+    assert plugin.forcing.refused_model == ["model LLaDA2 (models/llada2.py captures its routes itself)"]
+
+    forced = prompt_request("a", PROMPT, RouteTrace(np.array([[[0, 1]] * L], dtype=np.int16), E, tuple(range(L))))
+    engine.queue(forced)
+    assert "cannot force routes" in str(forced.to_finish.message)
+    assert "LLaDA2" in str(forced.to_finish.message) and plugin.forcing.stats.requests_refused == 1
+
+    plugin.forcing.scanned_model(None, SimpleNamespace(model=torch.nn.ModuleList([torch.nn.Linear(2, 2)])))
+    assert plugin.forcing.refused_model == []

@@ -101,6 +101,7 @@ class SGLangForcing:
 
     served: ServedRouting | None = None
     refused_layers: dict[int, str] = field(default_factory=dict)
+    refused_model: list[str] = field(default_factory=list)
     current: ForcedBatch | None = None
     stats: ForcingStats = field(default_factory=ForcingStats)
     force_reprefill: bool = False
@@ -132,8 +133,11 @@ class SGLangForcing:
         if getattr(runner, "is_draft_worker", False):
             return
         self.refused_layers.update(layer_refusals(runner.model))
-        if self.refused_layers:
-            logger.warning("routereplay: MoE layers that cannot be forced: %s", self.refused_layers)
+        self.refused_model[:] = model_refusals(runner.model)
+        if self.refused_layers or self.refused_model:
+            logger.warning(
+                "routereplay: routes cannot be forced here: %s", [*self.refused_model, str(self.refused_layers)]
+            )
 
     def queued(self, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> None:
         """BEFORE `Scheduler._add_request_to_queue`: check a new request's blob and keep it on the Req; decide
@@ -148,9 +152,11 @@ class SGLangForcing:
             reprefill = asks_reprefill(custom, self.force_reprefill, where=where)
             if value is None and not reprefill:
                 return
-            problems = server_problems(scheduler.server_args) + [
-                f"layer {layer}: {why}" for layer, why in sorted(self.refused_layers.items())
-            ]
+            problems = (
+                server_problems(scheduler.server_args)
+                + self.refused_model
+                + [f"layer {layer}: {why}" for layer, why in sorted(self.refused_layers.items())]
+            )
             if problems and value is None and not asks:
                 logger.warning("routereplay: %s re-prefills live after a retraction: %s", where, "; ".join(problems))
                 return  # the server's default, on a server that cannot force: nothing asked explicitly
@@ -309,11 +315,28 @@ def server_problems(server_args: Any) -> list[str]:
     runner = str(getattr(server_args, "moe_runner_backend", None) or "auto")
     if runner in KERNEL_BACKENDS:
         problems.append(f"--moe-runner-backend {runner} (the MoE kernel routes itself)")
+    if str(getattr(server_args, "device", None) or "") == "npu":
+        problems.append("Ascend NPU (hardware_backend/npu/moe/topk.py routes and captures in a top-k of its own)")
     if getattr(server_args, "enable_two_batch_overlap", False) or getattr(
         server_args, "enable_single_batch_overlap", False
     ):
         problems.append("two/single-batch overlap (a forward is split into micro-batches the row map does not follow)")
     return problems
+
+
+# SGLang 0.5.23 model files that capture routed experts at a site of their own, beside `_post_process_topk_ids`
+# (research peers-2026-11-28.md 1a): the hook cannot vouch that what they capture is what it forced
+OWN_CAPTURE_SITES: dict[str, str] = {
+    "sglang.srt.models.llada2": "LLaDA2 (models/llada2.py captures its routes itself)",
+    "sglang.srt.models.muse_spark": "Muse Spark (models/muse_spark.py captures its routes itself)",
+    "sglang.srt.models.inkling_common.moe": "Inkling (models/inkling_common/moe.py captures its routes itself)",
+}
+
+
+def model_refusals(model: Any) -> list[str]:
+    """The model's own route-capture sites (`OWN_CAPTURE_SITES`, by the module its layers' classes come from)."""
+    found = {type(module).__module__ for module in model.modules()} & OWN_CAPTURE_SITES.keys()
+    return [f"model {OWN_CAPTURE_SITES[name]}" for name in sorted(found)]
 
 
 def layer_refusals(model: Any) -> dict[int, str]:
@@ -387,5 +410,6 @@ __all__ = [
     "SGLangForcing",
     "install",
     "layer_refusals",
+    "model_refusals",
     "server_problems",
 ]
