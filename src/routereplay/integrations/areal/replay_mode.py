@@ -1,0 +1,190 @@
+"""Which replay the AReaL actor runs (disabled / R2 / R3), read from AReaL's own config, and what is refused.
+
+The mode is `MODE_ENV` = `ROUTEREPLAY_AREAL_ROUTER_REPLAY` in {disabled, R2, R3}: first from the actor config's own
+`scheduling_spec[*].env_vars` (AReaL's config, so the same YAML works in SPMD mode and in single-controller mode,
+where the scheduler hands those variables to the worker that builds the engine), then from the process
+environment. A config value and a different environment value contradict each other: `ConfigError`.
+
+`configure(config)` is the trainer's config step (`trainer.RouteReplayPPOTrainer` runs it before AReaL's own
+`PPOTrainer.__init__`): AReaL's `rollout.return_routed_experts=true` (which already turns on SGLang's capture)
+means R3 unless the user chose a mode; the chosen mode is written into `actor.scheduling_spec[0].env_vars`, so
+every actor worker reads the same one. It refuses, by name, what cannot replay correctly:
+- an Archon actor backend (`actor.backend=archon:...`): AReaL's experimental torchtitan-style engine routes with
+  its own `TokenChoiceTopKRouter` (experimental/models/archon/moe/router.py), which routereplay does not bind;
+- a Megatron actor backend with R2 / R3: AReaL's `MegatronEngine` is not wired to routereplay (AReaL's own
+  Megatron R3 is AReaL #1207 / #1496, open); routereplay's Megatron adapter is `routereplay.runtime.megatron`;
+- R3 with a vLLM rollout backend (AReaL captures routes from SGLang only) or without
+  `rollout.return_routed_experts=true` (no routes would reach the batch);
+- R2 with `rollout.return_routed_experts=true` (R2 replays the trainer's own routing: the rollout's routes would
+  silently make it R3), and R2 when AReaL skips the old-log-prob pass that records
+  (`actor.should_compute_prox_logp()` false: `actor.recompute_logprob=false` without the decoupled loss, or a
+  `prox_logp_method` that skips the forward pass).
+
+Nothing here imports AReaL at module top: `mode_of` reads any object with AReaL's attribute names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from routereplay.enums import StrEnum
+from routereplay.errors import ConfigError
+
+MODE_ENV = "ROUTEREPLAY_AREAL_ROUTER_REPLAY"
+ROUTES_FLAG = "rollout.return_routed_experts"  # AReaL's own key: SGLang's route capture on
+MEGATRON_ISSUES = "AReaL #1207 / #1496"
+
+
+class AReaLReplayMode(StrEnum):
+    DISABLED = "disabled"
+    R2 = "R2"  # record in compute_logp, replay the recording in every ppo_update micro-batch
+    R3 = "R3"  # replay the rollout's routes (the batch's routes column) in compute_logp and every update
+
+
+def _parsed(value: str, where: str) -> AReaLReplayMode:
+    text = value.strip()
+    for mode in AReaLReplayMode:
+        if text.lower() == mode.value.lower():
+            return mode
+    raise ConfigError(f"{MODE_ENV}={value!r} in {where}; use one of {[m.value for m in AReaLReplayMode]}")
+
+
+def _spec_env(spec: Any) -> Mapping[str, Any]:
+    env = getattr(spec, "env_vars", None)
+    if env is None and isinstance(spec, Mapping):
+        env = spec.get("env_vars")
+    return env if isinstance(env, Mapping) else {}
+
+
+def configured_mode(actor_config: Any) -> AReaLReplayMode | None:
+    """The mode the actor config's `scheduling_spec[*].env_vars` set, None if none does (contradicting specs:
+    `ConfigError`)."""
+    found: dict[AReaLReplayMode, int] = {}
+    for i, spec in enumerate(getattr(actor_config, "scheduling_spec", None) or ()):
+        value = _spec_env(spec).get(MODE_ENV)
+        if value is not None and str(value).strip():
+            found.setdefault(_parsed(str(value), f"actor.scheduling_spec[{i}].env_vars"), i)
+    if len(found) > 1:
+        raise ConfigError(
+            f"actor.scheduling_spec entries set {MODE_ENV} to {[m.value for m in found]} (specs {list(found.values())});"
+            " set it once, in actor.scheduling_spec[0].env_vars"
+        )
+    return next(iter(found), None)
+
+
+def mode_of(actor_config: Any) -> AReaLReplayMode:
+    """The actor's mode: its config's `scheduling_spec[*].env_vars`, then this process's environment, else
+    disabled. A config value and a different environment value are a `ConfigError`."""
+    from_config = configured_mode(actor_config)
+    env_value = os.environ.get(MODE_ENV, "")
+    from_env = _parsed(env_value, "the environment") if env_value.strip() else None
+    if from_config is not None and from_env is not None and from_config is not from_env:
+        raise ConfigError(
+            f"actor.scheduling_spec env_vars set {MODE_ENV}={from_config.value} but this process's environment has "
+            f"{MODE_ENV}={from_env.value}; unset one of them"
+        )
+    return from_config or from_env or AReaLReplayMode.DISABLED
+
+
+def backend_of(spec: str, key: str) -> str:
+    """The engine name of an AReaL allocation string (`fsdp:d4`, `sglang:d2t1`, `archon:d8`), as AReaL's
+    `ModelAllocation.from_str` reads it when AReaL is importable."""
+    try:
+        from areal.api.alloc_mode import ModelAllocation
+    except ImportError:
+        return spec.split(":", 1)[0].strip().lower()
+    return str(ModelAllocation.from_str(spec, name=key).backend)
+
+
+def refusal(config: Any, mode: AReaLReplayMode) -> str | None:
+    """Why `config` (AReaL's PPOConfig / GRPOConfig) cannot run `mode`, or None."""
+    actor, rollout = config.actor, config.rollout
+    actor_backend = backend_of(actor.backend, "actor")
+    rollout_backend = backend_of(rollout.backend, "rollout") if getattr(rollout, "backend", "") else "sglang"
+    captured = bool(getattr(rollout, "return_routed_experts", False))
+    if mode is AReaLReplayMode.DISABLED:
+        return None
+    if actor_backend == "archon":
+        return (
+            f"{MODE_ENV}={mode.value} with actor.backend={actor.backend}: AReaL's experimental Archon engine routes "
+            "with its own torchtitan-style TokenChoiceTopKRouter (areal/experimental/models/archon/moe/router.py), "
+            "which routereplay does not bind, so nothing would replay. Use an FSDP actor (actor.backend=fsdp:...) "
+            f"or unset {MODE_ENV}"
+        )
+    if actor_backend == "megatron":
+        return (
+            f"{MODE_ENV}={mode.value} with actor.backend={actor.backend}: AReaL's MegatronEngine is not wired to "
+            f"routereplay (AReaL's own Megatron R3 is {MEGATRON_ISSUES}, open; routereplay's Megatron adapter is "
+            "routereplay.runtime.megatron, not plugged into AReaL). Use an FSDP actor (actor.backend=fsdp:...) or "
+            f"unset {MODE_ENV}"
+        )
+    if actor_backend != "fsdp":
+        return f"{MODE_ENV}={mode.value} with actor.backend={actor.backend}: routereplay replays on AReaL's FSDP actor only"
+    if mode is AReaLReplayMode.R3:
+        if rollout_backend == "vllm":
+            return (
+                f"{MODE_ENV}=R3 with rollout.backend={rollout.backend}: AReaL captures rollout routes from SGLang only "
+                f"({ROUTES_FLAG} is refused with vLLM), so the batch would carry no routes. Use an SGLang rollout "
+                f"(rollout.backend=sglang:...), or R2 ({MODE_ENV}=R2: the trainer's own routing)"
+            )
+        if not captured:
+            return (
+                f"{MODE_ENV}=R3 without {ROUTES_FLAG}=true: SGLang would not return routes and the batch would carry "
+                f"none. Set {ROUTES_FLAG}=true (an SGLang rollout), or use {MODE_ENV}=R2"
+            )
+    if mode is AReaLReplayMode.R2:
+        if captured:
+            return (
+                f"{MODE_ENV}=R2 with {ROUTES_FLAG}=true: R2 records the trainer's own routing in compute_logp and "
+                "replays it in the updates, so the rollout's routes on the batch would silently make it R3. Unset "
+                f"one: {ROUTES_FLAG}=false for R2, or {MODE_ENV}=R3 (the default with {ROUTES_FLAG}=true)"
+            )
+        should = getattr(actor, "should_compute_prox_logp", None)
+        if callable(should) and not should():
+            return (
+                f"{MODE_ENV}=R2 while AReaL skips the actor's compute_logp (actor.recompute_logprob="
+                f"{actor.recompute_logprob}, actor.use_decoupled_loss={actor.use_decoupled_loss}, "
+                f"actor.prox_logp_method={actor.prox_logp_method}): R2 records there, so the updates would have "
+                "nothing to replay. Set actor.recompute_logprob=true (or the decoupled loss with "
+                "prox_logp_method=recompute)"
+            )
+    return None
+
+
+def configure(config: Any) -> AReaLReplayMode:
+    """The trainer's config step on AReaL's PPOConfig / GRPOConfig: R3 when `ROUTES_FLAG` is on and no mode was
+    chosen, the mode written into `actor.scheduling_spec[0].env_vars`, refusals raised (`ConfigError`)."""
+    actor = config.actor
+    chosen = mode_of(actor)
+    explicit = configured_mode(actor) is not None or bool(os.environ.get(MODE_ENV, "").strip())
+    mode = chosen
+    if not explicit and bool(getattr(config.rollout, "return_routed_experts", False)):
+        mode = AReaLReplayMode.R3
+    reason = refusal(config, mode)
+    if reason is not None:
+        raise ConfigError(reason)
+    specs = getattr(actor, "scheduling_spec", None) or ()
+    if mode is not AReaLReplayMode.DISABLED:
+        if not specs:
+            raise ConfigError(f"actor.scheduling_spec is empty: AReaL needs one SchedulingSpec to carry {MODE_ENV}")
+        env = getattr(specs[0], "env_vars", None)
+        if not isinstance(env, MutableMapping):
+            raise ConfigError(
+                f"actor.scheduling_spec[0].env_vars is {type(env).__name__}; AReaL's SchedulingSpec holds a dict there"
+            )
+        env[MODE_ENV] = mode.value
+    return mode
+
+
+__all__ = [
+    "MODE_ENV",
+    "ROUTES_FLAG",
+    "AReaLReplayMode",
+    "backend_of",
+    "configure",
+    "configured_mode",
+    "mode_of",
+    "refusal",
+]
