@@ -213,6 +213,53 @@ def first_pass(seen: dict[int, dict[int, list]]) -> list[torch.Tensor]:
     return [torch.stack([seen[i][layer][0] for layer in MOE_LAYERS], dim=1) for i in sorted(seen)]
 
 
+GRPO_YAML = """\
+experiment_name: routereplay
+trial_name: cpu
+tokenizer_path: ${{actor.path}}
+cluster:
+  fileroot: {root}
+  name_resolve:
+    type: nfs
+    nfs_record_root: {root}/name_resolve
+actor:
+  experiment_name: ${{experiment_name}}
+  trial_name: ${{trial_name}}
+  path: {model}
+  backend: "fsdp:d1"
+  attn_impl: sdpa
+  recompute_logprob: true
+  scheduling_spec:
+    - env_vars: {env}
+rollout:
+  experiment_name: ${{experiment_name}}
+  trial_name: ${{trial_name}}
+  backend: "sglang:d1"
+  return_routed_experts: false
+train_dataset:
+  type: rl
+  path: unused
+  batch_size: 4
+"""
+YAML_LOGGERS = ("stats_logger", "saver", "evaluator", "recover")
+
+
+def grpo_config(folder: Path, model: str, *overrides: str, env: dict[str, str] | None = None) -> Any:
+    """AReaL's GRPOConfig loaded the way AReaL's scripts load it (`load_expr_config`: Hydra compose of a YAML
+    file, `key=value` overrides, OmegaConf structured merge into the dataclasses); `env` goes into
+    `actor.scheduling_spec[0].env_vars`."""
+    from areal.api.cli_args import GRPOConfig, load_expr_config
+
+    text = GRPO_YAML.format(root=folder / "root", model=model, env="{" + ", ".join(f"{k}: {v}" for k, v in
+                            (env or {}).items()) + "}")  # fmt: skip
+    for name in YAML_LOGGERS:
+        text += f"{name}:\n  experiment_name: routereplay\n  trial_name: cpu\n  fileroot: {folder / 'root'}\n"
+    path = folder / "grpo.yaml"
+    path.write_text(text)
+    config, _ = load_expr_config(["--config", str(path), *overrides], GRPOConfig)
+    return config
+
+
 __all__ = [
     "LENGTHS",
     "MOE_LAYERS",
@@ -228,6 +275,7 @@ __all__ = [
     "dispatch_probe",
     "episodes",
     "first_pass",
+    "grpo_config",
     "random_routes",
     "with_routes",
 ]

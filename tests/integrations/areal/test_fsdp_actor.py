@@ -275,7 +275,7 @@ def test_r3_without_the_token_column_is_refused_unless_opted_out(
     assert disagreement(by_trajectory(calls, batch), routes) == 0
 
 
-def test_r3_without_the_routes_column_names_arealss_key(actor: Any, mode: Any) -> None:
+def test_r3_without_the_routes_column_names_areals_key(actor: Any, mode: Any) -> None:
     mode("R3")
     with dispatch_probe(actor.model) as calls, pytest.raises(MissingRoutesError, match="rollout.return_routed_experts"):
         actor.compute_logp(episodes())

@@ -9,6 +9,7 @@ environment. A config value and a different environment value contradict each ot
 `PPOTrainer.__init__`): AReaL's `rollout.return_routed_experts=true` (which already turns on SGLang's capture)
 means R3 unless the user chose a mode; the chosen mode is written into `actor.scheduling_spec[0].env_vars`, so
 every actor worker reads the same one. It refuses, by name, what cannot replay correctly:
+- tree training (`actor.enable_tree_training`: shared prefixes packed once, positions are not one trajectory's);
 - an Archon actor backend (`actor.backend=archon:...`): AReaL's experimental torchtitan-style engine routes with
   its own `TokenChoiceTopKRouter` (experimental/models/archon/moe/router.py), which routereplay does not bind;
 - a Megatron actor backend with R2 / R3: AReaL's `MegatronEngine` is not wired to routereplay (AReaL's own
@@ -122,6 +123,11 @@ def refusal(config: Any, mode: AReaLReplayMode) -> str | None:
         )
     if actor_backend != "fsdp":
         return f"{MODE_ENV}={mode.value} with actor.backend={actor.backend}: routereplay replays on AReaL's FSDP actor only"
+    if getattr(actor, "enable_tree_training", False):
+        return (
+            f"{MODE_ENV}={mode.value} with actor.enable_tree_training=true: tree training packs shared prefixes once, "
+            "so a position of the model input is not one token of one trajectory; set actor.enable_tree_training=false"
+        )
     if mode is AReaLReplayMode.R3:
         if rollout_backend == "vllm":
             return (
