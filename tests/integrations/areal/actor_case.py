@@ -260,6 +260,53 @@ def grpo_config(folder: Path, model: str, *overrides: str, env: dict[str, str] |
     return config
 
 
+SP_CALLS = ("compute_logp_r3", "update_r3", "compute_logp_r2", "update_r2")
+
+
+def sp_rank(folder: str) -> None:
+    """One rank of a 2-rank Ulysses SP job (`test_fsdp_actor`): routereplay's actor with `backend=fsdp:d1c2`,
+    R3 then R2, each pass's probe saved to `folder/rank{r}.pt`, with AReaL's own `ulysses_pad_and_slice_inputs`
+    of a few columns beside `packed_layout.ulysses_slice` of them."""
+    from areal.models.fsdp.ulysses import ulysses_pad_and_slice_inputs
+
+    from routereplay.integrations.areal.packed_layout import ulysses_slice
+
+    rank = int(os.environ["RANK"])
+    actor = build_actor(actor_config(os.path.join(folder, "model"), backend="fsdp:d1c2"))
+    batch = episodes()
+    routes = random_routes(batch)
+    saved: dict[str, Any] = {"sp_size": actor.parallel_helper.sp_size, "routes": routes}
+    for mode, data in (("R3", with_routes(batch, routes)), ("R2", batch)):
+        os.environ["ROUTEREPLAY_AREAL_ROUTER_REPLAY"] = mode
+        with dispatch_probe(actor.model) as calls:
+            logps = actor.compute_logp(data)
+        saved[f"compute_logp_{mode.lower()}"] = calls
+        adv = actor.compute_advantages([{**d, "prox_logp": lp} for d, lp in zip(data, logps, strict=True)])
+        with dispatch_probe(actor.model) as calls:
+            actor.ppo_update(adv)
+        saved[f"update_{mode.lower()}"] = calls
+    slices = []  # after the passes: AReaL sets its Ulysses group in the engine's first forward (_ensure_ready)
+    for length in (255, 256, 257):
+        column = torch.arange(1, length + 1).unsqueeze(0)
+        theirs, _, _ = ulysses_pad_and_slice_inputs(column, sp_size=2)
+        slices.append(torch.equal(theirs, ulysses_slice(column, 2, rank, fill=0)))
+    saved["slices"] = slices
+    torch.save(saved, os.path.join(folder, f"rank{rank}.pt"))
+    actor.destroy()
+
+
+def joined_calls(ranks: list[list[ModelCall]]) -> list[ModelCall]:
+    """The ranks' calls of one pass as whole packed model inputs: each rank's slice of the input ids and of every
+    experts call, concatenated in rank order (AReaL's Ulysses slices), the global cu_seqlens kept."""
+    out = []
+    for parts in zip(*ranks, strict=True):
+        call = ModelCall(torch.cat([p.input_ids for p in parts]), parts[0].cu_seqlens)
+        for layer in parts[0].experts:
+            call.experts[layer] = [torch.cat(xs) for xs in zip(*(p.experts[layer] for p in parts), strict=True)]
+        out.append(call)
+    return out
+
+
 __all__ = [
     "LENGTHS",
     "MOE_LAYERS",
@@ -276,6 +323,8 @@ __all__ = [
     "episodes",
     "first_pass",
     "grpo_config",
+    "joined_calls",
+    "sp_rank",
     "random_routes",
     "with_routes",
 ]

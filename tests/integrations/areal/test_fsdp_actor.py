@@ -8,7 +8,11 @@ model call (forward and activation-checkpoint recompute), matched to trajectorie
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,9 +42,11 @@ from tests.integrations.areal.actor_case import (
     dispatch_probe,
     episodes,
     first_pass,
+    joined_calls,
     random_routes,
     with_routes,
 )
+from tests.distributed.launch import REPO_ROOT, free_port
 
 MODE_ENV = "ROUTEREPLAY_AREAL_ROUTER_REPLAY"
 UNCHECKED_ENV = "ROUTEREPLAY_AREAL_UNCHECKED_ROUTES"
@@ -349,3 +355,52 @@ def test_disabled_drops_the_columns_before_the_hf_model(actor: Any, mode: Any) -
     finally:
         handle.remove()
     assert seen and not any({ROUTES_KEY, TOKENS_KEY, "routereplay_route_row"} & keys for keys in seen)
+
+
+def run_sp_ranks(folder: Path, timeout_s: float = 300.0) -> None:
+    """Two processes, one gloo rank each, running `actor_case.sp_rank` (env:// as torchrun sets it)."""
+    port, procs = str(free_port()), []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)])}  # fmt: skip
+        env.pop("ROUTEREPLAY_AREAL_ROUTER_REPLAY", None)
+        code = f"from tests.integrations.areal.actor_case import sp_rank; sp_rank({str(folder)!r})"
+        log = open(folder / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process below
+        procs.append((subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=log,
+                                       stderr=subprocess.STDOUT), log))  # fmt: skip
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for proc, _ in procs:
+            proc.kill()
+    finally:
+        for proc, log in procs:
+            proc.wait()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        if proc.returncode != 0:
+            tail = (folder / f"rank{rank}.log").read_text().splitlines()[-30:]
+            pytest.fail(f"SP rank {rank} exited {proc.returncode}:\n" + "\n".join(tail))
+
+
+def test_ulysses_sp_two_gloo_ranks_dispatch_their_slices_of_the_routes_r3_and_r2(tmp_path: Path) -> None:
+    """AReaL's own Ulysses input path (`_prepare_mb_inputs`: `ulysses_pad_and_slice_inputs`,
+    `ulysses_prepare_inputs`) with `backend=fsdp:d1c2` on 2 gloo ranks: each rank's experts dispatch its slice of
+    the routes (R3), and R2 replays the recording gathered over the SP group. On CPU the attention is sdpa on each
+    rank's slice (AReaL's Ulysses attention patches flash-attention only), which changes logits, not the layout."""
+    checkpoint(tmp_path / "model")
+    run_sp_ranks(tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["sp_size"] for r in ranks] == [2, 2]
+    assert all(all(r["slices"]) for r in ranks)  # packed_layout.ulysses_slice == AReaL's ulysses_pad_and_slice_inputs
+    batch, routes = episodes(), ranks[0]["routes"]
+
+    def seen(name: str) -> dict:
+        return by_trajectory(joined_calls([r[name] for r in ranks]), batch)
+
+    assert disagreement(seen("compute_logp_r3"), routes) == 0
+    assert disagreement(seen("update_r3"), routes) == 0
+    recorded = first_pass(seen("compute_logp_r2"))
+    assert disagreement(seen("update_r2"), recorded) == 0
