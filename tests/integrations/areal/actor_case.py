@@ -15,6 +15,7 @@ its trajectory by its tokens. Legend: S positions of a trajectory, T packed posi
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -183,7 +184,7 @@ def by_trajectory(calls: list[ModelCall], batch: list[dict[str, torch.Tensor]]) 
     out: dict[int, dict[int, list]] = {i: {layer: [] for layer in MOE_LAYERS} for i in range(len(batch))}
     for call in calls:
         cu = call.cu_seqlens.tolist()
-        for start, stop in zip(cu[:-1], cu[1:], strict=True):
+        for start, stop in itertools.pairwise(cu):
             segment = call.input_ids[start:stop].to(torch.int64)
             match = [i for i, t in enumerate(tokens) if t.shape == segment.shape and torch.equal(t, segment)]
             if not match:
@@ -324,7 +325,7 @@ __all__ = [
     "first_pass",
     "grpo_config",
     "joined_calls",
-    "sp_rank",
     "random_routes",
+    "sp_rank",
     "with_routes",
 ]

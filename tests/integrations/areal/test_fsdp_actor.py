@@ -30,6 +30,7 @@ from routereplay.errors import (
     TokenMismatchError,
     UncheckedRoutesError,
 )
+from tests.distributed.launch import REPO_ROOT, free_port
 from tests.integrations.areal.actor_case import (
     MOE_LAYERS,
     ROUTES_KEY,
@@ -46,7 +47,6 @@ from tests.integrations.areal.actor_case import (
     random_routes,
     with_routes,
 )
-from tests.distributed.launch import REPO_ROOT, free_port
 
 MODE_ENV = "ROUTEREPLAY_AREAL_ROUTER_REPLAY"
 UNCHECKED_ENV = "ROUTEREPLAY_AREAL_UNCHECKED_ROUTES"
@@ -118,7 +118,9 @@ def test_r3_dispatches_the_rollout_routes_in_compute_logp_and_every_update_micro
         seen = by_trajectory(calls, batch)
         assert all(len(seen[i][1]) == 2 for i in seen)  # its forward and its checkpoint recompute, both replayed
         assert disagreement(seen, routes) == 0
-    assert any(not torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, actor.model.parameters()))
+    assert any(
+        not torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, actor.model.parameters(), strict=True)
+    )
 
     metrics = exported()
     finals = len(batch) * len(MOE_LAYERS)  # each final token: no rollout route, routed live
@@ -256,7 +258,7 @@ def test_token_check_refuses_equal_length_trajectories_swapped_and_the_opt_out_r
     with dispatch_probe(actor.model) as calls, pytest.raises(TokenMismatchError, match="trajectory 0 row 0"):
         actor.ppo_update(adv)
     assert not calls  # refused before AReaL's first mini-batch: no forward, no step
-    assert all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, actor.model.parameters()))
+    assert all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, actor.model.parameters(), strict=True))
 
     exported()
     monkeypatch.setenv(UNCHECKED_ENV, "1")
@@ -314,7 +316,7 @@ def _hostile(kind: str, data: list[dict]) -> None:
         ("partial_row", PartialRowError, "trajectory 3 .*mixes -1"),
         ("float_dtype", DtypeError, "trajectory 3: 'routereplay_routes' has dtype torch.float32"),
         ("all_layers", LayerCountError, "3 layer columns, the model has 2 MoE layers"),
-        ("token_sentinel", BatchFieldError, "position 0: 'routereplay_route_tokens' is -1 where the route row is routed"),
+        ("token_sentinel", BatchFieldError, "position 0: 'routereplay_route_tokens' is -1 where the route row is"),
     ],
 )
 def test_hostile_route_columns_are_refused_by_name_before_the_model_runs(
@@ -366,7 +368,7 @@ def run_sp_ranks(folder: Path, timeout_s: float = 300.0) -> None:
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)])}  # fmt: skip
         env.pop("ROUTEREPLAY_AREAL_ROUTER_REPLAY", None)
         code = f"from tests.integrations.areal.actor_case import sp_rank; sp_rank({str(folder)!r})"
-        log = open(folder / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process below
+        log = open(folder / f"rank{rank}.log", "w")  # closed with the process below
         procs.append((subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))  # fmt: skip
     try:

@@ -7,6 +7,7 @@ trajectory each packed sequence's tokens belong to.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -90,7 +91,7 @@ def test_every_packed_position_gets_its_own_trajectorys_route(spec: dict[str, An
         table.check_fed(row_1T, ids_1T, "test")
         routes_1TMK = table.model_routes(row_1T)
         cu = padded["cu_seqlens"].tolist()
-        for start, stop in zip(cu[:-1], cu[1:], strict=True):
+        for start, stop in itertools.pairwise(cu):
             segment = ids_1T[0, start:stop].to(torch.int64)
             match = [i for i, t in enumerate(tokens) if torch.equal(t, segment)]
             if not match:  # AReaL's padding sequence: no rows, the live router
@@ -117,14 +118,18 @@ def test_ulysses_slices_tile_the_padded_column(sp_size: int) -> None:
     joined = torch.cat(parts, dim=1)
     assert torch.equal(joined[:, :11], column) and bool((joined[:, 11:] == 0).all())
     routes = torch.arange(11 * 4).reshape(1, 11, 2, 2)
-    assert torch.equal(torch.cat([ulysses_slice(routes, sp_size, r, fill=-1) for r in range(sp_size)], 1)[:, :11], routes)
+    assert torch.equal(
+        torch.cat([ulysses_slice(routes, sp_size, r, fill=-1) for r in range(sp_size)], 1)[:, :11], routes
+    )
 
 
 def test_token_check_names_trajectory_and_position() -> None:
     ids = torch.tensor([[4, 5, 6, 7], [8, 9, 10, 0]])
     lengths = torch.tensor([4, 3])
     check_tokens(torch.tensor([[4, 5, 6, -1], [8, 9, -1, -1]]), ids, lengths, "batch")
-    with pytest.raises(TokenMismatchError, match="batch row 1, position 0: the route row was routed for token 9 .*rows shifted by one"):
+    with pytest.raises(
+        TokenMismatchError, match="row 1, position 0: the route row was routed for token 9 .*rows shifted by one"
+    ):
         check_tokens(torch.tensor([[4, 5, 6, -1], [9, 10, -1, 0]]), ids, lengths, "batch")
 
 

@@ -80,7 +80,7 @@ def test_archon_actor_is_refused_naming_its_router(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["R2", "R3"])
 def test_megatron_actor_is_refused_naming_the_areal_issues_and_the_adapter(tmp_path: Path, mode: str) -> None:
     overrides = ["actor.backend=megatron:d1"] + ([ROUTES_ON] if mode == "R3" else [])
-    with pytest.raises(ConfigError, match=r"MegatronEngine is not wired .*AReaL #1207 / #1496.*routereplay.runtime.megatron"):
+    with pytest.raises(ConfigError, match=r"MegatronEngine is not wired .*#1207 / #1496.*routereplay.runtime.megatron"):
         configure(config(tmp_path, *overrides, mode=mode))
 
 

@@ -245,8 +245,8 @@ class RouteReplayFSDPPPOActor(FSDPPPOActor):
         if mode is AReaLReplayMode.R2:
             if has_routes:
                 raise ConfigError(
-                    f"{MODE_ENV}=R2 with the rollout's routes on the batch ({where} has '{ROUTES_KEY}'): R2 replays the "
-                    f"trainer's own routing, so they would silently make it R3. Set {ROUTES_FLAG}=false for R2, or "
+                    f"{MODE_ENV}=R2 with the rollout's routes on the batch ({where} has '{ROUTES_KEY}'): R2 replays "
+                    f"the trainer's own routing, so they would silently make it R3. Set {ROUTES_FLAG}=false for R2, or "
                     f"{MODE_ENV}=R3"
                 )
             if records:
@@ -285,7 +285,7 @@ class RouteReplayFSDPPPOActor(FSDPPPOActor):
         if bool((routes_NMK < 0).any()):
             raise RowCountError(
                 f"R2: compute_logp left {int((routes_NMK[:, 0, 0] < 0).sum())} attended tokens without a recorded "
-                "route; AReaL laid the micro-batches out differently from routereplay (report it with the AReaL version)"
+                "route; AReaL laid the micro-batches out differently from routereplay (report it, with AReaL's version)"
             )
         for episode, row_BS in rows:
             routes_BSMK = table.model_routes(row_BS)

@@ -98,11 +98,14 @@ def read_columns(
         )
     if routes.shape[2] != len(geometry.moe_layers):
         raise LayerCountError(
-            f"{where}: '{ROUTES_KEY}' has {routes.shape[2]} layer columns, the model has {len(geometry.moe_layers)} MoE "
-            f"layers {list(geometry.moe_layers)}; the column holds MoE layers only, ascending"
+            f"{where}: '{ROUTES_KEY}' has {routes.shape[2]} layer columns, the model has "
+            f"{len(geometry.moe_layers)} MoE layers {list(geometry.moe_layers)}; the column holds MoE layers only, "
+            "ascending"
         )
     if routes.shape[3] != geometry.top_k:
-        raise TopKMismatchError(f"{where}: '{ROUTES_KEY}' has top-k {routes.shape[3]}, the model routes {geometry.top_k}")
+        raise TopKMismatchError(
+            f"{where}: '{ROUTES_KEY}' has top-k {routes.shape[3]}, the model routes {geometry.top_k}"
+        )
     tokens = None
     if TOKENS_KEY in episode and episode[TOKENS_KEY] is not None:
         tokens = _tensor(episode, TOKENS_KEY, where)
@@ -181,7 +184,9 @@ class RouteTable:
     _routes_NMK: torch.Tensor | None = None
     _tokens_N: torch.Tensor | None = None
 
-    def add(self, input_ids_BS: torch.Tensor, lengths_B: torch.Tensor, routes_BSMK: torch.Tensor | None) -> torch.Tensor:
+    def add(
+        self, input_ids_BS: torch.Tensor, lengths_B: torch.Tensor, routes_BSMK: torch.Tensor | None
+    ) -> torch.Tensor:
         """Table rows for each attended position of a `[B, S]` batch (routes None: -1 rows, to be recorded);
         returns its `ROW_KEY` column (`[B, S]` int64, 0 on padding)."""
         row_BS = torch.zeros(tuple(input_ids_BS.shape), dtype=torch.int64)
@@ -209,8 +214,9 @@ class RouteTable:
         row = row_xT.detach().cpu().to(torch.int64)
         if bool(((row < 0) | (row > self.size)).any()):
             raise BatchFieldError(
-                f"'{ROW_KEY}' holds {int(row.min())}..{int(row.max())} but this call's table has {self.size} rows: the "
-                "column was not written by this actor's compute_logp / ppo_update (it is routereplay's own; do not set it)"
+                f"'{ROW_KEY}' holds {int(row.min())}..{int(row.max())} but this call's table has {self.size} rows: "
+                "the column was not written by this actor's compute_logp / ppo_update (routereplay's own: do not set "
+                "it)"
             )
         return row
 

@@ -69,8 +69,8 @@ def configured_mode(actor_config: Any) -> AReaLReplayMode | None:
             found.setdefault(_parsed(str(value), f"actor.scheduling_spec[{i}].env_vars"), i)
     if len(found) > 1:
         raise ConfigError(
-            f"actor.scheduling_spec entries set {MODE_ENV} to {[m.value for m in found]} (specs {list(found.values())});"
-            " set it once, in actor.scheduling_spec[0].env_vars"
+            f"actor.scheduling_spec entries set {MODE_ENV} to {[m.value for m in found]} (specs "
+            f"{list(found.values())}); set it once, in actor.scheduling_spec[0].env_vars"
         )
     return next(iter(found), None)
 
@@ -122,7 +122,10 @@ def refusal(config: Any, mode: AReaLReplayMode) -> str | None:
             f"unset {MODE_ENV}"
         )
     if actor_backend != "fsdp":
-        return f"{MODE_ENV}={mode.value} with actor.backend={actor.backend}: routereplay replays on AReaL's FSDP actor only"
+        return (
+            f"{MODE_ENV}={mode.value} with actor.backend={actor.backend}: routereplay replays on AReaL's FSDP actor "
+            "only (actor.backend=fsdp:...)"
+        )
     if getattr(actor, "enable_tree_training", False):
         return (
             f"{MODE_ENV}={mode.value} with actor.enable_tree_training=true: tree training packs shared prefixes once, "
