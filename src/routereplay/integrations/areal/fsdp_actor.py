@@ -45,29 +45,25 @@ from routereplay.integrations.areal.packed_layout import (
     ROUTES_KEY,
     ROW_KEY,
     TOKENS_KEY,
+    UNCHECKED_ENV,
     RouteTable,
     attended_lengths,
     check_tokens,
     read_columns,
     ulysses_slice,
+    unchecked_opt_out,
 )
 from routereplay.integrations.areal.replay_mode import MODE_ENV, ROUTES_FLAG, AReaLReplayMode, mode_of
-from routereplay.integrations.opt_out import env_opt_out
 from routereplay.integrations.skyrl.policy_worker import model_geometry
 from routereplay.integrations.skyrl.recorded_routes import RecordedRoutes
 from routereplay.integrations.verl import RouteGeometry
 from routereplay.runtime.stats import ReplayStats
 
-UNCHECKED_ENV = "ROUTEREPLAY_AREAL_UNCHECKED_ROUTES"
 METRIC_PREFIX = "router_replay/"
 RATE_METRICS = ("replace_rate", "disagree_rate")  # averaged; every other metric is a count, summed
 COLUMNS = (ROUTES_KEY, TOKENS_KEY)
 
 logger = logging.getLogger("routereplay.integrations.areal")
-
-
-def unchecked_opt_out() -> bool:
-    return env_opt_out(UNCHECKED_ENV, on="replay R3 routes without the token check, counted", off="check them")
 
 
 @dataclass(slots=True)

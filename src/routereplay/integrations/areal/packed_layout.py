@@ -38,6 +38,7 @@ from routereplay.errors import (
     TokenMismatchError,
     TopKMismatchError,
 )
+from routereplay.integrations.opt_out import env_opt_out
 from routereplay.integrations.verl import RouteGeometry
 from routereplay.integrations.verl.micro_batch import require_fed_tokens
 from routereplay.trace import RouteTrace
@@ -46,6 +47,7 @@ ROUTES_KEY = "routereplay_routes"  # the contract's [1, S, M, K] routes column (
 TOKENS_KEY = "routereplay_route_tokens"  # the contract's [1, S] token column, -1 where the row is -1
 ROW_KEY = "routereplay_route_row"  # [B, S] int64: table row + 1, 0 = none (what AReaL splits, packs, pads)
 ROUTE_DTYPES = (torch.int16, torch.int32, torch.int64)  # signed: -1 must fit
+UNCHECKED_ENV = "ROUTEREPLAY_AREAL_UNCHECKED_ROUTES"  # a worker's opt-out of the token check (counted)
 TOKEN_FIX = (
     "build the episode dict with routereplay's AReaL workflows (integrations/areal/workflows.py), which take both "
     "columns from the engine calls that routed these tokens"
@@ -152,9 +154,14 @@ def check_tokens(tokens_BS: torch.Tensor, input_ids_BS: torch.Tensor, lengths_B:
                 f"{where} row {b}, position {s}: the route row was routed for token {int(routed_N[s])} but input_ids "
                 f"holds {int(ids_N[s])}{hint}; {int(differ_N.sum())} of {int((routed_N >= 0).sum())} routed positions "
                 f"differ, so the routes belong to other tokens (rows moved against input_ids, or trajectories "
-                f"swapped). Fix: {TOKEN_FIX}; or opt this worker out (ROUTEREPLAY_AREAL_UNCHECKED_ROUTES=1) to "
+                f"swapped). Fix: {TOKEN_FIX}; or opt this worker out ({UNCHECKED_ENV}=1) to "
                 "replay unchecked, counted"
             )
+
+
+def unchecked_opt_out() -> bool:
+    """Whether this worker opted out of R3's token check (`UNCHECKED_ENV`): it then replays without comparing."""
+    return env_opt_out(UNCHECKED_ENV, on="replay R3 routes without the token check, counted", off="check them")
 
 
 def ulysses_slice(column_xT: torch.Tensor, sp_size: int, sp_rank: int, fill: int) -> torch.Tensor:
@@ -267,9 +274,11 @@ __all__ = [
     "ROUTES_KEY",
     "ROW_KEY",
     "TOKENS_KEY",
+    "UNCHECKED_ENV",
     "RouteTable",
     "attended_lengths",
     "check_tokens",
     "read_columns",
     "ulysses_slice",
+    "unchecked_opt_out",
 ]
