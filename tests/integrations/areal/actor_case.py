@@ -296,6 +296,23 @@ def sp_rank(folder: str) -> None:
     actor.destroy()
 
 
+def dp_rank(folder: str) -> None:
+    """One rank of a 2-rank data-parallel job (`backend=fsdp:d2`, R2): each rank records compute_logp on its own
+    batch (`episodes(seed=rank)`), then updates on the OTHER rank's batch, which only the recording shared over
+    AReaL's dp group holds; both probes saved to `folder/rank{r}.pt`."""
+    rank = int(os.environ["RANK"])
+    os.environ["ROUTEREPLAY_AREAL_ROUTER_REPLAY"] = "R2"
+    actor = build_actor(actor_config(os.path.join(folder, "model"), backend="fsdp:d2"))
+    mine, theirs = episodes(seed=rank), episodes(seed=1 - rank)
+    with dispatch_probe(actor.model) as logp_calls:
+        logps = actor.compute_logp(mine)
+    adv = actor.compute_advantages([{**d, "prox_logp": lp} for d, lp in zip(theirs, logps, strict=True)])
+    with dispatch_probe(actor.model) as update_calls:
+        actor.ppo_update(adv)
+    torch.save({"logp": logp_calls, "update": update_calls}, os.path.join(folder, f"rank{rank}.pt"))
+    actor.destroy()
+
+
 def joined_calls(ranks: list[list[ModelCall]]) -> list[ModelCall]:
     """The ranks' calls of one pass as whole packed model inputs: each rank's slice of the input ids and of every
     experts call, concatenated in rank order (AReaL's Ulysses slices), the global cu_seqlens kept."""
@@ -321,6 +338,7 @@ __all__ = [
     "checkpoint",
     "disagreement",
     "dispatch_probe",
+    "dp_rank",
     "episodes",
     "first_pass",
     "grpo_config",

@@ -131,6 +131,7 @@ def test_r3_dispatches_the_rollout_routes_in_compute_logp_and_every_update_micro
     assert metrics["ppo_actor/update/router_replay/recompute_calls"] > 0
     assert metrics["ppo_actor/update/router_replay/disagree_rows"] > 0  # random routes: the live router disagrees
     assert metrics["ppo_actor/update/router_replay/unchecked_samples"] == 0
+    assert 0 < metrics["ppo_actor/update/router_replay/disagree_rate/layer_1"] <= 1
 
 
 def test_r2_replays_what_compute_logp_recorded_where_natural_routing_drifts(actor: Any, mode: Any) -> None:
@@ -359,15 +360,15 @@ def test_disabled_drops_the_columns_before_the_hf_model(actor: Any, mode: Any) -
     assert seen and not any({ROUTES_KEY, TOKENS_KEY, "routereplay_route_row"} & keys for keys in seen)
 
 
-def run_sp_ranks(folder: Path, timeout_s: float = 300.0) -> None:
-    """Two processes, one gloo rank each, running `actor_case.sp_rank` (env:// as torchrun sets it)."""
+def run_ranks(scenario: str, folder: Path, timeout_s: float = 300.0) -> None:
+    """Two processes, one gloo rank each, running `actor_case.<scenario>(folder)` (env:// as torchrun sets it)."""
     port, procs = str(free_port()), []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)])}  # fmt: skip
         env.pop("ROUTEREPLAY_AREAL_ROUTER_REPLAY", None)
-        code = f"from tests.integrations.areal.actor_case import sp_rank; sp_rank({str(folder)!r})"
+        code = f"from tests.integrations.areal.actor_case import {scenario}; {scenario}({str(folder)!r})"
         log = open(folder / f"rank{rank}.log", "w")  # closed with the process below
         procs.append((subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))  # fmt: skip
@@ -384,7 +385,7 @@ def run_sp_ranks(folder: Path, timeout_s: float = 300.0) -> None:
     for rank, (proc, _) in enumerate(procs):
         if proc.returncode != 0:
             tail = (folder / f"rank{rank}.log").read_text().splitlines()[-30:]
-            pytest.fail(f"SP rank {rank} exited {proc.returncode}:\n" + "\n".join(tail))
+            pytest.fail(f"{scenario} rank {rank} exited {proc.returncode}:\n" + "\n".join(tail))
 
 
 def test_ulysses_sp_two_gloo_ranks_dispatch_their_slices_of_the_routes_r3_and_r2(tmp_path: Path) -> None:
@@ -393,7 +394,7 @@ def test_ulysses_sp_two_gloo_ranks_dispatch_their_slices_of_the_routes_r3_and_r2
     the routes (R3), and R2 replays the recording gathered over the SP group. On CPU the attention is sdpa on each
     rank's slice (AReaL's Ulysses attention patches flash-attention only), which changes logits, not the layout."""
     checkpoint(tmp_path / "model")
-    run_sp_ranks(tmp_path)
+    run_ranks("sp_rank", tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["sp_size"] for r in ranks] == [2, 2]
     assert all(all(r["slices"]) for r in ranks)  # packed_layout.ulysses_slice == AReaL's ulysses_pad_and_slice_inputs
@@ -406,3 +407,16 @@ def test_ulysses_sp_two_gloo_ranks_dispatch_their_slices_of_the_routes_r3_and_r2
     assert disagreement(seen("update_r3"), routes) == 0
     recorded = first_pass(seen("compute_logp_r2"))
     assert disagreement(seen("update_r2"), recorded) == 0
+
+
+def test_r2_recordings_are_shared_over_the_dp_group(tmp_path: Path) -> None:
+    """`backend=fsdp:d2` on 2 gloo ranks: each rank records its own batch, then updates on the other rank's; the
+    update dispatches what the other rank's compute_logp recorded (only the all-gathered recording has it)."""
+    checkpoint(tmp_path / "model")
+    run_ranks("dp_rank", tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank in range(2):
+        other = 1 - rank
+        batch = episodes(seed=other)
+        recorded = first_pass(by_trajectory(ranks[other]["logp"], batch))
+        assert disagreement(by_trajectory(ranks[rank]["update"], batch), recorded) == 0

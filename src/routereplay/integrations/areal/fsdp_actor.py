@@ -60,7 +60,6 @@ from routereplay.integrations.verl import RouteGeometry
 from routereplay.runtime.stats import ReplayStats
 
 METRIC_PREFIX = "router_replay/"
-RATE_METRICS = ("replace_rate", "disagree_rate")  # averaged; every other metric is a count, summed
 COLUMNS = (ROUTES_KEY, TOKENS_KEY)
 
 logger = logging.getLogger("routereplay.integrations.areal")
@@ -289,17 +288,18 @@ class RouteReplayFSDPPPOActor(FSDPPPOActor):
         state.recorded.share(self.dp_group if self.parallel_helper.dp_size > 1 else None)
 
     def report(self, delta: ReplayStats, unchecked: int, recorded: int, name: str) -> None:
-        """The call's counts into AReaL's stats tracker: counts summed, rates averaged."""
-        metrics = delta.as_metrics(per_layer=False)
+        """The call's metrics into AReaL's stats tracker under `ppo_actor/<name>/router_replay/...`: counts summed
+        over calls and dp ranks, rates (`*_rate`, per layer too) averaged."""
+        metrics = delta.as_metrics()
         metrics[METRIC_PREFIX + "unchecked_samples"] = float(unchecked)
         metrics[METRIC_PREFIX + "recorded_rows"] = float(recorded)
+        rates = {k: v for k, v in metrics.items() if "_rate" in k}
+        counts = {k: torch.tensor([v], dtype=torch.float32) for k, v in metrics.items() if k not in rates}
         with stats_tracker.scope("ppo_actor"), stats_tracker.scope(name):
             calls = METRIC_PREFIX + "calls"
             stats_tracker.denominator(**{calls: torch.ones(1, dtype=torch.bool)})
-            counts = {k: torch.tensor([v], dtype=torch.float32) for k, v in metrics.items()
-                      if k.removeprefix(METRIC_PREFIX) not in RATE_METRICS}  # fmt: skip
             stats_tracker.stat(denominator=calls, reduce_type=stats_tracker.ReduceType.SUM, **counts)
-            stats_tracker.scalar(**{k: v for k, v in metrics.items() if k.removeprefix(METRIC_PREFIX) in RATE_METRICS})
+            stats_tracker.scalar(**rates)
 
     # -- AReaL's micro-batch loop ---------------------------------------------------------------------------------
     def _prepare_mb_list(self, input_: dict[str, Any]) -> Any:
