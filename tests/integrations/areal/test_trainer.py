@@ -6,10 +6,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from routereplay.errors import ConfigError
 from routereplay.integrations.areal.replay_mode import MODE_ENV
-from tests.integrations.areal.actor_case import checkpoint, distributed_env, grpo_config
+from tests.integrations.areal.actor_case import (
+    actor_config,
+    build_actor,
+    checkpoint,
+    distributed_env,
+    episodes,
+    grpo_config,
+    random_routes,
+    with_routes,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +65,18 @@ def test_constructor_applies_the_mode_before_areal_starts_anything(spmd: None, m
     refused: Any = grpo_config(tmp_path, model_path, "rollout.return_routed_experts=true", "actor.backend=archon:d1")
     with pytest.raises(ConfigError, match="TokenChoiceTopKRouter"):
         RouteReplayPPOTrainer(refused)
+
+
+def test_areals_own_actor_for_the_ref_runs_natural_routing_with_the_columns_on_the_batch(
+    spmd: None, model_path: str
+) -> None:
+    """The ref (AReaL's FSDPPPOActor) gets the rollout batch with the route columns: AReaL hands them to the HF
+    model as keyword arguments, which it ignores; its log-probs are those of the batch without them."""
+    from areal.engine.fsdp_engine import FSDPPPOActor
+
+    ref = build_actor(actor_config(model_path), cls=FSDPPPOActor)
+    batch = episodes()
+    plain = ref.compute_logp(batch)
+    with_columns = ref.compute_logp(with_routes(batch, random_routes(batch)))
+    for a, b in zip(plain, with_columns, strict=True):
+        torch.testing.assert_close(a, b)
