@@ -24,6 +24,8 @@ from __future__ import annotations
 import base64
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -201,6 +203,39 @@ def first_routing(calls: list[ServedPass], versions: list[nn.Module], tokens: li
 
 
 
+def tiny_versions(count: int = 2) -> list[nn.Module]:
+    """The tiny dense-first Qwen3-MoE (seeded) and `count - 1` weight updates of it (routers perturbed: they route
+    differently, so a row kept from the wrong version shows)."""
+    from routereplay.testing.vllm_models import tiny_vllm_model
+    from tests.runtime.models import perturbed_routers
+
+    base = tiny_vllm_model("qwen3_moe_dense_first", seed=0)
+    return [base] + [perturbed_routers(base, noise=0.5, seed=7 + v) for v in range(1, count)]
+
+
+@contextmanager
+def areal_engine(server: SGLangServer, **config: Any) -> Iterator[Any]:
+    """AReaL's own `RemoteSGLangEngine`, initialised against `server` (`initialize(addr=...)`), destroyed after."""
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+
+    engine = RemoteSGLangEngine(
+        InferenceEngineConfig(
+            experiment_name="routereplay", trial_name="areal", backend="sglang:d1", setup_timeout=30, **config
+        )
+    )
+    engine.initialize(addr=server.address)
+    try:
+        yield engine
+    finally:
+        engine.destroy()
+
+
+def chat(words: str) -> dict[str, Any]:
+    """AReaL's episode data: one user message (the word tokenizer's text)."""
+    return {"messages": [{"role": "user", "content": words}]}
+
+
 def zero_reward(*args: Any, **kwargs: Any) -> float:
     """A reward function AReaL can ship to its reward process pool (module-level): never right, so
     `MultiTurnWorkflow` runs every turn."""
@@ -209,4 +244,15 @@ def zero_reward(*args: Any, **kwargs: Any) -> float:
 
 def unit_reward(*args: Any, **kwargs: Any) -> float:
     return 1.0
-__all__ = ["SGLangServer", "ServedPass", "first_routing", "greedy", "model_routes", "unit_reward", "zero_reward"]
+__all__ = [
+    "SGLangServer",
+    "ServedPass",
+    "areal_engine",
+    "chat",
+    "first_routing",
+    "greedy",
+    "model_routes",
+    "tiny_versions",
+    "unit_reward",
+    "zero_reward",
+]
