@@ -200,9 +200,6 @@ def first_routing(calls: list[ServedPass], versions: list[nn.Module], tokens: li
     return truth_SAK
 
 
-
-
-
 def tiny_versions(count: int = 2) -> list[nn.Module]:
     """The tiny dense-first Qwen3-MoE (seeded) and `count - 1` weight updates of it (routers perturbed: they route
     differently, so a row kept from the wrong version shows)."""
@@ -244,6 +241,8 @@ def zero_reward(*args: Any, **kwargs: Any) -> float:
 
 def unit_reward(*args: Any, **kwargs: Any) -> float:
     return 1.0
+
+
 __all__ = [
     "SGLangServer",
     "ServedPass",

@@ -19,7 +19,7 @@ from areal.engine.sglang_remote import SGLangBackend
 from areal.engine.vllm_remote import RemotevLLMEngine
 from areal.utils.data import concat_padded_tensors, pack_tensor_dict
 
-from routereplay.errors import ConfigError, RowCountError
+from routereplay.errors import ConfigError, DuplicatedPrefixError
 from routereplay.integrations.areal import ROUTES_KEY, TOKENS_KEY, EpisodeRoutes, check_columns
 from routereplay.integrations.areal.backend import RoutedSGLangBackend
 from routereplay.integrations.areal.workflows import RoutedMultiTurnWorkflow, RoutedRLVRWorkflow
@@ -125,13 +125,11 @@ def test_areal_backend_duplicates_the_prefix_rows(versions: list[Any], geometry:
     rows_TA = response.routed_experts
     assert rows_TA.shape[0] == (len(first.tokens) - 1) + (len(sequence) - 1)  # prefix rows twice
     assert rows_TA.shape[0] > len(sequence) - 1
-    with pytest.raises(RowCountError, match="rows"):
+    with pytest.raises(DuplicatedPrefixError, match="too many"):
         EpisodeRoutes(geometry).add_response(response)
 
 
-def test_multi_turn_minus_one_rows_exactly_where_no_pass_routed(
-    versions: list[Any], geometry: RouteGeometry
-) -> None:
+def test_multi_turn_minus_one_rows_exactly_where_no_pass_routed(versions: list[Any], geometry: RouteGeometry) -> None:
     """AReaL's MultiTurnWorkflow, three turns (reward 0), weights updated after every request: each turn re-sends
     the whole history; every position keeps its first turn's row, and only the final token has none."""
     workflow = RoutedMultiTurnWorkflow(
@@ -190,7 +188,9 @@ def test_packed_episodes_keep_each_row_on_its_token(versions: list[Any], geometr
     assert routed == sum(lengths) - len(prompts)  # every position but each episode's last token
     cu = packed["cu_seqlens"].tolist()
     for index in range(len(prompts)):
-        np.testing.assert_array_equal(packed[ROUTES_KEY][cu[index] : cu[index + 1]], batch[ROUTES_KEY][index, : lengths[index]])
+        np.testing.assert_array_equal(
+            packed[ROUTES_KEY][cu[index] : cu[index + 1]], batch[ROUTES_KEY][index, : lengths[index]]
+        )
 
 
 def test_vllm_engine_is_refused_by_name(geometry: RouteGeometry) -> None:

@@ -90,7 +90,7 @@ def current_task() -> asyncio.Task[Any] | None:
         return None
 
 
-class RoutedSGLangBackend(SGLangBackend):  # type: ignore[misc]  # AReaL's class is untyped
+class RoutedSGLangBackend(SGLangBackend):
     """AReaL's `SGLangBackend` that sends `routed_experts_start_len` on resumed passes and keeps each row once."""
 
     def __init__(self, geometry: RouteGeometry, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
@@ -141,7 +141,8 @@ class RoutedSGLangBackend(SGLangBackend):  # type: ignore[misc]  # AReaL's class
                 "RemoteInfEngine builds and parses each pass in one task; call build_generation_request first"
             )
         start, sent = pending
-        prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
+        prompt: Any = meta.get("prompt_tokens")
+        completion: Any = meta.get("completion_tokens")
         if not (is_int(prompt) and is_int(completion) and prompt >= 1 and completion >= 0):
             raise ResponseFieldError(
                 f"request {ledger.request.rid}: meta_info prompt_tokens={prompt!r}, completion_tokens={completion!r} "

@@ -72,7 +72,7 @@ def episode_columns(trace: RouteTrace, input_ids: Any) -> dict[str, torch.Tensor
             f"position {at} is routed in some MoE layers and -1 in others ({int(partial_T.sum())} such positions): "
             "a call's routes were cut per layer; each position needs every layer's row or none"
         )
-    routed_T = routed_TM.all(axis=1) if experts_TMK.shape[1] else np.zeros(len(experts_TMK), dtype=bool)
+    routed_T = np.asarray(routed_TM.all(axis=1), dtype=bool)
     named_T = trace.token_ids if trace.token_ids is not None else np.full(len(experts_TMK), NO_ROUTE, dtype=np.int64)
     if (routed_T & (named_T < 0)).any():
         raise BatchFieldError(
@@ -89,9 +89,7 @@ def episode_columns(trace: RouteTrace, input_ids: Any) -> dict[str, torch.Tensor
             f"engine routed token {int(tokens_T[row])} ({int(differ_T.sum())} such positions): its routes would replay "
             "on other tokens. Return the tokens the engine saw and generated (resp.input_tokens + resp.output_tokens)"
         )
-    routes_SMK = torch.full(
-        (length, trace.num_layers, trace.top_k), NO_ROUTE, dtype=route_dtype(trace.num_experts)
-    )
+    routes_SMK = torch.full((length, trace.num_layers, trace.top_k), NO_ROUTE, dtype=route_dtype(trace.num_experts))
     routes_SMK[trace.start : trace.stop] = torch.from_numpy(np.where(routed_T[:, None, None], experts_TMK, NO_ROUTE))
     tokens_S = torch.full((length,), NO_ROUTE, dtype=torch.int32)
     tokens_S[trace.start : trace.stop] = torch.from_numpy(tokens_T.astype(np.int32))
@@ -139,7 +137,9 @@ def check_columns(
         )
     keep = torch.ones(tokens.shape, dtype=torch.bool) if valid is None else torch.as_tensor(valid).to(torch.bool)
     if keep.shape != tokens.shape:
-        raise BatchFieldError(f"{where}: valid of shape {tuple(keep.shape)} must have the tokens' {tuple(tokens.shape)}")
+        raise BatchFieldError(
+            f"{where}: valid of shape {tuple(keep.shape)} must have the tokens' {tuple(tokens.shape)}"
+        )
     rows_PMK, tokens_P = routes[keep].long(), tokens[keep].long()
     bad = (rows_PMK < NO_ROUTE) | (rows_PMK >= num_experts)
     if bad.any():
@@ -166,8 +166,9 @@ def check_columns(
             )
     if not torch.equal(tokens_P.ne(NO_ROUTE), routed_P) or (tokens_P < NO_ROUTE).any():
         raise BatchFieldError(
-            f"{where}: '{TOKENS_KEY}' is -1 at {int(tokens_P.eq(NO_ROUTE).sum())} positions but {int((~routed_P).sum())} "
-            "rows are -1: the token column must be -1 exactly on the unrouted rows (and a token id >= 0 elsewhere)"
+            f"{where}: '{TOKENS_KEY}' is -1 at {int(tokens_P.eq(NO_ROUTE).sum())} positions but "
+            f"{int((~routed_P).sum())} rows are -1: the token column must be -1 exactly on the unrouted rows (and a "
+            "token id >= 0 elsewhere)"
         )
     if input_ids is not None:
         ids = torch.as_tensor(input_ids)

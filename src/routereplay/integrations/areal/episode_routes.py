@@ -37,7 +37,14 @@ import numpy as np
 import torch
 
 from routereplay.enums import CodecMode
-from routereplay.errors import ConfigError, MissingRoutesError, TokenMismatchError
+from routereplay.errors import (
+    ConfigError,
+    DuplicatedPrefixError,
+    LayerCountError,
+    MissingRoutesError,
+    RowCountError,
+    TokenMismatchError,
+)
 from routereplay.integrations.areal.columns import episode_columns
 from routereplay.integrations.verl.call_routes import SAMPLE, AgentLoopRoutes, common_prefix
 from routereplay.integrations.verl.rollout import Engine, RouteGeometry
@@ -96,7 +103,34 @@ class EpisodeRoutes(AgentLoopRoutes):
                 "--enable-return-routed-experts and serve an MoE model"
             )
         version = single_version(getattr(response, "output_versions", None))
-        return self.add_call(inputs, outputs, routes, policy_version=version)
+        return self.add_call(inputs, outputs, self.shaped(routes, len(inputs) + len(outputs)), policy_version=version)
+
+    def shaped(self, routes: Any, num_tokens: int) -> Any:
+        """AReaL's `(rows, A * K)` array as `(rows, A, K)`, its row count checked from its shape (never guessed from
+        the id count): a resumed request's prefix rows kept twice are named; any other form is decoded as it is."""
+        g = self.geometry
+        if not isinstance(routes, np.ndarray) or routes.ndim != 2:
+            return routes
+        extra = len(routes) - (num_tokens - 1)
+        if extra > 1:
+            raise DuplicatedPrefixError(
+                f"call {self.calls + 1} of the episode: {len(routes)} route rows for {num_tokens} tokens (rows stop at "
+                f"{num_tokens - 1}), {extra} too many: a request resumed after a weight update whose passes' rows of "
+                "[0, seqlen - 1) were concatenated (AReaL's own SGLangBackend). Use routereplay's backend "
+                "(backend.install(engine, geometry); the routed workflows install it), which keeps each row once"
+            )
+        if extra:
+            raise RowCountError(
+                f"call {self.calls + 1} of the episode: {len(routes)} route rows for {num_tokens} tokens; SGLang "
+                f"returns {num_tokens - 1} (every position but the last): check the engine's response"
+            )
+        if routes.shape[1] != g.num_layers * g.top_k:
+            raise LayerCountError(
+                f"call {self.calls + 1} of the episode: routed_experts rows hold {routes.shape[1]} ids, not "
+                f"num_hidden_layers({g.num_layers}) x top_k({g.top_k}) = {g.num_layers * g.top_k}: the rollout "
+                "served another model than the geometry names (pass the actor's model config)"
+            )
+        return routes.reshape(len(routes), g.num_layers, g.top_k)
 
     def columns(self, input_ids: Any) -> dict[str, torch.Tensor]:
         """The episode's `ROUTES_KEY` / `TOKENS_KEY` columns over the sequence the workflow returns (S ids)."""
@@ -110,7 +144,7 @@ class EpisodeRoutes(AgentLoopRoutes):
             shared = common_prefix(stored_N, tokens_N)
             if shared < len(stored_N):
                 held = self.rollout.trace(SAMPLE)
-                routed_T = held.routed_mask.any(axis=1)
+                routed_T = np.asarray(held.routed_mask.any(axis=1), dtype=bool)
                 after = routed_T[max(shared - held.start, 0) :]
                 if after.any():
                     at = shared if shared < len(tokens_N) else len(tokens_N)

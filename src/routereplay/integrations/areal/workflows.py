@@ -32,8 +32,8 @@ from areal.workflow.multi_turn import MultiTurnWorkflow
 from areal.workflow.rlvr import RLVRWorkflow
 
 from routereplay.errors import BatchFieldError
-from routereplay.integrations.areal.backend import inner_engine, install
 from routereplay.integrations.areal import episode_routes
+from routereplay.integrations.areal.backend import inner_engine, install
 from routereplay.integrations.areal.episode_routes import EpisodeRoutes
 from routereplay.integrations.verl.rollout import RouteGeometry
 
@@ -77,7 +77,7 @@ def with_routes(episode: dict[str, torch.Tensor] | None, recorder: EpisodeEngine
     return {**episode, **recorder.routes.columns(input_ids[0])}
 
 
-class RoutedRLVRWorkflow(RLVRWorkflow):  # type: ignore[misc]  # AReaL's class is untyped
+class RoutedRLVRWorkflow(RLVRWorkflow):
     """AReaL's `RLVRWorkflow` whose episodes carry their routes (`ROUTES_KEY`, `TOKENS_KEY`)."""
 
     def __init__(self, *args: Any, route_geometry: Any, **kwargs: Any) -> None:
@@ -89,7 +89,7 @@ class RoutedRLVRWorkflow(RLVRWorkflow):  # type: ignore[misc]  # AReaL's class i
         return with_routes(await super().arun_episode(recorder, data), recorder)
 
 
-class RoutedMultiTurnWorkflow(MultiTurnWorkflow):  # type: ignore[misc]  # AReaL's class is untyped
+class RoutedMultiTurnWorkflow(MultiTurnWorkflow):
     """AReaL's `MultiTurnWorkflow` whose episodes carry their routes: every turn merged by position (KEEP)."""
 
     def __init__(self, *args: Any, route_geometry: Any, **kwargs: Any) -> None:
