@@ -192,6 +192,16 @@ def test_install_puts_it_on_areals_engine_once() -> None:
         install(engine, other)
 
 
+def test_install_reaches_through_an_episodes_recorder() -> None:
+    from routereplay.integrations.areal.episode_routes import EpisodeRoutes
+    from routereplay.integrations.areal.workflows import EpisodeEngine
+
+    inner = RemoteSGLangEngine(InferenceEngineConfig(backend="sglang:d1"))._engine  # what AReaL's executor passes
+    recorder = EpisodeEngine(EpisodeEngine(inner, EpisodeRoutes(GEOMETRY)), EpisodeRoutes(GEOMETRY))
+    backend = install(recorder, GEOMETRY)
+    assert inner.backend is backend and "backend" not in vars(recorder)
+
+
 def test_install_refuses_vllm_and_foreign_engines() -> None:
     with pytest.raises(ConfigError, match="VLLMBackend.*SGLang only"):
         install(RemotevLLMEngine(InferenceEngineConfig(backend="vllm:d1")), GEOMETRY)

@@ -221,10 +221,16 @@ class RoutedSGLangBackend(SGLangBackend):
 
 
 def inner_engine(engine: Any) -> Any:
-    """AReaL's `RemoteInfEngine` behind `engine` (itself, or a `RemoteSGLangEngine`'s `_engine`), else None."""
-    for candidate in (engine, getattr(engine, "_engine", None), getattr(engine, "engine", None)):
-        if candidate is not None and hasattr(candidate, "backend") and hasattr(candidate, "agenerate"):
+    """AReaL's `RemoteInfEngine` behind `engine`: the object that holds `backend` itself, found through
+    `RemoteSGLangEngine._engine` and wrappers' `.engine` (an episode's recorder); None when there is none."""
+    candidate = engine
+    for _ in range(8):  # a few wrappers deep, never a cycle
+        own = getattr(candidate, "__dict__", {})
+        if "backend" in own and hasattr(candidate, "agenerate"):
             return candidate
+        candidate = own.get("_engine", own.get("engine"))
+        if candidate is None:
+            return None
     return None
 
 
@@ -250,7 +256,8 @@ def install(engine: Any, geometry: RouteGeometry) -> RoutedSGLangBackend:
     if type(backend) is not SGLangBackend:
         raise ConfigError(
             f"the engine's backend is {type(backend).__name__}, not AReaL's SGLangBackend: AReaL captures routed "
-            "experts with SGLang only (rollout.return_routed_experts refuses vLLM); serve the rollout with SGLang"
+            "experts with SGLang only (rollout.return_routed_experts refuses vLLM); serve the rollout with SGLang "
+            "(a subclass of SGLangBackend is not replaced either: derive it from RoutedSGLangBackend)"
         )
     routed = RoutedSGLangBackend(geometry)
     inner.backend = routed
