@@ -90,9 +90,12 @@ SGLANG_DEPS := $(TRITON) openai==2.8.0 orjson psutil pybase64 requests pillow st
 # areal.engine.fsdp_engine, areal.trainer.ppo.actor, areal.trainer.rl_trainer, areal.utils.data` imports, each
 # pinned and --no-deps (found by importing them in an empty venv until they import: AREAL_NODEPS). Ray goes in with
 # its deps: areal/utils/name_resolve.py decorates with ray.remote at import (Ray is imported, never started).
-# wandb, swanlab, trackio, tensorboardX: AReaL's stats logger imports all four at module top; --no-deps, their
-# imports work without their service stacks (nothing is logged in the tests). numba / llvmlite: imported at the top
-# of AReaL's data utilities. No shim: AReaL's CPU path imports as published (its `current_platform` is the CPU one).
+# wandb, swanlab, trackio, tensorboardX: areal/utils/stats_logger.py imports all four at module top; --no-deps, their
+# imports work without their service stacks (nothing is logged in the tests; swanlab 0.10.3, not AReaL's 0.6.12 pin,
+# whose dashboard extra pulls a web stack). numba / llvmlite: areal/utils/seqpack.py imports numba at module top.
+# protobuf 6.33 (swanlab's <7, which Ray's deps would otherwise leave at 7.x). pip's resolver then reports AReaL's
+# own pins (torch<2.11, networkx==3.3, swanlab 0.6.12) as unmet: expected, those are the pins this venv overrides.
+# No shim: AReaL's CPU path imports and runs as published (tests/integrations/areal drives it unpatched).
 AREAL_VENV  := .venv-areal
 AREAL_BIN   := $(AREAL_VENV)/bin
 AREAL_STAMP := $(AREAL_VENV)/.installed
@@ -108,7 +111,7 @@ AREAL_NODEPS := aiohttp==3.14.5 multidict==7.2.1 attrs==26.1.0 yarl==1.25.1 prop
 	swanlab==0.10.3 rich==15.0.0 pyroaring==1.0.3 watchdog==7.1.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 \
 	pyecharts==2.1.0 simplejson==4.3.0 prettytable==3.18.0 trackio==0.43.0 gradio_client==2.7.2 uvicorn==0.54.0 \
 	starlette==1.10.0 wandb==0.31.0 platformdirs==4.14.8 opentelemetry-api==1.45.2 tensorboardX==2.6.5 tabulate==0.10.0
-AREAL_DEPS := tokenizers==0.22.2 huggingface-hub==1.33.0 ray==2.60.0 pytest pytest-xdist hypothesis
+AREAL_DEPS := tokenizers==0.22.2 huggingface-hub==1.33.0 ray==2.60.0 protobuf==6.33.6 pytest pytest-xdist hypothesis
 # two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
 # `make test` installs nothing more; `make test` after `make demo` adds the rest)
 DEMO_STAMP := $(VENV)/.installed-demo
