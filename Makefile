@@ -83,6 +83,35 @@ SGLANG_NODEPS := torchvision==0.28.0 partial-json-parser==0.2.1.1.post7 compress
 SGLANG_DEPS := $(TRITON) openai==2.8.0 orjson psutil pybase64 requests pillow starlette msgspec pyzmq ipython aiohttp dill \
 	apache-tvm-ffi==0.1.11 sentencepiece==0.2.1 einops loguru gguf fastapi==0.165.0 uvicorn==0.54.0 setproctitle==1.3.8 \
 	uvloop==0.22.1 jsonschema==4.26.0 xgrammar==0.2.7 soundfile==0.13.1 python-multipart==0.0.34 pytest pytest-xdist hypothesis
+# AReaL 1.0.4 (routereplay.integrations.areal) pins torch<2.11, transformers<=5.3.0, networkx==3.3 and ~60 packages
+# (SGLang, CUDA kernels, every logger's full stack), so its tests run in their own venv: torch first (the CPU wheel),
+# then areal --no-deps and transformers 5.3.0 (AReaL's pin; it checks tokenizers<=0.23 and huggingface-hub<2 at
+# import), then ONLY what `import areal.workflow.rlvr, areal.workflow.multi_turn, areal.engine.sglang_remote,
+# areal.engine.fsdp_engine, areal.trainer.ppo.actor, areal.trainer.rl_trainer, areal.utils.data` imports, each
+# pinned and --no-deps (found by importing them in an empty venv until they import: AREAL_NODEPS). Ray goes in with
+# its deps: areal/utils/name_resolve.py decorates with ray.remote at import (Ray is imported, never started).
+# wandb, swanlab, trackio, tensorboardX: areal/utils/stats_logger.py imports all four at module top; --no-deps, their
+# imports work without their service stacks (nothing is logged in the tests; swanlab 0.10.3, not AReaL's 0.6.12 pin,
+# whose dashboard extra pulls a web stack). numba / llvmlite: areal/utils/seqpack.py imports numba at module top.
+# protobuf 6.33 (swanlab's <7, which Ray's deps would otherwise leave at 7.x). pip's resolver then reports AReaL's
+# own pins (torch<2.11, networkx==3.3, swanlab 0.6.12) as unmet: expected, those are the pins this venv overrides.
+# No shim: AReaL's CPU path imports and runs as published (tests/integrations/areal drives it unpatched).
+AREAL_VENV  := .venv-areal
+AREAL_BIN   := $(AREAL_VENV)/bin
+AREAL_STAMP := $(AREAL_VENV)/.installed
+AREAL := areal==1.0.4
+AREAL_TRANSFORMERS := transformers==5.3.0
+AREAL_NODEPS := aiohttp==3.14.5 multidict==7.2.1 attrs==26.1.0 yarl==1.25.1 propcache==0.5.4 aiohappyeyeballs==2.7.1 \
+	aiosignal==1.4.0 frozenlist==1.8.0 colorlog==6.12.0 tenacity==9.2.1 flask==3.1.3 werkzeug==3.1.9 blinker==1.9.0 \
+	itsdangerous==2.2.0 torchdata==0.11.0 lark==1.3.1 uvloop==0.23.0 hydra-core==1.4.0.dev1 omegaconf==2.4.0.dev2 \
+	pillow==12.3.0 numba==0.68.1 llvmlite==0.50.0 orjson==3.13.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+	typing-inspection==0.4.5 annotated-types==0.8.0 einops==0.8.2 aiofiles==25.1.0 openai==3.57.0 httpx2==2.16.2 \
+	sniffio==1.3.1 jiter==0.19.0 pybase64==1.5.1 peft==0.18.1 accelerate==1.15.0 datasets==5.2.0 multiprocess==0.70.19 \
+	pandas==3.1.1 python-dateutil==4.0.0 six==1.17.0 tzdata==2026.6 pyarrow==26.0.1 dill==0.4.1 xxhash==4.1.0 \
+	swanlab==0.10.3 rich==15.0.0 pyroaring==1.0.3 watchdog==7.1.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 \
+	pyecharts==2.1.0 simplejson==4.3.0 prettytable==3.18.0 trackio==0.43.0 gradio_client==2.7.2 uvicorn==0.54.0 \
+	starlette==1.10.0 wandb==0.31.0 platformdirs==4.14.8 opentelemetry-api==1.45.2 tensorboardX==2.6.5 tabulate==0.10.0
+AREAL_DEPS := tokenizers==0.22.2 huggingface-hub==1.33.0 ray==2.60.0 protobuf==6.33.6 pytest pytest-xdist hypothesis
 # two stamps: the demo's packages, then the whole test stack on top of them (`make demo` after
 # `make test` installs nothing more; `make test` after `make demo` adds the rest)
 DEMO_STAMP := $(VENV)/.installed-demo
@@ -94,14 +123,15 @@ EXAMPLES_OUT := build/examples
 # max(1, cores // workers) torch/OpenMP threads, so workers x threads never exceeds the cores.
 # On a busy machine: make test TEST_WORKERS=1
 TEST_WORKERS ?= auto
-# `make test` runs the five small suites of other releases / venvs (megatron-core 0.16, vLLM 0.32, verl, SkyRL, SGLang) two
+# `make test` runs the six small suites of other releases / venvs (megatron-core 0.16, vLLM 0.32, verl, SkyRL, SGLang,
+# AReaL) two
 # at a time, each single-process with one torch thread (2 x 1 threads: the cores, not more), output kept per suite
 
 # the C kernels (setup.py) are built in place by the editable install; a changed source rebuilds them
 KERNELS := setup.py src/routereplay/codec/set_kernel.c src/routereplay/wire/base64_kernel.c src/routereplay/json_scan.c
 KERNEL_STAMP := $(VENV)/.kernels
 
-.PHONY: demo examples test test-megatron016 test-vllm032 test-verl test-skyrl test-sglang lint bench clean
+.PHONY: demo examples test test-megatron016 test-vllm032 test-verl test-skyrl test-sglang test-areal lint bench clean
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -140,6 +170,14 @@ $(SGLANG_STAMP): pyproject.toml Makefile
 	$(SGLANG_BIN)/python -m pip install --quiet $(TORCH) $(TRANSFORMERS) $(SGLANG_DEPS) -e .
 	touch $(SGLANG_STAMP)
 
+$(AREAL_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(AREAL_VENV)
+	$(AREAL_BIN)/python -m pip install --quiet --upgrade pip
+	$(AREAL_BIN)/python -m pip install --quiet $(TORCH)
+	$(AREAL_BIN)/python -m pip install --quiet --no-deps $(AREAL) $(AREAL_NODEPS)
+	$(AREAL_BIN)/python -m pip install --quiet $(TORCH) $(AREAL_TRANSFORMERS) $(AREAL_DEPS) -e ".[dev,hf]"
+	touch $(AREAL_STAMP)
+
 $(KERNEL_STAMP): $(DEMO_STAMP) $(KERNELS)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(KERNEL_STAMP)
@@ -163,10 +201,10 @@ examples: $(DEMO_STAMP)
 	$(BIN)/routereplay convert $(EXAMPLES)/qwen3_30b_a3b_sglang.json $(EXAMPLES_OUT)/qwen3_30b_a3b.rrt --force \
 		--num-layers 48 --top-k 8 --num-experts 128
 
-test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(SGLANG_STAMP) $(KERNEL_STAMP)
+test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(SGLANG_STAMP) $(AREAL_STAMP) $(KERNEL_STAMP)
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
 		$(MAKE) --no-print-directory -j 2 --output-sync=target test-megatron016 test-vllm032 test-verl test-skyrl \
-		test-sglang
+		test-sglang test-areal
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # the Megatron adapter's tests on megatron-core 0.16 too: that release (17 MB) overlays the venv's 0.19
@@ -200,6 +238,10 @@ test-skyrl: $(SKYRL_STAMP)
 test-sglang: $(SGLANG_STAMP)
 	$(SGLANG_BIN)/python -m pytest -q -n 0 -p no:cacheprovider tests/engines/sglang
 
+# routereplay.integrations.areal against real AReaL 1.0.4 code, in its own venv (transformers 5.3.0; see AREAL_VENV)
+test-areal: $(AREAL_STAMP)
+	$(AREAL_BIN)/python -m pytest -q -n 0 -p no:cacheprovider tests/integrations/areal
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
@@ -208,4 +250,4 @@ bench: $(STAMP) $(KERNEL_STAMP)
 	$(BIN)/routereplay bench all --output BENCHMARKS.md --readme README.md
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) $(SKYRL_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(SKYRL_VENV) $(SGLANG_VENV) $(AREAL_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
