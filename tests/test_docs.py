@@ -32,6 +32,7 @@ PAGE_MARKS: dict[str, list[pytest.MarkDecorator]] = {
     "trl.md": [pytest.mark.hf, pytest.mark.trl],
     "verl.md": [],
     "skyrl.md": [],
+    "areal.md": [],
     "sglang.md": [],
     "route-forcing.md": [pytest.mark.hf, pytest.mark.vllm, pytest.mark.xdist_group("vllm-live")],
 }
