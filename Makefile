@@ -2,6 +2,9 @@
 #   make demo   - create .venv, install what the demo needs (torch, transformers, matplotlib), run the main job
 #   make test   - create .venv, install the whole test stack on top (Megatron, vLLM, TRL, Ray, ...), run the tests
 PYTHON ?= python3
+# every install skips pip's byte-compilation of whole packages (torch, transformers, vLLM, Ray: most of their
+# modules are never imported here); Python compiles what is imported, once, on first import
+PIP_INSTALL := -m pip install --quiet --no-compile
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch is pinned and installed first: 2.13.0 resolves to a local CPU wheel here, whereas an
@@ -135,51 +138,51 @@ KERNEL_STAMP := $(VENV)/.kernels
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet $(TRANSFORMERS) -e ".[demo]"
+	$(BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(BIN)/python $(PIP_INSTALL) $(TORCH)
+	$(BIN)/python $(PIP_INSTALL) $(TRANSFORMERS) -e ".[demo]"
 	touch $(DEMO_STAMP) $(KERNEL_STAMP)
 
 $(STAMP): $(DEMO_STAMP)
-	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python $(MEGATRON)
-	$(BIN)/python -m pip install --quiet $(TRITON) $(TRANSFORMERS) $(VLLM) $(TRL) $(RAY) -e ".[dev,hf,demo,megatron,vllm,trl,ray]"
+	$(BIN)/python $(PIP_INSTALL) --no-deps --ignore-requires-python $(MEGATRON)
+	$(BIN)/python $(PIP_INSTALL) $(TRITON) $(TRANSFORMERS) $(VLLM) $(TRL) $(RAY) -e ".[dev,hf,demo,megatron,vllm,trl,ray]"
 	$(BIN)/python -m pip uninstall --quiet -y $(VLLM_UNWANTED)
 	touch $(STAMP)
 
 $(VERL_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VERL_VENV)
-	$(VERL_BIN)/python -m pip install --quiet --upgrade pip
-	$(VERL_BIN)/python -m pip install --quiet $(TORCH)
-	$(VERL_BIN)/python -m pip install --quiet --no-deps $(VERL) $(MEGATRON_016)
-	$(VERL_BIN)/python -m pip install --quiet $(TORCH) $(VERL_TRANSFORMERS) $(VERL_DEPS) -e ".[dev,hf]"
+	$(VERL_BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(VERL_BIN)/python $(PIP_INSTALL) $(TORCH)
+	$(VERL_BIN)/python $(PIP_INSTALL) --no-deps $(VERL) $(MEGATRON_016)
+	$(VERL_BIN)/python $(PIP_INSTALL) $(TORCH) $(VERL_TRANSFORMERS) $(VERL_DEPS) -e ".[dev,hf]"
 	touch $(VERL_STAMP)
 
 $(SKYRL_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(SKYRL_VENV)
-	$(SKYRL_BIN)/python -m pip install --quiet --upgrade pip
-	$(SKYRL_BIN)/python -m pip install --quiet $(TORCH)
-	$(SKYRL_BIN)/python -m pip install --quiet --no-deps --ignore-requires-python $(SKYRL) $(MEGATRON_016)
-	$(SKYRL_BIN)/python -m pip install --quiet $(TORCH) $(SKYRL_TRANSFORMERS) $(SKYRL_DEPS) -e ".[dev,hf]"
+	$(SKYRL_BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(SKYRL_BIN)/python $(PIP_INSTALL) $(TORCH)
+	$(SKYRL_BIN)/python $(PIP_INSTALL) --no-deps --ignore-requires-python $(SKYRL) $(MEGATRON_016)
+	$(SKYRL_BIN)/python $(PIP_INSTALL) $(TORCH) $(SKYRL_TRANSFORMERS) $(SKYRL_DEPS) -e ".[dev,hf]"
 	touch $(SKYRL_STAMP)
 
 $(SGLANG_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_BIN)/python -m pip install --quiet --upgrade pip
-	$(SGLANG_BIN)/python -m pip install --quiet $(TORCH)
-	$(SGLANG_BIN)/python -m pip install --quiet --no-deps $(SGLANG) $(SGLANG_NODEPS)
-	$(SGLANG_BIN)/python -m pip install --quiet $(TORCH) $(TRANSFORMERS) $(SGLANG_DEPS) -e .
+	$(SGLANG_BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(SGLANG_BIN)/python $(PIP_INSTALL) $(TORCH)
+	$(SGLANG_BIN)/python $(PIP_INSTALL) --no-deps $(SGLANG) $(SGLANG_NODEPS)
+	$(SGLANG_BIN)/python $(PIP_INSTALL) $(TORCH) $(TRANSFORMERS) $(SGLANG_DEPS) -e .
 	touch $(SGLANG_STAMP)
 
 $(AREAL_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(AREAL_VENV)
-	$(AREAL_BIN)/python -m pip install --quiet --upgrade pip
-	$(AREAL_BIN)/python -m pip install --quiet $(TORCH)
-	$(AREAL_BIN)/python -m pip install --quiet --no-deps $(AREAL) $(AREAL_NODEPS)
-	$(AREAL_BIN)/python -m pip install --quiet $(TORCH) $(AREAL_TRANSFORMERS) $(AREAL_DEPS) -e ".[dev,hf]"
+	$(AREAL_BIN)/python $(PIP_INSTALL) --upgrade pip
+	$(AREAL_BIN)/python $(PIP_INSTALL) $(TORCH)
+	$(AREAL_BIN)/python $(PIP_INSTALL) --no-deps $(AREAL) $(AREAL_NODEPS)
+	$(AREAL_BIN)/python $(PIP_INSTALL) $(TORCH) $(AREAL_TRANSFORMERS) $(AREAL_DEPS) -e ".[dev,hf]"
 	touch $(AREAL_STAMP)
 
 $(KERNEL_STAMP): $(DEMO_STAMP) $(KERNELS)
-	$(BIN)/python -m pip install --quiet --no-deps -e .
+	$(BIN)/python $(PIP_INSTALL) --no-deps -e .
 	touch $(KERNEL_STAMP)
 
 EXAMPLES := src/routereplay/examples
@@ -209,7 +212,7 @@ test: $(STAMP) $(VERL_STAMP) $(SKYRL_STAMP) $(SGLANG_STAMP) $(AREAL_STAMP) $(KER
 
 # the Megatron adapter's tests on megatron-core 0.16 too: that release (17 MB) overlays the venv's 0.19
 test-megatron016: $(STAMP)
-	$(BIN)/python -m pip install --quiet --upgrade --no-deps --target $(VENV)/megatron016 $(MEGATRON_016)
+	$(BIN)/python $(PIP_INSTALL) --upgrade --no-deps --target $(VENV)/megatron016 $(MEGATRON_016)
 	PYTHONPATH=$(VENV)/megatron016 $(BIN)/python -m pytest -q -n 0 -p no:cacheprovider \
 		tests/runtime/test_megatron.py tests/runtime/test_megatron_native.py
 
@@ -218,7 +221,7 @@ test-megatron016: $(STAMP)
 # the venv's 0.30.0 without its deps (it pins the same torch); the main suite, on 0.30, skips these `vllm032` tests
 VLLM_032_STAMP := $(VENV)/vllm032/.installed
 $(VLLM_032_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --upgrade --no-deps --target $(VENV)/vllm032 $(VLLM_032)
+	$(BIN)/python $(PIP_INSTALL) --upgrade --no-deps --target $(VENV)/vllm032 $(VLLM_032)
 	touch $(VLLM_032_STAMP)
 
 test-vllm032: $(VLLM_032_STAMP)
