@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from routereplay.errors import BatchFieldError, BatchGeometryError, TokenMismatchError, TopKMismatchError
+from routereplay.errors import (
+    BatchFieldError,
+    BatchGeometryError,
+    ExpertIdRangeError,
+    TokenMismatchError,
+    TopKMismatchError,
+)
 from routereplay.integrations.areal.packed_layout import (
     ROW_KEY,
     RouteTable,
@@ -156,3 +162,20 @@ def test_left_padded_batches_are_refused() -> None:
     batch = {"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]])}
     with pytest.raises(BatchFieldError, match="row 0: attention_mask is not right-padded"):
         attended_lengths(batch, "batch")
+
+
+def test_reader_reads_only_attended_rows_of_a_routes_column_longer_than_the_tokens() -> None:
+    """After AReaL's compute_advantages the routes keep the padded length (zero rows past it) while input_ids and
+    the token column are trimmed: the reader reads the attended rows through the contract's reader only."""
+    from areal.utils.data import concat_padded_tensors
+
+    batch = concat_padded_tensors(with_routes(episodes(), random_routes(episodes())))
+    lengths = attended_lengths(batch, "batch")
+    routes = batch[ROUTES_KEY]
+    longer = torch.cat([routes, torch.zeros(routes.shape[0], 3, *routes.shape[2:], dtype=routes.dtype)], dim=1)
+    read, tokens = read_columns({**batch, ROUTES_KEY: longer}, GEOMETRY, "b", lengths_B=lengths, tokens_required=True)
+    assert read.shape[1] == batch["input_ids"].shape[1] + 3 and tokens is not None
+    spoilt = longer.clone()
+    spoilt[1, 2, 0, 0] = NUM_EXPERTS
+    with pytest.raises(ExpertIdRangeError, match="b row 1.*expert id 16 is outside"):
+        read_columns({**batch, ROUTES_KEY: spoilt}, GEOMETRY, "b", lengths_B=lengths, tokens_required=True)
