@@ -110,8 +110,13 @@ def rollout() -> Rollout:
 
 
 @pytest.fixture(scope="module")
-def actor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    actor = build_actor(actor_config(checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"))))
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def actor(model_path: str) -> Iterator[Any]:
+    actor = build_actor(actor_config(model_path))
     yield actor
     actor.routing().bind(actor.model).detach()
 
@@ -270,3 +275,89 @@ def test_the_resumed_requests_rows_are_used_once_at_their_own_positions(
     prefix_rows = torch.stack([dispatched[layer][0][:prefix] for layer in MOE_LAYERS], dim=1).numpy()
     assert (as_sets(prefix_rows) != as_sets(rerouted_SMK[:prefix])).any()  # keeping the re-routing would show
     assert int(episode["input_ids"].shape[1]) == len(first.input_ids) + MAX_NEW
+
+
+def plain_episodes(versions: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+    """AReaL's own RLVRWorkflow (no routes columns) through its RemoteSGLangEngine, four prompts."""
+    from areal.workflow.rlvr import RLVRWorkflow
+
+    workflow = RLVRWorkflow(reward_fn=unit_reward, gconfig=gconfig(), tokenizer=word_tokenizer())
+    prompts = ("w50 w51", "w60 w61 w62 w63", "w70 w71 w72", "w80 w81 w82 w83 w84")
+    with (
+        SGLangServer(versions) as server,
+        areal_engine(server, consumer_batch_size=len(prompts), max_concurrent_rollouts=len(prompts)) as engine,
+    ):
+        for prompt in prompts:
+            engine.submit(chat(prompt), workflow=workflow)
+        episodes = engine.wait(len(prompts), timeout=120)
+    assert all(e is not None and ROUTES_KEY not in e for e in episodes)
+    return episodes
+
+
+def update_inputs(actor: Any, batch: list[dict[str, torch.Tensor]], logps: list[torch.Tensor]) -> list[dict]:
+    return actor.compute_advantages([{**e, "prox_logp": lp} for e, lp in zip(batch, logps, strict=True)])
+
+
+def test_r2_on_areals_plain_rlvr_episodes_replays_the_recording_where_natural_routing_drifts(
+    rollout: Rollout, actor: Any, areal_mode: Any
+) -> None:
+    """R2 on AReaL's own RLVRWorkflow episodes: compute_logp records the actor's routing, two ppo_updates (2
+    optimizer steps each) dispatch exactly that (drift 0); disabled, the same steps drift from the first pass."""
+    batch = plain_episodes(rollout.server.versions)
+    areal_mode("disabled")
+    with probed(actor.model) as control:
+        logps = actor.compute_logp(batch)
+    natural = first_pass_of(control, batch)
+    advantages = update_inputs(actor, batch, logps)
+    drift = []
+    for _ in range(2):
+        with probed(actor.model) as seen:
+            actor.ppo_update(advantages)
+        drift.append(disagreement(by_trajectory(seen.calls, batch), natural))
+    assert drift[-1] > 0, "the control must drift"
+
+    areal_mode("R2")
+    with probed(actor.model) as recording:
+        logps = actor.compute_logp(batch)
+    recorded = first_pass_of(recording, batch)
+    advantages = update_inputs(actor, batch, logps)
+    for _ in range(2):
+        with probed(actor.model) as seen:
+            actor.ppo_update(advantages)
+        assert disagreement(by_trajectory(seen.calls, batch), recorded) == 0
+
+
+def first_pass_of(seen: Pass, batch: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    from tests.integrations.areal.actor_case import first_pass
+
+    return first_pass(by_trajectory(seen.calls, batch))
+
+
+def test_the_mode_travels_from_areals_yaml_through_the_trainer_to_the_actor(
+    rollout: Rollout, model_path: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SPMD: AReaL's YAML loaded by its `load_expr_config` with `rollout.return_routed_experts=true`; the trainer's
+    config step (`RouteReplayPPOTrainer.__init__` runs `configure` first) writes R3 into the actor's
+    scheduling_spec; the actor the trainer builds reads it there (no environment variable) and replays."""
+    from areal.api import FinetuneSpec
+    from areal.api.alloc_mode import ModelAllocation
+
+    from routereplay.integrations.areal import AReaLReplayMode, configure
+    from routereplay.integrations.areal.trainer import RouteReplayPPOTrainer
+    from tests.integrations.areal.actor_case import grpo_config
+
+    monkeypatch.setenv("AREAL_SPMD_MODE", "1")
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    cfg = grpo_config(tmp_path, model_path, "rollout.return_routed_experts=true")
+    assert configure(cfg) is AReaLReplayMode.R3
+    trainer = RouteReplayPPOTrainer.__new__(RouteReplayPPOTrainer)
+    trainer.config, trainer.scheduler = cfg, None
+    built = trainer._create_train_engine(cfg.actor, ModelAllocation.from_str(cfg.actor.backend, name="actor"))
+    built.initialize(None, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=len(rollout.batch)))
+    try:
+        assert built.router_replay_mode() is AReaLReplayMode.R3
+        with probed(built.model) as seen:
+            built.compute_logp([dict(e) for e in rollout.batch])
+        assert disagreement(by_trajectory(seen.calls, rollout.batch), expected(rollout.batch)) == 0
+    finally:
+        built.routing().bind(built.model).detach()
