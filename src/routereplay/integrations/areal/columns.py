@@ -10,9 +10,10 @@ form, which AReaL's own `concat_padded_tensors` (pads with 0) makes `[B, S, ...]
 - `TOKENS_KEY` `[1, S]` int32: the token id the engine routed at that position (the call's own input + output
   tokens), -1 exactly where the row is -1. The trainer checks it against its `input_ids` (the token check).
 
-AReaL's micro-batching splits a key only when its `numel()` is `B * S` and packs / pads it only when it is `T`,
-so the `[B, S, M, K]` routes would reach every micro-batch whole: the trainer side (`packed_layout.py`) takes
-both columns off at the actor's entry and hands AReaL a `[B, S]` row-index column instead.
+`pack_tensor_dict` packs them (`[T, M, K]`, `[T]`), but AReaL's micro-batching splits a key only when its
+`numel()` is `B * S` and pads a packed key only when it is `T`, so in the actor the `[B, S, M, K]` routes would
+reach every micro-batch whole: the trainer side (`packed_layout.py`) takes both columns off at the actor's entry
+and hands AReaL a `[B, S]` row-index column instead.
 
 `episode_columns(trace, input_ids)` builds both from an episode's merged `RouteTrace` (`episode_routes.py`);
 `check_columns` is the one reader (the rollout's tests and the trainer's actor use it): `[S, M, K]` on `[S]` or
