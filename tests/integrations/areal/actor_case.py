@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from routereplay.integrations.areal.columns import ROUTES_KEY, TOKENS_KEY
 from routereplay.runtime.discovery import LAYER_PATH
 from tests.distributed.launch import free_port
 
@@ -34,8 +35,6 @@ TOP_K = 2
 NUM_EXPERTS = 16
 # trajectories (prompt, response): 0 and 1 have equal lengths (9), for the swap test
 LENGTHS = ((5, 4), (3, 6), (7, 1), (2, 3))
-ROUTES_KEY = "routereplay_routes"
-TOKENS_KEY = "routereplay_route_tokens"
 
 
 def distributed_env() -> None:

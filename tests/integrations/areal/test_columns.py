@@ -89,7 +89,7 @@ HOSTILE: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], Any], type[Route
     "repeated id": (lambda r, t: r[0, 0, 0].copy_(r[0, 0, 0, :1].expand(K)), DuplicateExpertError, "twice"),
     "token -1 on a routed row": (lambda r, t: set_(t, (0, 1), -1), BatchFieldError, "exactly on the unrouted"),
     "layer count": (lambda r, t: (r[..., :1, :], t), LayerCountError, "MoE layers"),
-    "top-k": (lambda r, t: (r[..., :1], t), TopKMismatchError, "top-2"),
+    "top-k": (lambda r, t: (r[..., :1], t), TopKMismatchError, "top-k 1, the model routes 2"),
     "float routes": (lambda r, t: (r.float(), t), DtypeError, "int16"),
     "unsigned routes": (lambda r, t: (r.to(torch.uint8), t), DtypeError, "signed"),
     "shape": (lambda r, t: (r, t[:, :-1]), BatchFieldError, "does not sit"),
@@ -107,5 +107,15 @@ def test_hostile_columns_are_named(kind: str) -> None:
 def test_token_check_against_input_ids() -> None:
     built, tokens = columns()
     moved = torch.tensor([[tokens[0], *tokens[:-1]]])  # every token one place right: rows off their tokens
-    with pytest.raises(TokenMismatchError, match="routed position 1"):
+    with pytest.raises(TokenMismatchError, match="row 0, position 1: the route row was routed for token"):
         check_columns(built[ROUTES_KEY], built[TOKENS_KEY], num_experts=E, num_moe_layers=M, top_k=K, input_ids=moved)
+
+
+def test_routes_alone_are_read_without_a_token_column() -> None:
+    """A trainer opted out of the token check may get no token column: the rows are still read."""
+    built, _ = columns()
+    assert check_columns(built[ROUTES_KEY], None, num_experts=E, num_moe_layers=M, top_k=K) == 5
+    routes = built[ROUTES_KEY].clone()
+    routes[0, 2, 1, 0] = E
+    with pytest.raises(ExpertIdRangeError, match="row 0.*expert id 16 is outside"):
+        check_columns(routes, None, num_experts=E, num_moe_layers=M, top_k=K)

@@ -48,6 +48,7 @@ from tests.integrations.areal.actor_case import (
     with_routes,
 )
 
+pytestmark = pytest.mark.areal
 MODE_ENV = "ROUTEREPLAY_AREAL_ROUTER_REPLAY"
 UNCHECKED_ENV = "ROUTEREPLAY_AREAL_UNCHECKED_ROUTES"
 

@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from routereplay.errors import BatchFieldError, BatchGeometryError, TokenMismatchError, TopKMismatchError
+from routereplay.errors import (
+    BatchFieldError,
+    BatchGeometryError,
+    ExpertIdRangeError,
+    TokenMismatchError,
+    TopKMismatchError,
+)
 from routereplay.integrations.areal.packed_layout import (
     ROW_KEY,
     RouteTable,
@@ -54,6 +60,7 @@ def areal_micro_batches(batch: dict[str, Any], spec: dict[str, Any], pad_to_maxi
     return unsqueeze_mb_list(pad_mb_list(mb_list, pad_value=0.0, pad_to_maximum=pad_to_maximum))
 
 
+@pytest.mark.areal
 def test_areal_splits_the_row_column_with_input_ids_but_not_the_contract_routes_column() -> None:
     from areal.utils.data import concat_padded_tensors
 
@@ -67,6 +74,7 @@ def test_areal_splits_the_row_column_with_input_ids_but_not_the_contract_routes_
         assert padded[ROW_KEY].shape == padded["input_ids"].shape  # packed and padded with input_ids
 
 
+@pytest.mark.areal
 @pytest.mark.parametrize(
     ("spec", "pad_to_maximum"),
     [({"n_mbs": 1}, False), ({"n_mbs": 3}, False), ({"n_mbs": 1, "max_tokens_per_mb": 24}, True)],
@@ -133,6 +141,7 @@ def test_token_check_names_trajectory_and_position() -> None:
         check_tokens(torch.tensor([[4, 5, 6, -1], [9, 10, -1, 0]]), ids, lengths, "batch")
 
 
+@pytest.mark.areal
 def test_reader_accepts_areals_padded_rows_and_refuses_bad_geometry() -> None:
     from areal.utils.data import concat_padded_tensors
 
@@ -156,3 +165,21 @@ def test_left_padded_batches_are_refused() -> None:
     batch = {"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]])}
     with pytest.raises(BatchFieldError, match="row 0: attention_mask is not right-padded"):
         attended_lengths(batch, "batch")
+
+
+@pytest.mark.areal
+def test_reader_reads_only_attended_rows_of_a_routes_column_longer_than_the_tokens() -> None:
+    """After AReaL's compute_advantages the routes keep the padded length (zero rows past it) while input_ids and
+    the token column are trimmed: the reader reads the attended rows through the contract's reader only."""
+    from areal.utils.data import concat_padded_tensors
+
+    batch = concat_padded_tensors(with_routes(episodes(), random_routes(episodes())))
+    lengths = attended_lengths(batch, "batch")
+    routes = batch[ROUTES_KEY]
+    longer = torch.cat([routes, torch.zeros(routes.shape[0], 3, *routes.shape[2:], dtype=routes.dtype)], dim=1)
+    read, tokens = read_columns({**batch, ROUTES_KEY: longer}, GEOMETRY, "b", lengths_B=lengths, tokens_required=True)
+    assert read.shape[1] == batch["input_ids"].shape[1] + 3 and tokens is not None
+    spoilt = longer.clone()
+    spoilt[1, 2, 0, 0] = NUM_EXPERTS
+    with pytest.raises(ExpertIdRangeError, match="b row 1.*expert id 16 is outside"):
+        read_columns({**batch, ROUTES_KEY: spoilt}, GEOMETRY, "b", lengths_B=lengths, tokens_required=True)

@@ -11,6 +11,7 @@ from routereplay.errors import ConfigError
 from routereplay.integrations.areal.replay_mode import MODE_ENV, AReaLReplayMode, configure, mode_of
 from tests.integrations.areal.actor_case import grpo_config
 
+pytestmark = pytest.mark.areal
 ROUTES_ON = "rollout.return_routed_experts=true"
 
 

@@ -21,6 +21,8 @@ from tests.integrations.areal.actor_case import (
     with_routes,
 )
 
+pytestmark = pytest.mark.areal
+
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -41,10 +41,9 @@ from areal.utils import stats_tracker
 from torch import nn
 
 from routereplay.errors import ConfigError, MissingRoutesError, RowCountError, UncheckedRoutesError
+from routereplay.integrations.areal.columns import ROUTES_KEY, TOKENS_KEY
 from routereplay.integrations.areal.packed_layout import (
-    ROUTES_KEY,
     ROW_KEY,
-    TOKENS_KEY,
     UNCHECKED_ENV,
     RouteTable,
     attended_lengths,

@@ -16,10 +16,13 @@ adds is 0: no row, the live router), and per micro-batch `RouteTable.model_route
 into `[1, T, M, K]` routes (-1 where 0); `RouteTable.check_fed` checks the model got the tokens each row was
 placed for.
 
-The contract's columns are read here by a small reader of our own (`read_columns`): shapes, dtype, ids in [0, E)
-or -1 (whole rows), no repeated id, `TOKENS_KEY` -1 exactly where the row is -1, and the token check
-(`check_tokens`: `TOKENS_KEY == input_ids` wherever it is not -1, `TokenMismatchError` naming the trajectory
-and position). Legend: B trajectories, S padded positions, N table rows (attended positions of a call),
+The contract's columns are read by the contract's one reader, `columns.check_columns` (shape, dtype, the core's
+row catalogue, `TOKENS_KEY` -1 exactly where the row is -1): `read_columns` hands it each batch's attended
+positions. It accepts a routes column longer than the attended positions: after AReaL's `compute_advantages`
+(`split_batch` -> `_unpad_splits` trims only the last axis) the routes keep the batch's padded length while
+`input_ids` and `TOKENS_KEY` are trimmed. The token check (`check_tokens`: `TOKENS_KEY == input_ids` wherever it
+is not -1, `TokenMismatchError` naming the trajectory and position) is `columns.require_route_tokens` per row.
+Legend: B trajectories, S padded positions, N table rows (attended positions of a call),
 T positions of a micro-batch's model input, M MoE layers, K top-k, E experts.
 """
 
@@ -30,23 +33,13 @@ from typing import Any
 
 import torch
 
-from routereplay.errors import (
-    BatchFieldError,
-    BatchGeometryError,
-    DtypeError,
-    LayerCountError,
-    TokenMismatchError,
-    TopKMismatchError,
-)
+from routereplay.errors import BatchFieldError, BatchGeometryError
+from routereplay.integrations.areal.columns import ROUTES_KEY, TOKENS_KEY, check_columns, require_route_tokens
 from routereplay.integrations.opt_out import env_opt_out
 from routereplay.integrations.verl import RouteGeometry
 from routereplay.integrations.verl.micro_batch import require_fed_tokens
-from routereplay.trace import RouteTrace
 
-ROUTES_KEY = "routereplay_routes"  # the contract's [1, S, M, K] routes column (columns.py owns the names)
-TOKENS_KEY = "routereplay_route_tokens"  # the contract's [1, S] token column, -1 where the row is -1
 ROW_KEY = "routereplay_route_row"  # [B, S] int64: table row + 1, 0 = none (what AReaL splits, packs, pads)
-ROUTE_DTYPES = (torch.int16, torch.int32, torch.int64)  # signed: -1 must fit
 UNCHECKED_ENV = "ROUTEREPLAY_AREAL_UNCHECKED_ROUTES"  # a worker's opt-out of the token check (counted)
 TOKEN_FIX = (
     "build the episode dict with routereplay's AReaL workflows (integrations/areal/workflows.py), which take both "
@@ -85,78 +78,45 @@ def read_columns(
     episode: dict[str, Any], geometry: RouteGeometry, where: str, *, lengths_B: torch.Tensor, tokens_required: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The episode's (or batch's) routes `[B, S', M, K]` and token column `[B, S'']` (None when absent and not
-    required), checked against the model's geometry and the attended lengths before anything is allocated."""
+    required), S', S'' >= the longest attended length; their attended positions read by `check_columns` against
+    the model's geometry before anything is allocated."""
     routes = _tensor(episode, ROUTES_KEY, where)
-    if routes.dtype not in ROUTE_DTYPES:
-        raise DtypeError(
-            f"{where}: '{ROUTES_KEY}' has dtype {routes.dtype}; the contract writes int16 (E <= 32767) or int32, "
-            "signed so that -1 marks a position no engine call routed"
-        )
     batch, longest = int(lengths_B.shape[0]), int(lengths_B.max()) if lengths_B.numel() else 0
     if routes.dim() != 4 or routes.shape[0] != batch or routes.shape[1] < longest:
         raise BatchGeometryError(
             f"{where}: '{ROUTES_KEY}' has shape {tuple(routes.shape)}, expected [{batch}, >= {longest}, M, K] (one row "
             "per input_ids position, B and S like input_ids)"
         )
-    if routes.shape[2] != len(geometry.moe_layers):
-        raise LayerCountError(
-            f"{where}: '{ROUTES_KEY}' has {routes.shape[2]} layer columns, the model has "
-            f"{len(geometry.moe_layers)} MoE layers {list(geometry.moe_layers)}; the column holds MoE layers only, "
-            "ascending"
-        )
-    if routes.shape[3] != geometry.top_k:
-        raise TopKMismatchError(
-            f"{where}: '{ROUTES_KEY}' has top-k {routes.shape[3]}, the model routes {geometry.top_k}"
-        )
     tokens = None
     if TOKENS_KEY in episode and episode[TOKENS_KEY] is not None:
         tokens = _tensor(episode, TOKENS_KEY, where)
-        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.dim() != 2:
-            raise BatchFieldError(f"{where}: '{TOKENS_KEY}' must be an integer [B, S] tensor, got {tokens.dtype} "
-                                  f"{tuple(tokens.shape)}")  # fmt: skip
-        if tokens.shape[0] != batch or tokens.shape[1] < longest:
+        if tokens.dim() != 2 or tokens.shape[0] != batch or tokens.shape[1] < longest:
             raise BatchGeometryError(
                 f"{where}: '{TOKENS_KEY}' has shape {tuple(tokens.shape)}, expected [{batch}, >= {longest}]"
             )
     elif tokens_required:
         raise BatchFieldError(f"{where}: '{TOKENS_KEY}' is missing")
-    for b in range(batch):
-        n = int(lengths_B[b])
-        RouteTrace(routes[b, :n].cpu().numpy(), geometry.num_experts, geometry.moe_layers).validate(f"{where} row {b}")
-        if tokens is not None:
-            unrouted_N = (routes[b, :n, 0, 0] < 0).cpu()
-            untokened_N = (tokens[b, :n] < 0).cpu()
-            if not torch.equal(unrouted_N, untokened_N):
-                s = int(torch.nonzero(unrouted_N != untokened_N)[0])
-                raise BatchFieldError(
-                    f"{where} row {b}, position {s}: '{TOKENS_KEY}' is {int(tokens[b, s])} where the route row is "
-                    f"{'-1' if bool(unrouted_N[s]) else 'routed'}; the contract has -1 in both exactly where no engine "
-                    f"call routed the position: {TOKEN_FIX}"
-                )
+    valid_BL = torch.arange(longest).unsqueeze(0) < lengths_B.cpu().unsqueeze(1)
+    check_columns(
+        routes[:, :longest],
+        None if tokens is None else tokens[:, :longest],
+        num_experts=geometry.num_experts,
+        num_moe_layers=len(geometry.moe_layers),
+        top_k=geometry.top_k,
+        moe_layers=geometry.moe_layers,
+        valid=valid_BL,
+        where=where,
+    )
     return routes, tokens
 
 
 def check_tokens(tokens_BS: torch.Tensor, input_ids_BS: torch.Tensor, lengths_B: torch.Tensor, where: str) -> None:
     """The token check: the token each route row was routed for equals the batch's token at that position, on
     every attended position whose row is routed (`TokenMismatchError` names the first that is not)."""
+    fix = f"{TOKEN_FIX}; or opt this worker out ({UNCHECKED_ENV}=1) to replay unchecked, counted"
     for b in range(int(lengths_B.shape[0])):
         n = int(lengths_B[b])
-        routed_N = tokens_BS[b, :n].cpu().to(torch.int64)
-        ids_N = input_ids_BS[b, :n].cpu().to(torch.int64)
-        differ_N = (routed_N >= 0) & (routed_N != ids_N)
-        if bool(differ_N.any()):
-            s = int(torch.nonzero(differ_N)[0])
-            shifted = any(
-                0 <= s + d < n and int(routed_N[s]) == int(ids_N[s + d]) for d in (-1, 1)
-            )  # a one-position shift
-            hint = " (the neighbouring position holds it: rows shifted by one)" if shifted else ""
-            raise TokenMismatchError(
-                f"{where} row {b}, position {s}: the route row was routed for token {int(routed_N[s])} but input_ids "
-                f"holds {int(ids_N[s])}{hint}; {int(differ_N.sum())} of {int((routed_N >= 0).sum())} routed positions "
-                f"differ, so the routes belong to other tokens (rows moved against input_ids, or trajectories "
-                f"swapped). Fix: {TOKEN_FIX}; or opt this worker out ({UNCHECKED_ENV}=1) to "
-                "replay unchecked, counted"
-            )
+        require_route_tokens(tokens_BS[b, :n], input_ids_BS[b, :n], f"{where} row {b}", fix)
 
 
 def unchecked_opt_out() -> bool:
@@ -271,9 +231,7 @@ class RouteTable:
 
 
 __all__ = [
-    "ROUTES_KEY",
     "ROW_KEY",
-    "TOKENS_KEY",
     "UNCHECKED_ENV",
     "RouteTable",
     "attended_lengths",
