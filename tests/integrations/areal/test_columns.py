@@ -119,3 +119,16 @@ def test_routes_alone_are_read_without_a_token_column() -> None:
     routes[0, 2, 1, 0] = E
     with pytest.raises(ExpertIdRangeError, match="row 0.*expert id 16 is outside"):
         check_columns(routes, None, num_experts=E, num_moe_layers=M, top_k=K)
+
+
+def test_a_trajectory_shorter_than_top_k_cut_by_areal_is_named() -> None:
+    """AReaL's `_unpad_splits` trims a one-token trajectory's routes `[1, S, M, K]` on their LAST axis (K) to 1:
+    refused, the message naming AReaL's trim and the way out."""
+    tokens = torch.tensor([[-1]], dtype=torch.int32)  # one token: the episode's last, never routed
+    cut = torch.full((1, 1, M, K), -1, dtype=torch.int16)[..., :1]  # what compute_advantages hands back
+    with pytest.raises(
+        TopKMismatchError, match="top-k 1, the model routes 2; AReaL's compute_advantages.*shorter than"
+    ):
+        check_columns(cut, tokens, num_experts=E, num_moe_layers=M, top_k=K)
+    with pytest.raises(TopKMismatchError, match=r"top-k 3, the model routes 2$"):
+        check_columns(torch.zeros(1, 1, M, 3, dtype=torch.int16), tokens, num_experts=E, num_moe_layers=M, top_k=K)

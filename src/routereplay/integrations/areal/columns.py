@@ -117,6 +117,10 @@ def check_columns(
     """Read the two columns back (`[S, M, K]` / `[B, S, M, K]` routes on `[S]` / `[B, S]` tokens); returns the
     routed positions. The one reader of the contract: the trainer's actor reads every batch through it.
 
+    After AReaL's `compute_advantages` (`batched_call` -> `split_and_unpad_tensor`) a trajectory's `input_ids` and
+    token column are trimmed to its length but its routes keep the batch's padded length: read `routes[:, :S]`
+    (the actor does).
+
     `tokens` None: the routes alone (a trainer opted out of the token check with no token column).
     `valid` (bool, the tokens' shape, e.g. AReaL's `attention_mask`) marks the real positions: padding is not read.
     `input_ids` (the tokens' shape) turns on the token check: `tokens == input_ids` wherever the row is routed;
@@ -147,7 +151,18 @@ def check_columns(
             "(RouteGeometry.moe_layers); check the model the rollout ran"
         )
     if routes.shape[-1] != top_k:
-        raise TopKMismatchError(f"{where}: '{ROUTES_KEY}' has top-k {routes.shape[-1]}, the model routes {top_k}")
+        cut = routes.shape[-1] < top_k and positions[-1] >= routes.shape[-1]
+        raise TopKMismatchError(
+            f"{where}: '{ROUTES_KEY}' has top-k {routes.shape[-1]}, the model routes {top_k}"
+            + (
+                f"; AReaL's compute_advantages (utils/data.py `_unpad_splits`) trims every tensor's LAST axis to the "
+                f"trajectory's length, so a trajectory shorter than {top_k} tokens loses experts from its rows: such "
+                f"a trajectory cannot carry routes (filter out trajectories shorter than top-k, e.g. with AReaL's "
+                "dynamic_filter_fn)"
+                if cut
+                else ""
+            )
+        )
     keep = torch.ones(positions, dtype=torch.bool) if valid is None else torch.as_tensor(valid).to(torch.bool)
     if keep.shape != positions:
         raise BatchFieldError(f"{where}: valid of shape {tuple(keep.shape)} must have the tokens' {tuple(positions)}")
