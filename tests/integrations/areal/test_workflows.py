@@ -19,7 +19,7 @@ from areal.engine.sglang_remote import SGLangBackend
 from areal.engine.vllm_remote import RemotevLLMEngine
 from areal.utils.data import concat_padded_tensors, pack_tensor_dict
 
-from routereplay.errors import ConfigError, DuplicatedPrefixError
+from routereplay.errors import ConfigError, DuplicatedPrefixError, MissingRoutesError
 from routereplay.integrations.areal import ROUTES_KEY, TOKENS_KEY, EpisodeRoutes, check_columns
 from routereplay.integrations.areal.backend import RoutedSGLangBackend
 from routereplay.integrations.areal.workflows import RoutedMultiTurnWorkflow, RoutedRLVRWorkflow
@@ -191,6 +191,34 @@ def test_packed_episodes_keep_each_row_on_its_token(versions: list[Any], geometr
         np.testing.assert_array_equal(
             packed[ROUTES_KEY][cu[index] : cu[index + 1]], batch[ROUTES_KEY][index, : lengths[index]]
         )
+
+
+class NoRoutesServer(SGLangServer):
+    """A server that does not return routes although asked (no --enable-return-routed-experts): the field is
+    missing, or JSON null."""
+
+    def __init__(self, versions: list[Any], *, null: bool, **kwargs: Any) -> None:
+        super().__init__(versions, **kwargs)
+        self.null = null
+
+    def _generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        reply = super()._generate(body)
+        reply["meta_info"].pop("routed_experts", None)
+        if self.null:
+            reply["meta_info"]["routed_experts"] = None
+        return reply
+
+
+@pytest.mark.parametrize("null", [False, True], ids=["field-missing", "field-null"])
+def test_a_server_without_routes_is_a_missing_routes_error_before_areals_own_check(
+    versions: list[Any], geometry: RouteGeometry, null: bool
+) -> None:
+    """AReaL's agenerate raises a bare RuntimeError ("not a MoE model") for a finished pass without routes;
+    routereplay's backend names it first. The first pass is aborted (no routes expected), the resumed one is not."""
+    with NoRoutesServer(versions, null=null, abort_after=2) as server, areal_engine(server) as engine:
+        with pytest.raises(MissingRoutesError, match=r"request \S+, pass 2 .*--enable-return-routed-experts"):
+            asyncio.run(rlvr(geometry).arun_episode(engine, chat("w10 w11 w12 w13")))
+    assert [call.aborted for call in server.calls] == [True, False]
 
 
 def test_vllm_engine_is_refused_by_name(geometry: RouteGeometry) -> None:
