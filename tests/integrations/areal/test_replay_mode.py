@@ -108,3 +108,12 @@ def test_an_empty_mode_counts_as_unset_and_only_an_explicit_disabled_drops_route
     with pytest.raises(ConfigError, match=f"{MODE_ENV} is not set .*rollout.return_routed_experts=true.*=disabled"):
         check_columns_dropped(plain.actor, "the batch")
     check_columns_dropped(config(tmp_path, mode="disabled").actor, "the batch")
+
+
+def test_r2_refusal_with_the_decoupled_loss_names_prox_logp_method_not_recompute_logprob(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "+actor.use_decoupled_loss=true", "+actor.prox_logp_method=loglinear", mode="R2")
+    assert cfg.actor.recompute_logprob is True
+    with pytest.raises(ConfigError, match="prox_logp_method=loglinear.*") as caught:
+        configure(cfg)
+    assert "set actor.prox_logp_method=recompute (or metrics), or actor.use_decoupled_loss=false" in str(caught.value)
+    assert "Set actor.recompute_logprob=true" not in str(caught.value)

@@ -178,10 +178,22 @@ def refusal(config: Any, mode: AReaLReplayMode) -> str | None:
                 f"{MODE_ENV}=R2 while AReaL skips the actor's compute_logp (actor.recompute_logprob="
                 f"{actor.recompute_logprob}, actor.use_decoupled_loss={actor.use_decoupled_loss}, "
                 f"actor.prox_logp_method={actor.prox_logp_method}): R2 records there, so the updates would have "
-                "nothing to replay. Set actor.recompute_logprob=true (or the decoupled loss with "
-                "prox_logp_method=recompute)"
+                f"nothing to replay. {_compute_logp_fix(actor)}"
             )
     return None
+
+
+def _compute_logp_fix(actor: Any) -> str:
+    """How to make AReaL run compute_logp, from the actor's own values (AReaL's `should_compute_prox_logp`: the
+    decoupled loss runs it unless `prox_logp_method` skips the forward pass (loglinear); otherwise
+    `recompute_logprob` decides)."""
+    if getattr(actor, "use_decoupled_loss", False):
+        return (
+            f"With the decoupled loss, actor.prox_logp_method={actor.prox_logp_method} approximates the proximal "
+            "log-probs without a forward pass: set actor.prox_logp_method=recompute (or metrics), or "
+            "actor.use_decoupled_loss=false with actor.recompute_logprob=true"
+        )
+    return "Set actor.recompute_logprob=true (or actor.use_decoupled_loss=true with actor.prox_logp_method=recompute)"
 
 
 def configure(config: Any) -> AReaLReplayMode:
