@@ -3,7 +3,9 @@
 The mode is `MODE_ENV` = `ROUTEREPLAY_AREAL_ROUTER_REPLAY` in {disabled, R2, R3}: first from the actor config's own
 `scheduling_spec[*].env_vars` (AReaL's config, so the same YAML works in SPMD mode and in single-controller mode,
 where the scheduler hands those variables to the worker that builds the engine), then from the process
-environment. A config value and a different environment value contradict each other: `ConfigError`.
+environment. A config value and a different environment value contradict each other: `ConfigError`. Unset (or
+empty) is not the same as `disabled`: the actor drops a batch's route columns only under a chosen `disabled`; routes
+on a batch while no mode was chosen are refused (`check_columns_dropped`), naming R3 and `disabled`.
 
 `configure(config)` is the trainer's config step (`trainer.RouteReplayPPOTrainer` runs it before AReaL's own
 `PPOTrainer.__init__`): AReaL's `rollout.return_routed_experts=true` (which already turns on SGLang's capture)
