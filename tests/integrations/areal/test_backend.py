@@ -21,6 +21,7 @@ from areal.engine.vllm_remote import RemotevLLMEngine
 from routereplay.errors import (
     ConfigError,
     ExpertIdRangeError,
+    MissingRoutesError,
     PayloadEncodingError,
     ResponseFieldError,
     RouteReplayError,
@@ -162,7 +163,7 @@ def corrupt(kind: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("kind", "error", "match"),
     [
-        ("row count", RowCountError, "neither"),
+        ("row count", RowCountError, r"needs 6 rows, one per position of \[0, 6\)"),
         ("id >= E", ExpertIdRangeError, "16"),
         ("negative id", ExpertIdRangeError, "-3"),
         ("layer count", RowCountError, "num_hidden_layers"),
@@ -175,6 +176,40 @@ def test_hostile_responses_are_named(kind: str, error: type[RouteReplayError], m
     backend.build_generation_request(request(PROMPT), with_lora=False, version=0)
     with pytest.raises(error, match=match):
         backend.parse_generation_response(corrupt(kind))
+
+
+@pytest.mark.parametrize("null", [False, True], ids=["field-missing", "field-null"])
+def test_a_finished_pass_asked_for_routes_without_them_is_a_missing_routes_error(null: bool) -> None:
+    backend = RoutedSGLangBackend(GEOMETRY)
+    body = response(len(PROMPT), [20, 21], None, finish="stop")
+    if null:
+        body["meta_info"]["routed_experts"] = None
+    backend.build_generation_request(request(PROMPT), with_lora=False, version=0)
+    got = "routed_experts: null" if null else "no routed_experts field"
+    with pytest.raises(
+        MissingRoutesError,
+        match=rf"request r0, pass 1 \(finish_reason 'stop'\).*{got}.*--enable-return-routed-experts.*"
+        r"rollout.return_routed_experts=true.*MoE model",
+    ):
+        backend.parse_generation_response(body)
+
+
+def test_an_aborted_pass_or_one_that_did_not_ask_may_come_without_routes() -> None:
+    backend = RoutedSGLangBackend(GEOMETRY)
+    backend.build_generation_request(request(PROMPT), with_lora=False, version=0)
+    aborted = backend.parse_generation_response(response(len(PROMPT), [], None, finish="abort"))
+    assert aborted.routed_experts is None and aborted.stop_reason == "abort"
+    plain = ModelRequest(rid="r1", input_ids=list(PROMPT), gconfig=GenerationHyperparameters(max_new_tokens=8))
+    backend.build_generation_request(plain, with_lora=False, version=0)
+    assert backend.parse_generation_response(response(len(PROMPT), [20], None)).routed_experts is None
+
+
+def test_a_first_pass_row_count_error_names_the_rows_from_position_zero() -> None:
+    backend = RoutedSGLangBackend(GEOMETRY)
+    backend.build_generation_request(request(PROMPT), with_lora=False, version=0)
+    with pytest.raises(RowCountError, match=r"= 4 rows .*needs 6 rows, one per position of \[0, 6\)") as caught:
+        backend.parse_generation_response(response(len(PROMPT), [20, 21], rows(4, seed=3)))
+    assert "honoured" not in str(caught.value) and "neither" not in str(caught.value)
 
 
 def test_routes_without_a_built_pass_are_refused() -> None:

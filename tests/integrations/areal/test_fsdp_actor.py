@@ -361,6 +361,29 @@ def test_disabled_drops_the_columns_before_the_hf_model(actor: Any, mode: Any) -
     assert seen and not any({ROUTES_KEY, TOKENS_KEY, "routereplay_route_row"} & keys for keys in seen)
 
 
+@pytest.mark.parametrize("unset", [None, ""], ids=["absent", "empty"])
+def test_routes_on_a_batch_while_no_mode_was_chosen_are_refused_not_dropped(
+    actor: Any, mode: Any, monkeypatch: pytest.MonkeyPatch, unset: str | None
+) -> None:
+    if unset is None:
+        monkeypatch.delenv(MODE_ENV, raising=False)
+    else:
+        mode(unset)
+    assert not any(MODE_ENV in spec.env_vars for spec in actor.config.scheduling_spec)
+    batch = episodes()
+    routed = with_routes(batch, random_routes(batch))
+    fix = f"{MODE_ENV} is not set.*RouteReplayPPOTrainer.*{MODE_ENV}=disabled"
+    with dispatch_probe(actor.model) as calls:
+        with pytest.raises(ConfigError, match=fix):
+            actor.compute_logp(routed)
+        with pytest.raises(ConfigError, match=fix):
+            actor.ppo_update(routed)
+        with pytest.raises(ConfigError, match=fix):
+            actor.forward(routed)
+    assert not calls  # refused before the model ran
+    actor.compute_logp(batch)  # a batch without routes runs as AReaL's actor
+
+
 def run_ranks(scenario: str, folder: Path, timeout_s: float = 300.0) -> None:
     """Two processes, one gloo rank each, running `actor_case.<scenario>(folder)` (env:// as torchrun sets it)."""
     port, procs = str(free_port()), []

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from routereplay.errors import ConfigError
-from routereplay.integrations.areal.replay_mode import MODE_ENV, AReaLReplayMode, configure, mode_of
+from routereplay.integrations.areal.replay_mode import (
+    MODE_ENV,
+    AReaLReplayMode,
+    check_columns_dropped,
+    chosen_mode,
+    configure,
+    mode_of,
+)
 from tests.integrations.areal.actor_case import grpo_config
 
 pytestmark = pytest.mark.areal
@@ -88,3 +95,26 @@ def test_megatron_actor_is_refused_naming_the_areal_issues_and_the_adapter(tmp_p
 def test_tree_training_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="actor.enable_tree_training=true"):
         configure(config(tmp_path, "+actor.enable_tree_training=true", mode="R2"))
+
+
+def test_an_empty_mode_counts_as_unset_and_only_an_explicit_disabled_drops_routes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(MODE_ENV, " ")
+    cfg = config(tmp_path, ROUTES_ON)
+    cfg.actor.scheduling_spec[0].env_vars[MODE_ENV] = ""
+    assert chosen_mode(cfg.actor) is None
+    assert configure(cfg) is AReaLReplayMode.R3  # unset: return_routed_experts means R3
+    plain = config(tmp_path)
+    with pytest.raises(ConfigError, match=f"{MODE_ENV} is not set .*rollout.return_routed_experts=true.*=disabled"):
+        check_columns_dropped(plain.actor, "the batch")
+    check_columns_dropped(config(tmp_path, mode="disabled").actor, "the batch")
+
+
+def test_r2_refusal_with_the_decoupled_loss_names_prox_logp_method_not_recompute_logprob(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "+actor.use_decoupled_loss=true", "+actor.prox_logp_method=loglinear", mode="R2")
+    assert cfg.actor.recompute_logprob is True
+    with pytest.raises(ConfigError, match="prox_logp_method=loglinear.*") as caught:
+        configure(cfg)
+    assert "set actor.prox_logp_method=recompute (or metrics), or actor.use_decoupled_loss=false" in str(caught.value)
+    assert "Set actor.recompute_logprob=true" not in str(caught.value)

@@ -8,6 +8,9 @@ pass's weights version (`first_routing`). Routes are compared as sets (sorted ro
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+import logging
 from typing import Any
 
 import numpy as np
@@ -19,10 +22,10 @@ from areal.engine.sglang_remote import SGLangBackend
 from areal.engine.vllm_remote import RemotevLLMEngine
 from areal.utils.data import concat_padded_tensors, pack_tensor_dict
 
-from routereplay.errors import ConfigError, DuplicatedPrefixError
+from routereplay.errors import ConfigError, DuplicatedPrefixError, MissingRoutesError
 from routereplay.integrations.areal import ROUTES_KEY, TOKENS_KEY, EpisodeRoutes, check_columns
 from routereplay.integrations.areal.backend import RoutedSGLangBackend
-from routereplay.integrations.areal.workflows import RoutedMultiTurnWorkflow, RoutedRLVRWorkflow
+from routereplay.integrations.areal.workflows import REFUSED_METRIC, RoutedMultiTurnWorkflow, RoutedRLVRWorkflow
 from routereplay.integrations.verl import RouteGeometry
 from routereplay.testing.vllm_models import word_tokenizer
 from tests.integrations.areal.sglang_case import (
@@ -191,6 +194,82 @@ def test_packed_episodes_keep_each_row_on_its_token(versions: list[Any], geometr
         np.testing.assert_array_equal(
             packed[ROUTES_KEY][cu[index] : cu[index + 1]], batch[ROUTES_KEY][index, : lengths[index]]
         )
+
+
+class NoRoutesServer(SGLangServer):
+    """A server that does not return routes although asked (no --enable-return-routed-experts): the field is
+    missing, or JSON null."""
+
+    def __init__(self, versions: list[Any], *, null: bool, **kwargs: Any) -> None:
+        super().__init__(versions, **kwargs)
+        self.null = null
+
+    def _generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        reply = super()._generate(body)
+        reply["meta_info"].pop("routed_experts", None)
+        if self.null:
+            reply["meta_info"]["routed_experts"] = None
+        return reply
+
+
+@pytest.mark.parametrize("null", [False, True], ids=["field-missing", "field-null"])
+def test_a_server_without_routes_is_a_missing_routes_error_before_areals_own_check(
+    versions: list[Any], geometry: RouteGeometry, null: bool
+) -> None:
+    """AReaL's agenerate raises a bare RuntimeError ("not a MoE model") for a finished pass without routes;
+    routereplay's backend names it first. The first pass is aborted (no routes expected), the resumed one is not."""
+    with NoRoutesServer(versions, null=null, abort_after=2) as server, areal_engine(server) as engine:
+        with pytest.raises(MissingRoutesError, match=r"request \S+, pass 2 .*--enable-return-routed-experts"):
+            asyncio.run(rlvr(geometry).arun_episode(engine, chat("w10 w11 w12 w13")))
+    assert [call.aborted for call in server.calls] == [True, False]
+
+
+class ShortRowsServer(SGLangServer):
+    """Drops the last route row of every pass whose prompt holds `bad_token`: a `RowCountError` for that episode."""
+
+    def __init__(self, versions: list[Any], *, bad_token: int, row_width: int) -> None:
+        super().__init__(versions)
+        self.bad_token, self.row_width = bad_token, row_width
+
+    def _generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        reply = super()._generate(body)
+        meta = reply["meta_info"]
+        if self.bad_token in body["input_ids"] and meta.get("routed_experts"):
+            rows = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+            meta["routed_experts"] = base64.b64encode(rows[: -self.row_width].tobytes()).decode()
+        return reply
+
+
+def test_areals_executor_drops_a_refused_episode_logs_it_and_the_refusal_rate_shows(
+    versions: list[Any], geometry: RouteGeometry
+) -> None:
+    """AReaL's WorkflowExecutor (submit / wait, what rollout_batch uses) catches the workflow's routereplay error,
+    logs it and drops the episode; `rollout/router_replay/refused_rate` in AReaL's rollout stats shows it."""
+    from areal.utils import stats_tracker
+
+    tokenizer = word_tokenizer()
+    bad_token = tokenizer("w12")["input_ids"][-1]
+    stats_tracker.get("rollout").export()  # a clean step
+    logged = io.StringIO()
+    handler = logging.StreamHandler(logged)
+    with (
+        ShortRowsServer(versions, bad_token=bad_token, row_width=geometry.num_layers * geometry.top_k) as server,
+        areal_engine(server, consumer_batch_size=2, max_concurrent_rollouts=2) as engine,
+    ):
+        executor_logger = engine._engine.workflow_executor.logger
+        executor_logger.addHandler(handler)
+        try:
+            workflow = rlvr(geometry)
+            for prompt in ("w10 w11", "w12 w13"):
+                engine.submit(chat(prompt), workflow=workflow)
+            results = engine.wait(2, timeout=120)
+        finally:
+            executor_logger.removeHandler(handler)
+    kept = [episode for episode in results if episode is not None]
+    assert len(kept) == 1 and bad_token not in kept[0]["input_ids"][0].tolist()
+    assert "Workflow execution failed" in logged.getvalue() and "RowCountError" in logged.getvalue()
+    exported = stats_tracker.get("rollout").export()
+    assert exported["rollout/" + REFUSED_METRIC] == 0.5  # one of the step's two routed episodes refused
 
 
 def test_vllm_engine_is_refused_by_name(geometry: RouteGeometry) -> None:

@@ -9,12 +9,14 @@ pattern). `RoutedSGLangBackend` (a subclass: every other request AReaL builds is
 `routed_experts_start_len` = the rows already held on a resumed pass, and keeps rows [held, seqlen - 1) of each
 response, so AReaL's concatenation holds every position's row once: the row of the pass that first routed it.
 
-Each response is checked before anything is kept: `prompt_tokens` must be what the pass sent, and its row count
-must be the honoured one (seqlen - 1 - start_len rows) or, from a server that ignores the field, the whole
-[0, seqlen - 1) (the first start_len rows are then dropped); any other count raises `RowCountError` naming both,
-never a reshape. The rows are decoded by `routereplay.wire.sglang.decode_sglang` (corrupt base64, wrong layer
-count, ids outside [0, E) or negative: named errors) and handed to AReaL in its own form, int32
-`(rows, num_layers * K)`, every hidden layer.
+Each response is checked before anything is kept. A finished (not aborted) pass that asked for routes and got
+none (`routed_experts` missing or null: a server without `--enable-return-routed-experts`, a dense model) is a
+`MissingRoutesError` here, before AReaL's own check in `agenerate` (l.886-893) reads it as "not a MoE model".
+Then `prompt_tokens` must be what the pass sent, and its row count must be the honoured one (seqlen - 1 - start_len
+rows) or, from a server that ignores the field, the whole [0, seqlen - 1) (the first start_len rows are then
+dropped); any other count raises `RowCountError` naming both, never a reshape. The rows are decoded by
+`routereplay.wire.sglang.decode_sglang` (corrupt base64, wrong layer count, ids outside [0, E) or negative: named
+errors) and handed to AReaL in its own form, int32 `(rows, num_layers * K)`, every hidden layer.
 
 Pairing build and parse under asyncio: AReaL passes `parse_generation_response` the response only. One `agenerate`
 runs in one asyncio task, and its passes are sequential (build, await the HTTP call, parse); concurrent episodes
@@ -44,7 +46,7 @@ import numpy as np
 from areal.api.io_struct import HttpGenerationResult, HttpRequest, ModelRequest
 from areal.engine.sglang_remote import SGLangBackend
 
-from routereplay.errors import ConfigError, ResponseFieldError, RowCountError
+from routereplay.errors import ConfigError, MissingRoutesError, ResponseFieldError, RowCountError
 from routereplay.integrations.verl.rollout import RouteGeometry
 from routereplay.wire.limits import is_int
 from routereplay.wire.payload import DEFAULT_MAX_BYTES, b64_to_bytes, dtype_named
@@ -80,7 +82,7 @@ class CallLedger:
 
     task: asyncio.Task[Any] | None
     request: RequestPasses | None = None
-    pending: tuple[int, int] | None = None  # (start, tokens sent) of the pass in flight
+    pending: tuple[int, int, bool] | None = None  # (start, tokens sent, routes asked) of the pass in flight
 
 
 def current_task() -> asyncio.Task[Any] | None:
@@ -115,13 +117,13 @@ class RoutedSGLangBackend(SGLangBackend):
         http = super().build_generation_request(req, with_lora=with_lora, version=version)
         ledger, sent = self.ledger(), [int(t) for t in req.input_ids]
         held = ledger.request
-        resumed = held is not None and held.rid == req.rid and held.rows_held > 0 and held.tokens == sent
+        resumed = held is not None and held.rid == req.rid and held.tokens == sent  # rows_held 0: start stays 0
         if not resumed or held is None:
             held = ledger.request = RequestPasses(rid=str(req.rid), tokens=sent)
         start = held.rows_held
         if start and http.payload.get("return_routed_experts"):
             http.payload[START_FIELD] = start
-        ledger.pending = (start, len(sent))
+        ledger.pending = (start, len(sent), bool(http.payload.get("return_routed_experts")))
         return http
 
     def parse_generation_response(self, response: dict[str, Any]) -> HttpGenerationResult:
@@ -133,6 +135,8 @@ class RoutedSGLangBackend(SGLangBackend):
         routed = meta.get("routed_experts")
         if routed is None:
             result = super().parse_generation_response(response)
+            if pending is not None and pending[2] and result.stop_reason != "abort":
+                raise self._missing_routes(ledger, result.stop_reason, "routed_experts" in meta)
             self._advance(ledger, pending, result, rows_TA=None, start_honoured=None)
             return result
         if pending is None or ledger.request is None:
@@ -140,7 +144,7 @@ class RoutedSGLangBackend(SGLangBackend):
                 "parse_generation_response got routes for no pass this backend built in this asyncio task: AReaL's "
                 "RemoteInfEngine builds and parses each pass in one task; call build_generation_request first"
             )
-        start, sent = pending
+        start, sent, _ = pending
         prompt: Any = meta.get("prompt_tokens")
         completion: Any = meta.get("completion_tokens")
         if not (is_int(prompt) and is_int(completion) and prompt >= 1 and completion >= 0):
@@ -164,6 +168,20 @@ class RoutedSGLangBackend(SGLangBackend):
         self._advance(ledger, pending, result, rows_TA=rows_TA, start_honoured=(first == start) if start else None)
         return result
 
+    @staticmethod
+    def _missing_routes(ledger: CallLedger, stop_reason: str, null: bool) -> MissingRoutesError:
+        """A finished pass that asked for routes got none: named here, before AReaL's own check reads it as 'not a
+        MoE model'."""
+        held = ledger.request
+        where = "a request" if held is None else f"request {held.rid}, pass {len(held.passes) + 1}"
+        got = "routed_experts: null" if null else "no routed_experts field"
+        return MissingRoutesError(
+            f"{where} (finish_reason {stop_reason!r}) asked SGLang for its routed experts (return_routed_experts) "
+            f"but the response's meta_info has {got}, so the episode would carry no routes. Fix: start the SGLang "
+            "server with --enable-return-routed-experts (AReaL does when rollout.return_routed_experts=true), and "
+            "serve a MoE model (a dense model has no routes)"
+        )
+
     def _rows(self, meta: Mapping[str, Any], routed: Any, rid: str, start: int, seqlen: int) -> tuple[np.ndarray, int]:
         """Rows [start, seqlen - 1) of the response, int32 (T, A*K), and the first position it sent (start or 0)."""
         g = self.geometry
@@ -180,12 +198,21 @@ class RoutedSGLangBackend(SGLangBackend):
         elif start and len(raw) == total * width:
             first = 0  # the server ignored routed_experts_start_len
         else:
-            ignored = f", or {total} rows for [0, {total}) if it ignored it" if start else ""
+            if start:
+                needs = (
+                    f"the pass (seqlen {seqlen}, {START_FIELD}={start}) needs {total - start} rows for positions "
+                    f"[{start}, {total}) if the server honoured the start, or {total} rows for [0, {total}) if it "
+                    "ignored it: neither"
+                )
+            else:
+                needs = (
+                    f"the pass (seqlen {seqlen}, from position 0) needs {total} rows, one per position of [0, {total}) "
+                    "(the last token is never fed back)"
+                )
             raise RowCountError(
                 f"{what}: {len(raw)} bytes = {len(raw) / width:g} rows of {g.num_layers} layers x top-{g.top_k} "
-                f"{dtype.name} ids, but the pass (seqlen {seqlen}, {START_FIELD}={start}) needs {total - start} rows "
-                f"for positions [{start}, {total}) if the server honoured the start{ignored}: neither. Check the "
-                "model's num_hidden_layers / num_experts_per_tok and the server's routed-experts capture"
+                f"{dtype.name} ids, but {needs}. Check the model's num_hidden_layers / num_experts_per_tok and the "
+                "server's routed-experts capture"
             )
         flat_TA = np.frombuffer(raw, dtype=dtype).reshape(total - first, g.num_layers * g.top_k)
         decode_sglang(  # the whole catalogue: ids in [0, E), whole rows, dense layers, no all-zero MoE layer
@@ -203,7 +230,7 @@ class RoutedSGLangBackend(SGLangBackend):
     @staticmethod
     def _advance(
         ledger: CallLedger,
-        pending: tuple[int, int] | None,
+        pending: tuple[int, int, bool] | None,
         result: HttpGenerationResult,
         *,
         rows_TA: np.ndarray | None,
@@ -212,7 +239,7 @@ class RoutedSGLangBackend(SGLangBackend):
         held = ledger.request
         if held is None or pending is None:
             return
-        start, sent = pending
+        start, sent, _ = pending
         kept = 0 if rows_TA is None else len(rows_TA)
         held.tokens = held.tokens + [int(t) for t in result.output_tokens]
         if rows_TA is not None:

@@ -16,7 +16,8 @@ keeps that loop and wraps it at three seams:
 Modes: R3 replays the batch's `ROUTES_KEY` in compute_logp and every update micro-batch; R2 records the actor's
 own routing in compute_logp (kept per sample, keyed by its tokens: `skyrl.recorded_routes.RecordedRoutes`,
 all-gathered over the dp group) and replays it in every update micro-batch; a compute_logp after an update starts
-a new recording. disabled: AReaL's actor, the route columns dropped before the model sees them.
+a new recording. disabled: AReaL's actor, the route columns dropped before the model sees them; only when the
+mode was chosen (`MODE_ENV=disabled`): routes on a batch while no mode was set are a `ConfigError`.
 
 R3's token check is on by default; `UNCHECKED_ENV=1` in a worker's environment replays without comparing, counts
 the samples (`router_replay/unchecked_samples`) and warns once per call; without `TOKENS_KEY` R3 refuses a batch
@@ -52,7 +53,13 @@ from routereplay.integrations.areal.packed_layout import (
     ulysses_slice,
     unchecked_opt_out,
 )
-from routereplay.integrations.areal.replay_mode import MODE_ENV, ROUTES_FLAG, AReaLReplayMode, mode_of
+from routereplay.integrations.areal.replay_mode import (
+    MODE_ENV,
+    ROUTES_FLAG,
+    AReaLReplayMode,
+    check_columns_dropped,
+    mode_of,
+)
 from routereplay.integrations.skyrl.policy_worker import model_geometry
 from routereplay.integrations.skyrl.recorded_routes import RecordedRoutes
 from routereplay.integrations.verl import RouteGeometry
@@ -158,18 +165,25 @@ class RouteReplayFSDPPPOActor(FSDPPPOActor):
             **counts,
         }
 
+    def dropped_columns(self, data: Any, where: str) -> Any:
+        """disabled: the batch without the route columns; routes on it while no mode was chosen: `ConfigError`."""
+        episodes = data if isinstance(data, list) else [data]
+        if any(episode.get(ROUTES_KEY) is not None for episode in episodes):
+            check_columns_dropped(self.config, where)
+        return _without_columns(data)
+
     # -- whole calls ------------------------------------------------------------------------------------------------
     def compute_logp(self, data: Any, *args: Any, **kwargs: Any) -> Any:
         mode = self.router_replay_mode()
         if mode is AReaLReplayMode.DISABLED:
-            return super().compute_logp(_without_columns(data), *args, **kwargs)
+            return super().compute_logp(self.dropped_columns(data, "the compute_logp batch"), *args, **kwargs)
         with self.routed_call(data, mode, "compute_logp") as prepared:
             return super().compute_logp(prepared, *args, **kwargs)
 
     def ppo_update(self, data: Any, *args: Any, **kwargs: Any) -> None:
         mode = self.router_replay_mode()
         if mode is AReaLReplayMode.DISABLED:
-            return super().ppo_update(_without_columns(data), *args, **kwargs)
+            return super().ppo_update(self.dropped_columns(data, "the update batch"), *args, **kwargs)
         self.routing().recording = False  # the next compute_logp starts a new R2 recording
         with self.routed_call(data, mode, "update") as prepared:
             return super().ppo_update(prepared, *args, **kwargs)
@@ -309,7 +323,7 @@ class RouteReplayFSDPPPOActor(FSDPPPOActor):
                     f"train_batch or eval_batch called directly), where {MODE_ENV} does not replay them; call "
                     "compute_logp / ppo_update, or drop the columns"
                 )
-            input_ = _without_columns(input_)
+            input_ = self.dropped_columns(input_, "the engine's batch")
         return super()._prepare_mb_list(input_)
 
     def _prepare_mb_inputs(self, mb_item: Any) -> tuple[dict[str, Any], Any]:

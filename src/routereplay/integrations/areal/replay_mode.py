@@ -3,7 +3,9 @@
 The mode is `MODE_ENV` = `ROUTEREPLAY_AREAL_ROUTER_REPLAY` in {disabled, R2, R3}: first from the actor config's own
 `scheduling_spec[*].env_vars` (AReaL's config, so the same YAML works in SPMD mode and in single-controller mode,
 where the scheduler hands those variables to the worker that builds the engine), then from the process
-environment. A config value and a different environment value contradict each other: `ConfigError`.
+environment. A config value and a different environment value contradict each other: `ConfigError`. Unset (or
+empty) is not the same as `disabled`: the actor drops a batch's route columns only under a chosen `disabled`; routes
+on a batch while no mode was chosen are refused (`check_columns_dropped`), naming R3 and `disabled`.
 
 `configure(config)` is the trainer's config step (`trainer.RouteReplayPPOTrainer` runs it before AReaL's own
 `PPOTrainer.__init__`): AReaL's `rollout.return_routed_experts=true` (which already turns on SGLang's capture)
@@ -75,9 +77,10 @@ def configured_mode(actor_config: Any) -> AReaLReplayMode | None:
     return next(iter(found), None)
 
 
-def mode_of(actor_config: Any) -> AReaLReplayMode:
-    """The actor's mode: its config's `scheduling_spec[*].env_vars`, then this process's environment, else
-    disabled. A config value and a different environment value are a `ConfigError`."""
+def chosen_mode(actor_config: Any) -> AReaLReplayMode | None:
+    """The mode the user chose: the config's `scheduling_spec[*].env_vars`, then this process's environment; None
+    when neither sets it (an empty value counts as unset). A config value and a different environment value are a
+    `ConfigError`."""
     from_config = configured_mode(actor_config)
     env_value = os.environ.get(MODE_ENV, "")
     from_env = _parsed(env_value, "the environment") if env_value.strip() else None
@@ -86,7 +89,28 @@ def mode_of(actor_config: Any) -> AReaLReplayMode:
             f"actor.scheduling_spec env_vars set {MODE_ENV}={from_config.value} but this process's environment has "
             f"{MODE_ENV}={from_env.value}; unset one of them"
         )
-    return from_config or from_env or AReaLReplayMode.DISABLED
+    return from_config or from_env
+
+
+def mode_of(actor_config: Any) -> AReaLReplayMode:
+    """The actor's mode: `chosen_mode`, else disabled."""
+    return chosen_mode(actor_config) or AReaLReplayMode.DISABLED
+
+
+def check_columns_dropped(actor_config: Any, where: str) -> None:
+    """Under disabled, the actor drops a batch's route columns. Refused (`ConfigError`) when nobody chose that:
+    routes on the batch with no mode set mean a routed workflow fed an actor that was never switched on (routes
+    would be dropped silently, the update trained on natural routing). An explicit `disabled` drops them."""
+    if chosen_mode(actor_config) is not None:
+        return
+    raise ConfigError(
+        f"{where} carries the rollout's routes ('routereplay_routes') but {MODE_ENV} is not set (not in "
+        "actor.scheduling_spec[*].env_vars nor this process's environment), so the actor would drop them and train "
+        f"with natural routing. Replay them: set {ROUTES_FLAG}=true and train with "
+        f"routereplay.integrations.areal.trainer.RouteReplayPPOTrainer (it sets {MODE_ENV}=R3), or set "
+        f"{MODE_ENV}=R3 in actor.scheduling_spec[0].env_vars. Or train with natural routing on purpose: set "
+        f"{MODE_ENV}=disabled (the columns are then dropped)"
+    )
 
 
 def backend_of(spec: str, key: str) -> str:
@@ -156,20 +180,31 @@ def refusal(config: Any, mode: AReaLReplayMode) -> str | None:
                 f"{MODE_ENV}=R2 while AReaL skips the actor's compute_logp (actor.recompute_logprob="
                 f"{actor.recompute_logprob}, actor.use_decoupled_loss={actor.use_decoupled_loss}, "
                 f"actor.prox_logp_method={actor.prox_logp_method}): R2 records there, so the updates would have "
-                "nothing to replay. Set actor.recompute_logprob=true (or the decoupled loss with "
-                "prox_logp_method=recompute)"
+                f"nothing to replay. {_compute_logp_fix(actor)}"
             )
     return None
+
+
+def _compute_logp_fix(actor: Any) -> str:
+    """How to make AReaL run compute_logp, from the actor's own values (AReaL's `should_compute_prox_logp`: the
+    decoupled loss runs it unless `prox_logp_method` skips the forward pass (loglinear); otherwise
+    `recompute_logprob` decides)."""
+    if getattr(actor, "use_decoupled_loss", False):
+        return (
+            f"With the decoupled loss, actor.prox_logp_method={actor.prox_logp_method} approximates the proximal "
+            "log-probs without a forward pass: set actor.prox_logp_method=recompute (or metrics), or "
+            "actor.use_decoupled_loss=false with actor.recompute_logprob=true"
+        )
+    return "Set actor.recompute_logprob=true (or actor.use_decoupled_loss=true with actor.prox_logp_method=recompute)"
 
 
 def configure(config: Any) -> AReaLReplayMode:
     """The trainer's config step on AReaL's PPOConfig / GRPOConfig: R3 when `ROUTES_FLAG` is on and no mode was
     chosen, the mode written into `actor.scheduling_spec[0].env_vars`, refusals raised (`ConfigError`)."""
     actor = config.actor
-    chosen = mode_of(actor)
-    explicit = configured_mode(actor) is not None or bool(os.environ.get(MODE_ENV, "").strip())
-    mode = chosen
-    if not explicit and bool(getattr(config.rollout, "return_routed_experts", False)):
+    chosen = chosen_mode(actor)
+    mode = chosen or AReaLReplayMode.DISABLED
+    if chosen is None and bool(getattr(config.rollout, "return_routed_experts", False)):
         mode = AReaLReplayMode.R3
     reason = refusal(config, mode)
     if reason is not None:
@@ -192,6 +227,8 @@ __all__ = [
     "ROUTES_FLAG",
     "AReaLReplayMode",
     "backend_of",
+    "check_columns_dropped",
+    "chosen_mode",
     "configure",
     "configured_mode",
     "mode_of",

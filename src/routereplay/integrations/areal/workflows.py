@@ -19,23 +19,39 @@ gets `ROUTES_KEY` `[1, S, M, K]` and `TOKENS_KEY` `[1, S]` (`columns.py`), align
 - A call that returns no routes raises `MissingRoutesError`; tokens that differ from what a call routed raise
   `TokenMismatchError` (`episode_routes.py`). A workflow that rejects the episode (returns None) returns None.
 
+What a refusal does inside AReaL: called directly (`await workflow.arun_episode(engine, data)`), the episode raises
+the routereplay error. Run by AReaL's `WorkflowExecutor` (`engine.submit` / `engine.wait`, what `rollout_batch` and
+`prepare_batch` use), AReaL catches any exception of a workflow (`infra/workflow_executor.py` l.1143-1156), logs
+`Workflow execution failed: <the routereplay error>` at ERROR with its traceback, counts it as `rollout/rejected`
+and drops the episode: training goes on with fewer trajectories (`wait` hands back None in its place), so nothing
+with wrong routes is trained on, but nothing stops either. So that it shows without reading the logs, every routed
+episode records `REFUSED_METRIC` in AReaL's own `rollout` stats tracker (the one its `rollout/rejected` uses,
+exported with the rollout's stats each step): 1 when routereplay refused it, 0 otherwise, so the exported
+`rollout/router_replay/refused_rate` is the fraction of the step's routed episodes routereplay refused (and
+AReaL dropped). A rate above 0 means the ERROR log names why.
+
 This module imports AReaL. Legend: S tokens of the episode, M MoE layers, K top-k.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from areal.api import ModelRequest, ModelResponse
+from areal.utils import stats_tracker
 from areal.workflow.multi_turn import MultiTurnWorkflow
 from areal.workflow.rlvr import RLVRWorkflow
 
-from routereplay.errors import BatchFieldError
+from routereplay.errors import BatchFieldError, RouteReplayError
 from routereplay.integrations.areal import episode_routes
 from routereplay.integrations.areal.backend import inner_engine, install
 from routereplay.integrations.areal.episode_routes import EpisodeRoutes
 from routereplay.integrations.verl.rollout import RouteGeometry
+
+REFUSED_METRIC = "router_replay/refused_rate"  # in AReaL's "rollout" tracker: rollout/router_replay/refused_rate
 
 
 class EpisodeEngine:
@@ -77,6 +93,19 @@ def with_routes(episode: dict[str, torch.Tensor] | None, recorder: EpisodeEngine
     return {**episode, **recorder.routes.columns(input_ids[0])}
 
 
+@contextmanager
+def refusals_counted() -> Iterator[None]:
+    """One routed episode: `REFUSED_METRIC` 1 in AReaL's `rollout` stats tracker when a routereplay error leaves it
+    (re-raised: AReaL's executor logs it and drops the episode), 0 when the episode comes back."""
+    tracker = stats_tracker.get("rollout")
+    try:
+        yield
+    except RouteReplayError:
+        tracker.scalar(**{REFUSED_METRIC: 1.0})
+        raise
+    tracker.scalar(**{REFUSED_METRIC: 0.0})
+
+
 class RoutedRLVRWorkflow(RLVRWorkflow):
     """AReaL's `RLVRWorkflow` whose episodes carry their routes (`ROUTES_KEY`, `TOKENS_KEY`)."""
 
@@ -85,8 +114,9 @@ class RoutedRLVRWorkflow(RLVRWorkflow):
         self.route_geometry = episode_routes.route_geometry(route_geometry)
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        recorder = routed_engine(engine, self.route_geometry)
-        return with_routes(await super().arun_episode(recorder, data), recorder)
+        with refusals_counted():
+            recorder = routed_engine(engine, self.route_geometry)
+            return with_routes(await super().arun_episode(recorder, data), recorder)
 
 
 class RoutedMultiTurnWorkflow(MultiTurnWorkflow):
@@ -97,8 +127,16 @@ class RoutedMultiTurnWorkflow(MultiTurnWorkflow):
         self.route_geometry = episode_routes.route_geometry(route_geometry)
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        recorder = routed_engine(engine, self.route_geometry)
-        return with_routes(await super().arun_episode(recorder, data), recorder)
+        with refusals_counted():
+            recorder = routed_engine(engine, self.route_geometry)
+            return with_routes(await super().arun_episode(recorder, data), recorder)
 
 
-__all__ = ["EpisodeEngine", "RoutedMultiTurnWorkflow", "RoutedRLVRWorkflow", "routed_engine", "with_routes"]
+__all__ = [
+    "REFUSED_METRIC",
+    "EpisodeEngine",
+    "RoutedMultiTurnWorkflow",
+    "RoutedRLVRWorkflow",
+    "routed_engine",
+    "with_routes",
+]
