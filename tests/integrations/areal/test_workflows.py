@@ -285,3 +285,20 @@ def test_workflow_installs_routereplays_backend_once(versions: list[Any], geomet
         backend = engine._engine.backend
         asyncio.run(workflow.arun_episode(engine, chat("w12 w13")))
         assert isinstance(backend, RoutedSGLangBackend) and engine._engine.backend is backend
+
+
+def test_the_documented_string_form_resolves_through_areals_engine(versions: list[Any], tmp_path: Any) -> None:
+    """docs/areal.md's way to turn it on: the workflow as an import string and `route_geometry` as the model's
+    path in `workflow_kwargs`, resolved and built by AReaL's own engine (`_resolve_workflow`), as AReaL's
+    trainer hands them to its rollout workers."""
+    versions[0].config.save_pretrained(tmp_path)  # the model folder's config.json, as `config.actor.path` names it
+    geometry = RouteGeometry.from_hf_config(versions[0].config)
+    kwargs = dict(reward_fn=unit_reward, gconfig=gconfig(), tokenizer=word_tokenizer(), route_geometry=str(tmp_path))
+    with SGLangServer(versions) as server, areal_engine(server) as engine:
+        engine.submit(
+            chat("w60 w61 w62"),
+            workflow="routereplay.integrations.areal.workflows.RoutedRLVRWorkflow",
+            workflow_kwargs=kwargs,
+        )
+        (episode,) = engine.wait(1, timeout=120)
+    assert_truth(episode, server, geometry)
