@@ -82,6 +82,9 @@ def test_r3_with_a_vllm_rollout_is_refused_by_name(tmp_path: Path) -> None:
 def test_archon_actor_is_refused_naming_its_router(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="Archon engine routes with its own torchtitan-style TokenChoiceTopKRouter"):
         configure(config(tmp_path, "actor.backend=archon:d1", ROUTES_ON))
+    # R3 inferred from return_routed_experts alone: the way out names that key, not "unset" a variable never set
+    with pytest.raises(ConfigError, match="=disabled, or rollout.return_routed_experts=false"):
+        configure(config(tmp_path, "actor.backend=archon:d1", ROUTES_ON))
     assert configure(config(tmp_path, "actor.backend=archon:d1")) is AReaLReplayMode.DISABLED  # nothing to replay
 
 

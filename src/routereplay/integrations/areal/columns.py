@@ -135,7 +135,8 @@ def check_columns(
         raise DtypeError(
             f"{where}: '{ROUTES_KEY}' has dtype {routes.dtype}"
             + ("" if tokens is None else f" and '{TOKENS_KEY}' {tokens.dtype}")
-            + "; the contract's are int16 / int32 (signed: -1 marks a position no call routed) and int32"
+            + "; the contract's are int16 / int32 routes (signed: -1 marks a position no call routed; int64 is read "
+            "too) and int32 tokens (int64 is read too)"
         )
     positions = routes.shape[:-2] if routes.dim() >= 2 else routes.shape
     if routes.dim() not in (3, 4) or (tokens is not None and tokens.shape != positions):

@@ -136,14 +136,14 @@ def refusal(config: Any, mode: AReaLReplayMode) -> str | None:
             f"{MODE_ENV}={mode.value} with actor.backend={actor.backend}: AReaL's experimental Archon engine routes "
             "with its own torchtitan-style TokenChoiceTopKRouter (areal/experimental/models/archon/moe/router.py), "
             "which routereplay does not bind, so nothing would replay. Use an FSDP actor (actor.backend=fsdp:...) "
-            f"or unset {MODE_ENV}"
+            f"or {_way_off(captured)}"
         )
     if actor_backend == "megatron":
         return (
             f"{MODE_ENV}={mode.value} with actor.backend={actor.backend}: AReaL's MegatronEngine is not wired to "
             f"routereplay (AReaL's own Megatron R3 is {MEGATRON_ISSUES}, open; routereplay's Megatron adapter is "
             "routereplay.runtime.megatron, not plugged into AReaL). Use an FSDP actor (actor.backend=fsdp:...) or "
-            f"unset {MODE_ENV}"
+            f"{_way_off(captured)}"
         )
     if actor_backend != "fsdp":
         return (
@@ -160,7 +160,8 @@ def refusal(config: Any, mode: AReaLReplayMode) -> str | None:
             return (
                 f"{MODE_ENV}=R3 with rollout.backend={rollout.backend}: AReaL captures rollout routes from SGLang only "
                 f"({ROUTES_FLAG} is refused with vLLM), so the batch would carry no routes. Use an SGLang rollout "
-                f"(rollout.backend=sglang:...), or R2 ({MODE_ENV}=R2: the trainer's own routing)"
+                f"(rollout.backend=sglang:...), or R2 ({MODE_ENV}=R2 with {ROUTES_FLAG}=false: the trainer's own "
+                "routing)"
             )
         if not captured:
             return (
@@ -183,6 +184,17 @@ def refusal(config: Any, mode: AReaLReplayMode) -> str | None:
                 f"nothing to replay. {_compute_logp_fix(actor)}"
             )
     return None
+
+
+def _way_off(captured: bool) -> str:
+    """How to turn replay off: with `ROUTES_FLAG` on, R3 was inferred from it (the user may never have set
+    `MODE_ENV`)."""
+    if captured:
+        return (
+            f"turn replay off: {MODE_ENV}=disabled, or {ROUTES_FLAG}=false ({ROUTES_FLAG}=true alone means R3 under "
+            "RouteReplayPPOTrainer)"
+        )
+    return f"turn replay off: {MODE_ENV}=disabled (or unset it)"
 
 
 def _compute_logp_fix(actor: Any) -> str:
