@@ -106,30 +106,26 @@ def refusals_counted() -> Iterator[None]:
     tracker.scalar(**{REFUSED_METRIC: 0.0})
 
 
-class RoutedRLVRWorkflow(RLVRWorkflow):
+class RoutedWorkflowMixin:
+    """The routes part of a routed workflow, mixed in before an AReaL workflow class: `route_geometry=` taken at
+    construction, each episode run on a per-episode recorder and returned with its two columns."""
+
+    def __init__(self, *args: Any, route_geometry: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.route_geometry = episode_routes.route_geometry(route_geometry)
+
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        with refusals_counted():
+            recorder = routed_engine(engine, self.route_geometry)
+            return with_routes(await super().arun_episode(recorder, data), recorder)  # type: ignore[misc]
+
+
+class RoutedRLVRWorkflow(RoutedWorkflowMixin, RLVRWorkflow):
     """AReaL's `RLVRWorkflow` whose episodes carry their routes (`ROUTES_KEY`, `TOKENS_KEY`)."""
 
-    def __init__(self, *args: Any, route_geometry: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.route_geometry = episode_routes.route_geometry(route_geometry)
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        with refusals_counted():
-            recorder = routed_engine(engine, self.route_geometry)
-            return with_routes(await super().arun_episode(recorder, data), recorder)
-
-
-class RoutedMultiTurnWorkflow(MultiTurnWorkflow):
+class RoutedMultiTurnWorkflow(RoutedWorkflowMixin, MultiTurnWorkflow):
     """AReaL's `MultiTurnWorkflow` whose episodes carry their routes: every turn merged by position (KEEP)."""
-
-    def __init__(self, *args: Any, route_geometry: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.route_geometry = episode_routes.route_geometry(route_geometry)
-
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        with refusals_counted():
-            recorder = routed_engine(engine, self.route_geometry)
-            return with_routes(await super().arun_episode(recorder, data), recorder)
 
 
 __all__ = [
